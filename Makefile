@@ -1,0 +1,37 @@
+# make demo · make test · make bench — each bootstraps .venv on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+# A CPU build of torch; override on a CUDA machine, e.g. make test TORCH=torch==2.13.0+cu126
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.memopt-installed
+# Freed large blocks go straight back to the OS, so RSS measures what tensors hold (DESIGN.md).
+export MALLOC_MMAP_THRESHOLD_ = 65536
+export MALLOC_TRIM_THRESHOLD_ = 0
+
+.PHONY: demo test lint bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run.py --out benchmarks
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/run.py --quick --out /tmp/memopt-bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info
