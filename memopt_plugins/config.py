@@ -1,0 +1,524 @@
+"""Validated memopt configuration: frozen pydantic models, YAML loading, :class:`ConfigError`.
+
+The schema is the contract of DESIGN.md ("Config schema"). Every key has a default, so the empty
+file, the empty dict and ``None`` are all valid and change nothing. Bad input is never ignored:
+every problem becomes one line of a :class:`ConfigError` that names the key path, the value given
+and what is allowed (and, for a typo, the closest valid key).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import reprlib
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+from pydantic.fields import FieldInfo
+
+__all__ = [
+    "BITS_CHOICES",
+    "AutoRecomputeConfig",
+    "BatchNormConfig",
+    "ConfigError",
+    "DriftConfig",
+    "DropoutConfig",
+    "MemOptConfig",
+    "QuantizeConfig",
+    "RecomputeConfig",
+    "closest",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message is written for a person reading a traceback.
+
+    Attributes:
+        problems: one line per problem found (all of them, not only the first).
+    """
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems: tuple[str, ...] = tuple(problems) or (message,)
+
+
+def closest(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.6) -> list[str]:
+    """The up to ``n`` candidates most similar to ``name``, best first (difflib ratio >= cutoff)."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=cutoff)
+
+
+# --------------------------------------------------------------------------- field types
+
+
+@dataclass(frozen=True)
+class _Allowed:
+    """Field metadata: what a valid value looks like, quoted in error messages."""
+
+    text: str
+
+
+def _list_to_tuple(value: Any) -> Any:
+    # Lists (from YAML or Python) are stored as tuples so a frozen config is immutable all the way.
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _glob_list(value: Any) -> Any:
+    if isinstance(value, str):
+        raise ValueError(f"a single string, not a list; write a list: [{value!r}]")
+    return _list_to_tuple(value)
+
+
+Bits = Literal[2, 4, 8, 16, 32]
+BITS_CHOICES: tuple[int, ...] = typing.get_args(Bits)
+_BITS_TEXT = "2, 4, 8, 16 (half cast) or 32 (off)"
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+GlobList = Annotated[
+    tuple[NonEmptyStr, ...],
+    BeforeValidator(_glob_list),
+    _Allowed("a list of non-empty module-name globs, e.g. ['*.mlp', 'blocks.*.ff']"),
+]
+ClassNameList = Annotated[
+    tuple[NonEmptyStr, ...],
+    BeforeValidator(_glob_list),
+    _Allowed("a list of non-empty module class names, e.g. ['GELU', 'LayerNorm']"),
+]
+Fraction = Annotated[float, Field(gt=0, le=1), _Allowed("a number in (0, 1]")]
+NonNegativeInt = Annotated[int, Field(ge=0), _Allowed("an integer >= 0")]
+PositiveInt = Annotated[int, Field(ge=1), _Allowed("an integer >= 1")]
+
+
+class _Section(BaseModel):
+    """Base of every config model: frozen, unknown keys rejected, no silent type coercion.
+
+    ``strict`` keeps YAML mistakes visible: ``bits: "8"`` or ``enabled: 1`` is an error, not a
+    guess. Build configs from data with :meth:`MemOptConfig.from_dict` / ``from_yaml`` /
+    ``with_changes``, which raise :class:`ConfigError`; calling a model class directly raises
+    pydantic's ``ValidationError`` (also a ``ValueError``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class AutoRecomputeConfig(_Section):
+    """The recompute planner: pick modules to recompute until a memory budget is met."""
+
+    budget: Fraction = Field(
+        0.5,
+        description=(
+            "Keep at most this fraction of the baseline saved-activation bytes; the planner "
+            "recomputes the modules with the most bytes saved per second of recompute first."
+        ),
+    )
+
+
+class RecomputeConfig(_Section):
+    """Selective activation checkpointing: recompute these modules in backward."""
+
+    modules: GlobList = Field(
+        (),
+        description=(
+            "Module-name globs over model.named_modules() whose activations are recomputed in "
+            "backward instead of stored, e.g. ['*.mlp', 'blocks.*.ff']."
+        ),
+    )
+    types: ClassNameList = Field(
+        (), description="Module class names to recompute, e.g. ['GELU', 'LayerNorm']."
+    )
+    auto: Annotated[
+        AutoRecomputeConfig | None,
+        _Allowed("null (planner off) or a mapping {budget: b} with 0 < b <= 1"),
+    ] = Field(
+        None,
+        description=(
+            "null: recompute only what modules/types name. {budget: b}: the planner also picks "
+            "modules so that at most the fraction b of the baseline saved bytes is kept."
+        ),
+    )
+
+
+class QuantizeConfig(_Section):
+    """Compression of saved activations to fewer bits (per-group scale, bit-packed)."""
+
+    bits: Annotated[Bits, _Allowed(_BITS_TEXT)] = Field(
+        32,
+        description=(
+            "Bit width for the selected modules: 2, 4 or 8 (quantized), 16 (half cast) or 32 "
+            "(off, the default)."
+        ),
+    )
+    modules: GlobList = Field(
+        ("*",), description="Module-name globs whose activations are compressed."
+    )
+    exclude: GlobList = Field(
+        (), description="Module-name globs never compressed (wins over modules and overrides)."
+    )
+    overrides: Annotated[
+        dict[NonEmptyStr, Bits],
+        _Allowed(f"a mapping {{module-name glob: bits}} with bits {_BITS_TEXT}"),
+    ] = Field(
+        default_factory=dict,
+        description="Per-module bit widths, {module-name glob: bits}; the last matching glob wins.",
+    )
+    group_size: Annotated[
+        int, Field(gt=0, multiple_of=8), _Allowed("a positive multiple of 8, e.g. 128 or 256")
+    ] = Field(256, description="Elements sharing one minimum and scale.")
+    rounding: Literal["stochastic", "nearest"] = Field(
+        "stochastic",
+        description=(
+            "stochastic: unbiased (the expected decoded value is the input); nearest: "
+            "deterministic, lower error per value but biased."
+        ),
+    )
+    min_numel: NonNegativeInt = Field(
+        4096, description="Saved tensors with fewer elements are kept as they are."
+    )
+
+
+class DriftConfig(_Section):
+    """Gradient-drift monitoring: compare compressed and exact gradients, escalate bits."""
+
+    enabled: Annotated[bool, _Allowed("true or false")] = Field(
+        True, description="Run the check (only meaningful when something is below 32 bits)."
+    )
+    threshold: Fraction = Field(
+        0.05,
+        description="A module whose parameter-gradient drift (by `metric`) exceeds this escalates.",
+    )
+    metric: Literal["rel_l2", "cosine"] = Field(
+        "rel_l2",
+        description=(
+            "rel_l2: |g_q - g| / |g| (strict: in practice 8 bits); cosine: 1 - cos(g_q, g) "
+            "(lets unbiased 4-bit noise through, still stops 2 bits)."
+        ),
+    )
+    check_every: PositiveInt = Field(
+        100, description="Optimizer steps between checks; the first check runs at step 0."
+    )
+    sample_size: PositiveInt = Field(8, description="Samples sliced from the batch for the check.")
+    ladder: Annotated[
+        tuple[Bits, ...],
+        BeforeValidator(_list_to_tuple),
+        _Allowed("a strictly increasing list of bit widths from {2, 4, 8, 16, 32} ending at 32"),
+    ] = Field(
+        (2, 4, 8, 16, 32),
+        description="Bit widths a drifting module climbs, one rung per escalation.",
+    )
+
+    @field_validator("ladder")
+    @classmethod
+    def _ladder_climbs_to_32(cls, ladder: tuple[int, ...]) -> tuple[int, ...]:
+        if any(a >= b for a, b in zip(ladder, ladder[1:], strict=False)):
+            raise ValueError("values must be strictly increasing")
+        if not ladder or ladder[-1] != 32:
+            raise ValueError("the last rung must be 32")
+        return ladder
+
+
+class DropoutConfig(_Section):
+    """How dropout keeps its mask for backward."""
+
+    mode: Literal["keep", "bitmask", "regenerate"] = Field(
+        "keep",
+        description=(
+            "keep: nn.Dropout unchanged; bitmask: the mask stored at 1 bit per element; "
+            "regenerate: only a seed is stored and the mask rebuilt in backward."
+        ),
+    )
+
+
+class BatchNormConfig(_Section):
+    """Which statistics BatchNorm normalizes with in training."""
+
+    mode: Literal["batch", "running"] = Field(
+        "batch",
+        description=(
+            "batch: standard BatchNorm; running: normalize with the running mean/var, so "
+            "backward needs no batch statistics."
+        ),
+    )
+    warmup_steps: NonNegativeInt = Field(
+        0, description="Steps with batch statistics before switching to running ones."
+    )
+
+
+# --------------------------------------------------------------------------- top level
+
+
+class MemOptConfig(_Section):
+    """The whole memopt config: one section per technique (see DESIGN.md, "Config schema").
+
+    A section written with nothing under it (``quantize:`` with every key commented out, i.e.
+    null) means that section's defaults.
+    """
+
+    recompute: RecomputeConfig = Field(
+        default_factory=RecomputeConfig, description="Selective activation recompute."
+    )
+    quantize: QuantizeConfig = Field(
+        default_factory=QuantizeConfig, description="Activation compression."
+    )
+    drift: DriftConfig = Field(
+        default_factory=DriftConfig, description="Gradient-drift check and escalation."
+    )
+    dropout: DropoutConfig = Field(default_factory=DropoutConfig, description="Dropout masks.")
+    batchnorm: BatchNormConfig = Field(
+        default_factory=BatchNormConfig, description="BatchNorm statistics."
+    )
+
+    @field_validator("recompute", "quantize", "drift", "dropout", "batchnorm", mode="before")
+    @classmethod
+    def _null_section_is_default(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> MemOptConfig:
+        """Validate a dict in the YAML schema (``None`` or ``{}`` gives the defaults)."""
+        return cls._validate(data, "invalid memopt config")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> MemOptConfig:
+        """Load and validate a YAML file; an empty file gives the defaults."""
+        return cls._validate(_read_yaml(path), f"invalid memopt config in {os.fspath(path)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of builtins (lists, not tuples) that YAML and JSON can write."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        """The config as YAML text that :meth:`from_yaml` reads back to an equal config."""
+        return yaml.dump(self.to_dict(), Dumper=_FlowListDumper, sort_keys=False)
+
+    def with_changes(self, **section_updates: Mapping[str, Any] | BaseModel | None) -> MemOptConfig:
+        """A validated copy with some keys changed, e.g. ``cfg.with_changes(quantize={"bits": 4})``.
+
+        A mapping updates only the keys it names; a section model replaces the section; ``None``
+        resets the section to its defaults.
+        """
+        data = self.to_dict()
+        for section, update in section_updates.items():
+            if isinstance(update, BaseModel):
+                data[section] = update.model_dump(mode="json")
+            elif isinstance(update, Mapping) and isinstance(data.get(section), dict):
+                data[section] = {**data[section], **update}
+            else:
+                data[section] = update
+        return self.from_dict(data)
+
+    @classmethod
+    def _validate(cls, data: Any, header: str) -> MemOptConfig:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"{header}: the top level must be a mapping of sections "
+                f"({', '.join(cls.model_fields)}); got {_show(data)}"
+            )
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as err:
+            raise _config_error(err, cls, header) from None
+
+
+def load_config(
+    config: MemOptConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+) -> MemOptConfig:
+    """A :class:`MemOptConfig` from a config (returned as is), a dict, a YAML path or ``None``."""
+    if isinstance(config, MemOptConfig):
+        return config
+    if config is None or isinstance(config, Mapping):
+        return MemOptConfig.from_dict(config)
+    if isinstance(config, str | os.PathLike):
+        return MemOptConfig.from_yaml(config)
+    raise ConfigError(
+        "a memopt config must be a MemOptConfig, a dict, a path to a YAML file or None; "
+        f"got {_show(config)}"
+    )
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects a key written twice in one mapping (PyYAML keeps the last
+    one silently, which would hide a mistake)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _FlowListDumper(yaml.SafeDumper):
+    """Writes lists inline (``ladder: [2, 4, 8, 16, 32]``), as the presets do."""
+
+
+_FlowListDumper.add_representer(
+    list,
+    lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True),
+)
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> Any:
+    name = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {name}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {name}: {err}") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = err.problem or err.context or "syntax error"
+        raise ConfigError(f"invalid YAML in {name}{where}: {problem}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid YAML in {name}: {err}") from None
+
+
+# --------------------------------------------------------------------------- error messages
+
+_repr = reprlib.Repr()
+_repr.maxstring = 60
+_repr.maxother = 60
+
+
+def _show(value: Any) -> str:
+    """``'eight' (str)``: the value and its type, as a reader of the YAML would want them."""
+    kind = "null" if value is None else type(value).__name__
+    return f"{_repr.repr(value)} ({kind})"
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config model a field holds (``AutoRecomputeConfig | None`` -> AutoRecomputeConfig)."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _resolve(
+    root: type[BaseModel], loc: tuple[int | str, ...]
+) -> tuple[str, FieldInfo | None, type[BaseModel] | None]:
+    """Walk ``loc`` through the models: (key path text, deepest field, model still being walked).
+
+    The model is ``None`` once the walk has left the models (list items, mapping keys).
+    """
+    parts: list[str] = []
+    model: type[BaseModel] | None = root
+    field: FieldInfo | None = None
+    for step in loc:
+        if model is not None and isinstance(step, str) and step in model.model_fields:
+            field = model.model_fields[step]
+            parts.append(step)
+            model = _model_in(field.annotation)
+        else:
+            model = None
+            if step == "[key]":
+                suffix = " (mapping key)"
+            elif isinstance(step, int):
+                suffix = f"[{step}]"
+            else:
+                suffix = f"[{step!r}]"
+            parts[-1:] = [(parts[-1] if parts else "") + suffix]
+    return ".".join(parts) or "config", field, model
+
+
+def _allowed(field: FieldInfo | None) -> str | None:
+    if field is None:
+        return None
+    texts = [m.text for m in field.metadata if isinstance(m, _Allowed)]
+    if texts:
+        return texts[-1]
+    model = _model_in(field.annotation)
+    if model is not None:
+        return f"a mapping with keys {', '.join(model.model_fields)}"
+    choices = _literal_choices(field)
+    if choices:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    return None
+
+
+def _literal_choices(field: FieldInfo) -> tuple[Any, ...]:
+    if typing.get_origin(field.annotation) is Literal:
+        return typing.get_args(field.annotation)
+    return ()
+
+
+def _problem_line(root: type[BaseModel], error: Any) -> str:
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        parent, _, model = _resolve(root, loc[:-1])
+        key = str(loc[-1])
+        path = f"{parent}.{key}" if parent != "config" else key
+        keys = list(model.model_fields) if model is not None else []
+        guess = closest(key, keys, n=1)
+        hint = f" Did you mean {guess[0]!r}?" if guess else ""
+        return f"{path}: unknown key.{hint} Allowed keys: {', '.join(keys)}"
+
+    path, field, _ = _resolve(root, loc)
+    value = error.get("input")
+    line = f"{path}: got {_show(value)}"
+    if kind == "value_error":
+        line += f" - {error['ctx']['error']}"
+    allowed = _allowed(field)
+    line += f"; allowed: {allowed}" if allowed else f"; {error['msg'].lower()}"
+    if isinstance(value, str) and field is not None:
+        choices = [c for c in _literal_choices(field) if isinstance(c, str)]
+        guess = closest(value, choices, n=1)
+        if guess:
+            line += f". Did you mean {guess[0]!r}?"
+        elif not choices and _is_number(value):
+            line += f". Write it as a plain number: {_plain_number(value)}"
+    return line
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _plain_number(text: str) -> str:
+    # PyYAML reads 5e-2 (no dot) and quoted numbers as text; repr gives a form it reads as a number.
+    number = float(text)
+    return repr(int(number)) if number.is_integer() and "." not in text else repr(number)
+
+
+def _config_error(err: ValidationError, root: type[BaseModel], header: str) -> ConfigError:
+    lines = [_problem_line(root, e) for e in err.errors(include_url=False)]
+    noun = "problem" if len(lines) == 1 else "problems"
+    message = f"{header} ({len(lines)} {noun}):\n" + "\n".join(f"  {line}" for line in lines)
+    return ConfigError(message, lines)
