@@ -1,0 +1,1 @@
+"""Lightning callbacks for memopt, installed as ``memopt_plugins.callbacks``."""

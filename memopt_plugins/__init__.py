@@ -1,0 +1,7 @@
+"""memopt: cut the activation memory of PyTorch training (see DESIGN.md for the contract)."""
+
+from .config import ConfigError, MemOptConfig
+from .engine import MemoryOptimizer
+
+__all__ = ["ConfigError", "MemOptConfig", "MemoryOptimizer"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Activation compression: the codec and the per-module saved-tensor hooks."""

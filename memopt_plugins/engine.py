@@ -1,0 +1,220 @@
+"""MemoryOptimizer: turns a config and a model into a plan, applies it, removes it, owns state."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .compress.hooks import OFF_BITS, CompressionHooks
+from .config import ConfigError, MemOptConfig, load_config
+from .select import check_globs, fqn_matches, layer_kind, parent_fqns
+
+log = logging.getLogger("memopt")
+
+#: Every model a MemoryOptimizer is applied to, so that patching one twice is refused.
+_PATCHED: weakref.WeakKeyDictionary[nn.Module, MemoryOptimizer] = weakref.WeakKeyDictionary()
+
+COMPRESS = "compress"
+KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What the optimizer does with one module."""
+
+    kind: str
+    action: str
+    bits: int
+
+    def __iter__(self):  # (kind, action, bits), as DESIGN.md's plan tuple
+        return iter((self.kind, self.action, self.bits))
+
+
+class Plan(dict):
+    """``{fqn: ModulePlan}`` for every module of the model; ``str(plan)`` is a table."""
+
+    def __str__(self) -> str:
+        rows = [("module", "kind", "action", "bits")]
+        rows += [
+            (fqn or "<root>", p.kind, p.action, str(p.bits) if p.action == COMPRESS else "-")
+            for fqn, p in self.items()
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+class MemoryOptimizer:
+    """Applies a memopt config to a model.
+
+    Args:
+        config: a :class:`MemOptConfig`, a dict in the YAML schema, a path to a YAML file, or
+            ``None`` for the defaults (which change nothing).
+    """
+
+    def __init__(self, config: MemOptConfig | Mapping[str, Any] | str | os.PathLike | None = None):
+        self.config = load_config(config)
+        self._model: nn.Module | None = None
+        self._bits: dict[str, int] = {}
+        self._scoped: dict[str, int] = {}
+        self._hooks: CompressionHooks | None = None
+        self._pending_bits: dict[str, int] = {}  # loaded before apply
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model
+
+    @property
+    def bits(self) -> dict[str, int]:
+        """``{fqn: current bits}`` of every compressed module (a copy)."""
+        return dict(self._bits)
+
+    @property
+    def hooks(self) -> CompressionHooks | None:
+        """The saved-tensor hooks (their ``stats`` count the bytes held for backward)."""
+        return self._hooks
+
+    @property
+    def plan(self) -> Plan:
+        """Per-module decision with the current bits; printable."""
+        model = self._require_model()
+        plan = Plan()
+        for fqn, module in model.named_modules():
+            bits = self._bits.get(fqn)
+            if bits is not None:
+                plan[fqn] = ModulePlan(layer_kind(module), COMPRESS, bits)
+            else:
+                plan[fqn] = ModulePlan(layer_kind(module), KEEP, OFF_BITS)
+        return plan
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Patch ``model`` in place and return it. A model can be patched once."""
+        if self._model is not None:
+            raise RuntimeError("this MemoryOptimizer is already applied; call remove() first")
+        if model in _PATCHED:
+            raise RuntimeError(
+                f"{type(model).__name__} is already patched by a MemoryOptimizer; "
+                "call remove() on that one before applying another"
+            )
+        self._scoped = self._resolve_bits(model)
+        hooks = CompressionHooks(
+            self._scoped.__getitem__,
+            group_size=self.config.quantize.group_size,
+            stochastic=self.config.quantize.rounding == "stochastic",
+            min_numel=self.config.quantize.min_numel,
+        )
+        hooks.install(model, list(self._scoped))
+        self._bits = {fqn: b for fqn, b in self._scoped.items() if b < OFF_BITS}
+        self._hooks = hooks
+        self._model = model
+        _PATCHED[model] = self
+        if self._bits:
+            log.info(
+                "memopt: compressing saved activations of %d modules (%s bits)",
+                len(self._bits),
+                "/".join(str(b) for b in sorted(set(self._bits.values()))),
+            )
+        return model
+
+    def remove(self) -> None:
+        """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers)."""
+        if self._model is None:
+            return
+        if self._hooks is not None:
+            self._hooks.remove()
+        _PATCHED.pop(self._model, None)
+        self._model = None
+        self._hooks = None
+        self._bits = {}
+        self._scoped.clear()
+
+    def set_bits(self, fqn: str, bits: int) -> None:
+        """Change the bits of one compressed module; takes effect at its next forward."""
+        if fqn not in self._bits:
+            raise KeyError(f"{fqn!r} is not a compressed module; compressed: {sorted(self._bits)}")
+        self._bits[fqn] = bits
+        self._scoped[fqn] = bits
+
+    def state_dict(self) -> dict[str, Any]:
+        """Bits of every compressed module (plain Python types, safe for any checkpoint)."""
+        return {"bits": dict(self._bits)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore bits saved by :meth:`state_dict` (before or after :meth:`apply`)."""
+        bits = dict(state.get("bits", {}))
+        if self._model is None:
+            self._pending_bits = bits
+            return
+        unknown = sorted(set(bits) - set(self._bits))
+        if unknown:
+            raise ConfigError(
+                f"state_dict names modules this model does not compress: {unknown[:5]}; "
+                f"compressed here: {sorted(self._bits)[:5]}"
+            )
+        for fqn, b in bits.items():
+            self.set_bits(fqn, int(b))
+
+    # ----------------------------------------------------------------- planning
+    def _require_model(self) -> nn.Module:
+        if self._model is None:
+            raise RuntimeError("call apply(model) first")
+        return self._model
+
+    def _resolve_bits(self, model: nn.Module) -> dict[str, int]:
+        """Bits of every module that needs a compression scope (innermost scope decides).
+
+        A module excluded by ``quantize.exclude`` (or inside one) is never compressed; otherwise the
+        nearest ``overrides`` glob on the module or an ancestor wins, then the default ``bits`` when
+        the module or an ancestor is in ``quantize.modules``. A scope at 32 bits is installed only
+        where it shields a module from a compressing ancestor.
+        """
+        q = self.config.quantize
+        names = [fqn for fqn, _ in model.named_modules()]
+        check_globs("quantize.modules", q.modules, names)
+        check_globs("quantize.exclude", q.exclude, names)
+        check_globs("quantize.overrides", list(q.overrides), names)
+
+        def override_of(fqn: str) -> int | None:
+            for glob, bits in reversed(list(q.overrides.items())):
+                if fqn_matches(fqn, [glob]):
+                    return bits
+            return None
+
+        scoped: dict[str, int] = {}
+        # fqn -> (effective bits, set by an override?) for modules under some rule
+        effective: dict[str, tuple[int, bool]] = {}
+        for fqn in names:
+            parents = parent_fqns(fqn)
+            inherited = effective.get(parents[0]) if parents else None
+            compressing_parent = inherited is not None and inherited[0] < OFF_BITS
+            if fqn_matches(fqn, q.exclude):
+                if compressing_parent:
+                    scoped[fqn] = OFF_BITS  # shield the subtree from a compressing ancestor
+                effective[fqn] = (OFF_BITS, True)  # nothing below may compress again
+                continue
+            override = override_of(fqn)
+            if override is not None:
+                mine = (override, True)
+            elif inherited is not None and inherited[1]:
+                effective[fqn] = inherited  # inside an override or exclusion: its scope decides
+                continue
+            elif fqn_matches(fqn, q.modules):
+                mine = (q.bits, False)
+            else:
+                if inherited is not None:
+                    effective[fqn] = inherited
+                continue
+            effective[fqn] = mine
+            if mine[0] < OFF_BITS or compressing_parent:
+                scoped[fqn] = mine[0]
+        for fqn, b in self._pending_bits.items():
+            if fqn in scoped:
+                scoped[fqn] = int(b)
+        self._pending_bits = {}
+        return scoped

@@ -1,0 +1,134 @@
+"""Memory meter: bytes retained for backward after the forward, and the peak over a step.
+
+CUDA: ``memory_allocated`` / ``max_memory_allocated``. CPU: the process's resident set (RSS);
+glibc is told at first use to serve large blocks with mmap and return freed memory at once
+(the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``), and the
+peak is the kernel's high-water mark (``VmHWM``), reset before each step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .compress.hooks import SavedStats
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_malloc_tuned = False
+
+
+def _tune_malloc() -> None:
+    global _malloc_tuned
+    if _malloc_tuned:
+        return
+    _malloc_tuned = True
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(_M_MMAP_THRESHOLD, 65536)
+        libc.mallopt(_M_TRIM_THRESHOLD, 0)
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _cpu_current() -> int:
+    kib = _status_kib("VmRSS")
+    if kib is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return kib * 1024
+
+
+def _cpu_reset_peak() -> bool:
+    """Reset the kernel's RSS high-water mark; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cpu_peak() -> int:
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """One training step's memory, in bytes above what was held before the step."""
+
+    retained: int  # held for backward after the forward
+    peak: int  # most held at any time during forward + backward
+    packed: int  # compact bytes the compression hooks held after the forward
+    device: str
+
+
+class MemoryMeter:
+    """Measures a forward/backward step on ``device`` (``"cpu"`` or a CUDA device)."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            _tune_malloc()
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return _cpu_current()
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _cpu_reset_peak()
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return _cpu_peak()
+
+    def _settle(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def measure(
+        self,
+        forward: Callable[[], torch.Tensor],
+        stats: SavedStats | None = None,
+        backward: bool = True,
+    ) -> MemoryReading:
+        """Run ``forward()`` (returns a scalar loss), then its backward; read memory around both."""
+        self._settle()
+        before = self.current()
+        self.reset_peak()
+        loss = forward()
+        self._settle()
+        retained = self.current() - before
+        packed = stats.held_bytes if stats is not None else 0
+        if backward:
+            loss.backward()
+        del loss
+        self._settle()
+        peak = self.peak() - before
+        return MemoryReading(retained, max(peak, retained), packed, str(self.device))

@@ -1,0 +1,48 @@
+"""Helpers shared by the memory tests: one measured step and gradient comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.profile import MemoryMeter, MemoryReading
+
+
+def measure(build, config=None, repeats: int = 2) -> MemoryReading:
+    """Retained/peak memory of one step of a freshly built model (minimum over ``repeats``).
+
+    A warm-up step allocates the gradients first, so the reading covers activations only.
+    """
+    model, batch, loss_fn = build()
+    opt = MemoryOptimizer(config) if config is not None else None
+    if opt is not None:
+        opt.apply(model)
+    stats = opt.hooks.stats if opt is not None else None
+    meter = MemoryMeter("cpu")
+    loss_fn(model, batch).backward()
+    readings = [meter.measure(lambda: loss_fn(model, batch), stats) for _ in range(repeats)]
+    if opt is not None:
+        opt.remove()
+    return min(readings, key=lambda r: r.retained)
+
+
+def gradients(model, batch, loss_fn, config=None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Parameter gradients of one step (model patched with ``config`` when given, then restored)."""
+    opt = MemoryOptimizer(config) if config is not None else None
+    if opt is not None:
+        opt.apply(model)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss_fn(model, batch).backward()
+    if opt is not None:
+        opt.remove()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """‖a − b‖₂ / ‖b‖₂ over all gradients together."""
+    num = sum(((a[k] - b[k]).double() ** 2).sum() for k in b)
+    den = sum((b[k].double() ** 2).sum() for k in b)
+    return float((num / den).sqrt())

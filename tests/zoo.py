@@ -1,0 +1,100 @@
+"""Third-party models for tests: Hugging Face transformers models built from a config (no download).
+
+Each builder returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
+Dropout is off unless asked for, so that compression figures are not mixed with dropout masks
+(those are the dropout modes' business).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ResNetConfig,
+    ResNetForImageClassification,
+)
+
+
+def _lm_loss(model, batch):
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _image_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(pixel_values=x).logits, y)
+
+
+def hf_gpt2(batch_size=8, seq=128, dim=128, layers=2, dropout=0.0, seed=0):
+    """GPT-2 (transformers) built from a small config: a GPT-style transformer."""
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=512,
+        n_positions=seq,
+        n_embd=dim,
+        n_layer=layers,
+        n_head=4,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    cfg._attn_implementation = "eager"
+    model = GPT2LMHeadModel(cfg)
+    return model, torch.randint(0, 512, (batch_size, seq)), _lm_loss
+
+
+def hf_llama(batch_size=4, seq=64, dim=64, layers=2, seed=0):
+    """Llama (transformers) built from a small config: RMSNorm, SwiGLU, rotary attention."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=dim,
+        intermediate_size=4 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=seq,
+    )
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg)
+    return model, torch.randint(0, 256, (batch_size, seq)), _lm_loss
+
+
+def hf_bert(batch_size=8, seq=64, dim=64, layers=2, dropout=0.1, seed=0):
+    """BERT (transformers) built from a small config, masked-LM head, dropout on by default."""
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=256,
+        hidden_size=dim,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=4 * dim,
+        max_position_embeddings=seq,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    cfg._attn_implementation = "eager"
+    model = BertForMaskedLM(cfg)
+    return model, torch.randint(0, 256, (batch_size, seq)), _lm_loss
+
+
+def hf_resnet(batch_size=32, size=64, seed=0):
+    """ResNet (transformers) with bottleneck blocks: a ResNet-50-style CNN, scaled down."""
+    torch.manual_seed(seed)
+    cfg = ResNetConfig(
+        embedding_size=32,
+        hidden_sizes=[32, 64, 128, 256],
+        depths=[2, 2, 2, 2],
+        layer_type="bottleneck",
+        num_labels=10,
+    )
+    model = ResNetForImageClassification(cfg)
+    batch = (torch.randn(batch_size, 3, size, size), torch.randint(0, 10, (batch_size,)))
+    return model, batch, _image_loss
