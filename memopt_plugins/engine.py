@@ -46,7 +46,9 @@ class Plan(dict):
             for fqn, p in self.items()
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
 
 
 class MemoryOptimizer:
