@@ -1,0 +1,469 @@
+"""Activation codec: group-wise integer quantization with bit packing, and integer narrowing.
+
+``quantize`` turns a floating tensor into a :class:`PackedTensor` that holds only compact tensors:
+codes of 8, 4 or 2 bits packed into ``uint8``, plus a bfloat16 scale and a ``uint8`` zero point per
+group of ``group_size`` consecutive elements. ``dequantize`` restores shape and dtype.
+
+Guarantees the rest of the engine builds on:
+
+* an exact zero decodes to exactly zero, and a nonzero value decodes to a nonzero value of the
+  same sign (backward formulas read the sign pattern of saved outputs, e.g. ReLU);
+* stochastic rounding is unbiased (the expected decoded value is the input, for values at least
+  one step away from zero) and draws from a private generator, never from the global RNG;
+* a constant group decodes exactly, and a group holding NaN/Inf (or a range the bfloat16 scale
+  cannot express) is stored exactly, without affecting its neighbours.
+
+``narrow_int`` stores integer tensors (e.g. max-pool indices) in the smallest integer type that
+holds their range, losslessly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SUPPORTED_BITS = (2, 4, 8)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Candidate integer types for narrowing, smallest first.
+_NARROW_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
+_GENERATOR_SEED = 0x6D656D6F  # fixed, so runs are reproducible; "memo" in ASCII
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+# Elements encoded or decoded per chunk: a few MB of temporaries, in cache on the CPU.
+_CHUNK_ELEMENTS_CPU = 2**18
+_CHUNK_ELEMENTS_ACCELERATOR = 2**24
+
+
+def tensor_nbytes(x: torch.Tensor) -> int:
+    """Bytes of the elements of ``x`` (numel × element size)."""
+    return x.numel() * x.element_size()
+
+
+def _optional_nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(tensor_nbytes(t) for t in tensors if t is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedTensor:
+    """A quantized tensor: compact tensors only, nothing full-size in full precision.
+
+    Attributes:
+        codes: ``uint8``, bit-packed codes of all groups (padding included), ``8 // bits`` per byte.
+        scale: ``bfloat16`` step size per group (0 for an all-zero group).
+        zero_point: ``uint8`` code that decodes to exactly 0, per group.
+        exact_index: ``int64`` indices of the groups kept exactly (NaN/Inf or unrepresentable
+            range), or ``None``.
+        exact_values: those groups' values in the original dtype, ``(k, group_size)``, or ``None``.
+        const_index: ``int64`` indices of constant groups whose value the codes cannot express
+            exactly (e.g. ``1e-30``, ``inf``), or ``None``.
+        const_values: one value per such group in the original dtype, or ``None``.
+        shape, dtype: of the original tensor.
+        bits, group_size: codec settings.
+        numel: number of elements of the original tensor (the codes carry padding after it).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    exact_index: torch.Tensor | None
+    exact_values: torch.Tensor | None
+    const_index: torch.Tensor | None
+    const_values: torch.Tensor | None
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tensors inside."""
+        return _optional_nbytes(
+            self.codes,
+            self.scale,
+            self.zero_point,
+            self.exact_index,
+            self.exact_values,
+            self.const_index,
+            self.const_values,
+        )
+
+
+def codec_generator(device: torch.device | str) -> torch.Generator:
+    """The private generator that stochastic rounding uses on ``device`` when none is given.
+
+    Created on first use and seeded with a fixed constant; the global RNG is never touched.
+    Callers that must replay a computation exactly can save and restore its state
+    (``get_state`` / ``set_state``).
+    """
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    generator = _GENERATORS.get(device)
+    if generator is None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_GENERATOR_SEED)
+        _GENERATORS[device] = generator
+    return generator
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` flattened as ``(groups, group_size)`` in its own dtype.
+
+    A view of ``x`` when it is contiguous and its numel a multiple of ``group_size`` (no copy).
+    The last group is padded by repeating the last element: it belongs to that group, so the
+    group's minimum, maximum, constancy and NaN/Inf status stay what they were.
+    """
+    flat = x.reshape(-1)
+    pad = -flat.numel() % group_size
+    if pad:
+        flat = torch.cat((flat, flat[-1:].expand(pad)))
+    return flat.view(-1, group_size)
+
+
+def _bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (non-negative) in bfloat16, rounded toward +inf so a step never shrinks."""
+    y = x.to(torch.bfloat16)
+    below = y.to(x.dtype) < x
+    return torch.where(below, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupParams:
+    scale: torch.Tensor  # stored bfloat16 step, 0 for groups stored another way
+    zero_point: torch.Tensor  # zero point in the work dtype (integer-valued)
+    divisor: torch.Tensor  # stored step in the work dtype, 1 where the step is 0 (no 0/0)
+    exact: torch.Tensor  # bool: group kept exactly
+    const: torch.Tensor  # bool: constant group whose value goes in the side table
+
+
+def _group_params(
+    mn: torch.Tensor, mx: torch.Tensor, bits: int, dtype: torch.dtype
+) -> _GroupParams:
+    """Per-group scale and integer zero point from the group minimum ``mn`` and maximum ``mx``.
+
+    The zero point is an integer code so that 0 is exactly representable. The scale is rounded up
+    to bfloat16, so the codes ``[0, 2**bits - 1]`` still cover ``[mn, mx]``.
+    """
+    top = 2**bits - 1
+    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    constant = mn == mx
+    mn = torch.where(finite, mn, 0.0)
+    mx = torch.where(finite, mx, 0.0)
+    nonneg = mn >= 0
+    nonpos = mx <= 0
+    span = torch.where(constant, 1.0, mx - mn)
+    zp_mixed = (-mn / span * top).round_().clamp_(1, top - 1)
+    zero_point = torch.where(nonneg, 0.0, torch.where(nonpos, float(top), zp_mixed))
+    mixed_scale = torch.maximum(-mn / zp_mixed, mx / (top - zp_mixed))
+    scale = torch.where(nonneg, mx / top, torch.where(nonpos, -mn / top, mixed_scale))
+    # A constant c: one step of |c| and the code zp ± 1 decode to c exactly when |c| is a bfloat16.
+    scale = torch.where(constant, mx.abs(), scale)
+    stored = _bf16_round_up(scale)
+    step = stored.to(mn.dtype)
+
+    # A nonconstant group is encoded when its decoded extremes (-zp·step, (top-zp)·step) are finite
+    # in the output dtype; NaN/Inf, a step that underflowed to 0 or overflow keep it exact instead.
+    reach = torch.maximum(zero_point, top - zero_point) * step
+    encodable = ~constant & finite & (step > 0) & (reach <= torch.finfo(dtype).max)
+    # A constant group decodes exactly from its codes when its step is |c| (c = 0: step 0).
+    const_by_codes = constant & finite & (step == mx.abs())
+    usable = (step > 0) & (encodable | const_by_codes)
+    exact = ~constant & ~encodable
+    return _GroupParams(
+        scale=torch.where(exact, 0.0, stored.to(mn.dtype)).to(torch.bfloat16),
+        zero_point=torch.where(exact, 0.0, zero_point),
+        divisor=torch.where(usable, step, 1.0),
+        exact=exact,
+        const=constant & ~const_by_codes,
+    )
+
+
+def _chunk_rows(group_size: int, per_byte: int, device: torch.device) -> int:
+    """Groups per chunk (about ``_CHUNK_ELEMENTS_*`` elements), a multiple of ``per_byte``.
+
+    A multiple of ``per_byte`` groups holds a whole number of packed bytes, so every chunk but
+    the last starts on a byte boundary.
+    """
+    elements = _CHUNK_ELEMENTS_CPU if device.type == "cpu" else _CHUNK_ELEMENTS_ACCELERATOR
+    return max(1, elements // (group_size * per_byte)) * per_byte
+
+
+def _fill_uniform(out: torch.Tensor, draws: torch.Tensor, generator: torch.Generator) -> None:
+    """Fill ``out`` with noise ``u`` in ``(0, 1)`` at 16-bit resolution; ``draws`` is scratch.
+
+    ``u = (k + 0.5) / 2**16`` for ``k`` uniform on ``[0, 2**16)``: a midpoint grid, so ``E[u]``
+    is exactly 1/2 and ``u`` is exactly representable and below 1 (``floor(u) == 0``). The bits come
+    from 64-bit draws (``draws``: int64, a quarter of ``out``'s elements, rounded up) split four
+    ways, about 3× cheaper on CPU than ``torch.rand``.
+    """
+    torch.randint(-(2**63), 2**63 - 1, draws.shape, generator=generator, out=draws)
+    k = draws.view(torch.int16)[: out.numel()].view(out.shape)  # k + 2**15 uniform on [0, 2**16)
+    out.copy_(k).mul_(2**-16).add_(0.5 + 2**-17)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scratch:
+    """Buffers for one chunk of groups, reused from chunk to chunk."""
+
+    values: torch.Tensor | None  # the chunk converted to the work dtype, when it is not in it
+    codes: torch.Tensor  # work dtype
+    sign: torch.Tensor  # work dtype
+    draws: torch.Tensor | None  # int64 random bits, for stochastic rounding
+
+    @classmethod
+    def allocate(cls, groups: torch.Tensor, rows: int, stochastic: bool) -> _Scratch:
+        work = _work_dtype(groups.dtype)
+        shape = (rows, groups.shape[1])
+        numel = rows * groups.shape[1]
+        return cls(
+            values=None if groups.dtype == work else groups.new_empty(shape, dtype=work),
+            codes=groups.new_empty(shape, dtype=work),
+            sign=groups.new_empty(shape, dtype=work),
+            draws=groups.new_empty(-(-numel // 4), dtype=torch.int64) if stochastic else None,
+        )
+
+
+def _round_to_codes(
+    values: torch.Tensor,
+    divisor: torch.Tensor,
+    zero_point: torch.Tensor,
+    bits: int,
+    generator: torch.Generator | None,
+    scratch: _Scratch,
+) -> torch.Tensor:
+    """Codes of a chunk of groups (work dtype, integer-valued in ``[0, 2**bits - 1]``).
+
+    ``offset = floor(x / step + u)`` with ``u ~ U(0, 1)`` from ``generator`` (unbiased) or
+    ``u = 0.5`` without one (nearest), then forced to the sign of ``x`` with magnitude at least
+    1, or 0 where ``x == 0``; ``code = zp + offset``. ``divisor`` and ``zero_point`` are
+    ``(rows, 1)``. Returns a view of ``scratch.codes``.
+    """
+    rows = values.shape[0]
+    if scratch.values is not None:
+        values = scratch.values[:rows].copy_(values)
+    codes = scratch.codes[:rows]
+    if generator is not None:
+        _fill_uniform(codes, scratch.draws, generator)
+        codes.addcdiv_(values, divisor)
+    else:
+        torch.div(values, divisor, out=codes).add_(0.5)
+    # Sign fix: a nonzero value keeps its sign and never rounds to zero; zero stays zero.
+    codes.floor_().abs_().clamp_min_(1).mul_(torch.sign(values, out=scratch.sign[:rows]))
+    return codes.add_(zero_point).clamp_(0, 2**bits - 1)
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack 1-D integer-valued codes (any dtype) of ``bits`` bits into ``uint8``, low bits first.
+
+    Packing runs in the codes' own dtype (``code0 + 2**bits·code1 + ...``, exact) so only the
+    packed bytes go through the costly conversion to ``uint8``.
+    """
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per_byte = 8 // bits
+    pad = -codes.numel() % per_byte
+    if pad:
+        codes = torch.cat((codes, codes.new_zeros(pad)))
+    lanes = codes.view(-1, per_byte)
+    packed = lanes[:, per_byte - 1].clone()
+    for lane in range(per_byte - 2, -1, -1):
+        packed.mul_(2**bits).add_(lanes[:, lane])
+    return packed.to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_bits`: the first ``count`` codes as 1-D ``uint8``."""
+    if bits == 8:
+        return packed[:count]
+    per_byte = 8 // bits
+    codes = packed.new_empty(packed.numel(), per_byte)
+    for lane in range(per_byte):
+        lane_bits = packed >> (bits * lane) if lane else packed
+        torch.bitwise_and(lane_bits, 2**bits - 1, out=codes[:, lane])
+    return codes.view(-1)[:count]
+
+
+def _encode(
+    groups: torch.Tensor,
+    params: _GroupParams,
+    bits: int,
+    generator: torch.Generator | None,
+    clear_nan: bool,
+) -> torch.Tensor:
+    """Packed codes of all ``groups`` (see :func:`_round_to_codes`), a chunk at a time.
+
+    Chunking bounds the temporaries to a few MB however large the tensor, reuses them from chunk
+    to chunk, and keeps them in cache on the CPU. ``clear_nan`` zeroes the (unused) codes of
+    NaN groups before the integer conversion.
+    """
+    n_groups, size = groups.shape
+    per_byte = 8 // bits
+    rows = max(1, min(_chunk_rows(size, per_byte, groups.device), n_groups))
+    scratch = _Scratch.allocate(groups, rows, stochastic=generator is not None)
+    packed = groups.new_empty(-(-n_groups * size // per_byte), dtype=torch.uint8)
+    divisor = params.divisor[:, None]
+    zero_point = params.zero_point[:, None]
+    for start in range(0, n_groups, rows):
+        stop = min(start + rows, n_groups)
+        chunk = slice(start, stop)
+        codes = _round_to_codes(
+            groups[chunk], divisor[chunk], zero_point[chunk], bits, generator, scratch
+        )
+        if clear_nan:
+            codes.nan_to_num_(0.0)
+        chunk_bytes = _pack_bits(codes.view(-1), bits)
+        first = start * size // per_byte
+        packed[first : first + chunk_bytes.numel()] = chunk_bytes
+    return packed
+
+
+def _decode(p: PackedTensor) -> torch.Tensor:
+    """``(code - zp)·step`` of all groups as ``(groups, group_size)`` in ``p.dtype``, by chunks.
+
+    Each product is exact in the work dtype (an integer of at most 8 bits times a bfloat16), so a
+    code equal to the zero point decodes to exactly 0.
+    """
+    n_groups, size, per_byte = p.scale.numel(), p.group_size, 8 // p.bits
+    device = p.codes.device
+    work_dtype = _work_dtype(p.dtype)
+    rows = max(1, min(_chunk_rows(size, per_byte, device), n_groups))
+    out = torch.empty(n_groups, size, dtype=p.dtype, device=device)
+    work = None if p.dtype == work_dtype else out.new_empty(rows, size, dtype=work_dtype)
+    step = p.scale.to(work_dtype)[:, None]
+    zero_point = p.zero_point.to(work_dtype)[:, None]
+    for start in range(0, n_groups, rows):
+        stop = min(start + rows, n_groups)
+        first = start * size // per_byte
+        count = (stop - start) * size
+        codes = _unpack_bits(p.codes[first : first + -(-count // per_byte)], p.bits, count)
+        target = out[start:stop] if work is None else work[: stop - start]
+        target.copy_(codes.view(stop - start, size))
+        target.sub_(zero_point[start:stop]).mul_(step[start:stop])
+        if work is not None:
+            out[start:stop] = target
+    return out
+
+
+def _check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
+    if bits not in _SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {_SUPPORTED_BITS}, got {bits!r}")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    if x.dtype not in _FLOAT_DTYPES:
+        allowed = ", ".join(str(d) for d in _FLOAT_DTYPES)
+        raise TypeError(f"quantize takes a floating tensor ({allowed}), got {x.dtype}")
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int = 256,
+    stochastic: bool = True,
+    generator: torch.Generator | None = None,
+) -> PackedTensor:
+    """Quantize ``x`` to ``bits`` (2, 4 or 8) per element in groups of ``group_size`` elements.
+
+    Args:
+        x: a float32, bfloat16, float16 or float64 tensor of any shape and layout.
+        bits: code width; 8 → one code per byte, 4 → two, 2 → four.
+        group_size: consecutive elements (in row-major order) sharing a scale and zero point.
+        stochastic: unbiased stochastic rounding if true, round to nearest otherwise.
+        generator: source of the rounding noise; by default a private per-device generator
+            (see :func:`codec_generator`), so the global RNG stream is left untouched.
+
+    Returns:
+        A :class:`PackedTensor` that references neither ``x`` nor any full-precision copy of it.
+    """
+    _check_args(x, bits, group_size)
+    if stochastic and generator is None:
+        generator = codec_generator(x.device)
+    with torch.no_grad():
+        groups = _grouped(x.detach(), group_size)
+        work = _work_dtype(x.dtype)
+        # (amin and amax separately are several times faster than aminmax on the CPU.)
+        params = _group_params(groups.amin(1).to(work), groups.amax(1).to(work), bits, x.dtype)
+        n_exact, n_const = torch.stack((params.exact.sum(), params.const.sum())).tolist()
+        codes = _encode(groups, params, bits, generator if stochastic else None, n_exact > 0)
+
+        exact_index = exact_values = const_index = const_values = None
+        if n_exact:
+            exact_index = params.exact.nonzero().view(-1)
+            exact_values = groups[exact_index]
+        if n_const:
+            const_index = params.const.nonzero().view(-1)
+            const_values = groups[const_index, 0]
+        return PackedTensor(
+            codes=codes,
+            scale=params.scale,
+            zero_point=params.zero_point.to(torch.uint8),
+            exact_index=exact_index,
+            exact_values=exact_values,
+            const_index=const_index,
+            const_values=const_values,
+            shape=x.shape,
+            dtype=x.dtype,
+            bits=bits,
+            group_size=group_size,
+            numel=x.numel(),
+        )
+
+
+def dequantize(p: PackedTensor) -> torch.Tensor:
+    """Decode ``p`` to a contiguous tensor of its original shape and dtype."""
+    with torch.no_grad():
+        out = _decode(p)
+        if p.const_index is not None:
+            out[p.const_index] = p.const_values[:, None]
+        if p.exact_index is not None:
+            out[p.exact_index] = p.exact_values
+    return out.view(-1)[: p.numel].view(p.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class NarrowedInt:
+    """An integer tensor stored in a smaller integer dtype, restored exactly by :func:`widen_int`.
+
+    Attributes:
+        values: the elements in the narrow dtype (contiguous, same shape).
+        dtype: the original dtype.
+    """
+
+    values: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the narrowed values."""
+        return tensor_nbytes(self.values)
+
+
+def narrow_int(x: torch.Tensor) -> NarrowedInt | torch.Tensor:
+    """Store integer ``x`` in the smallest of uint8/int8/int16/int32 that holds ``[min, max]``.
+
+    Returns ``x`` itself when it is empty, or when no candidate would take fewer bytes than ``x``
+    holds now (its storage, so an expanded view is not blown up to full size).
+    """
+    if x.is_floating_point() or x.is_complex():
+        raise TypeError(f"narrow_int takes an integer tensor, got {x.dtype}")
+    if x.numel() == 0 or x.dtype == torch.bool:
+        return x
+    lo, hi = (int(v) for v in torch.aminmax(x))
+    held = min(tensor_nbytes(x), x.untyped_storage().nbytes())
+    for dtype in _NARROW_DTYPES:
+        info = torch.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            if x.numel() * dtype.itemsize >= held:
+                return x
+            values = x.to(dtype, memory_format=torch.contiguous_format)
+            return NarrowedInt(values=values, dtype=x.dtype)
+    return x
+
+
+def widen_int(n: NarrowedInt) -> torch.Tensor:
+    """Restore the tensor that :func:`narrow_int` narrowed, in its original dtype."""
+    return n.values.to(n.dtype)
