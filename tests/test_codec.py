@@ -11,6 +11,7 @@ from memopt_plugins.compress import codec
 from memopt_plugins.compress.codec import (
     NarrowedInt,
     PackedTensor,
+    _bf16_round_up,
     _pack_bits,
     _unpack_bits,
     codec_generator,
@@ -128,15 +129,20 @@ def test_packed_bytes_with_partial_last_group(bits: int) -> None:
     assert p.nbytes == math.ceil(groups * group * bits / 8) + 3 * groups
 
 
-def test_packed_tensor_holds_only_compact_tensors_and_no_reference_to_input() -> None:
-    x = torch.randn(64, 256)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_tensor_holds_only_compact_tensors_and_no_reference_to_input(dtype) -> None:
+    x = torch.randn(64, 256, dtype=dtype)
+    x[3, 7] = math.nan  # an exact group
+    x[5] = math.inf  # a constant group kept as one value
     ref = weakref.ref(x)
     p = quantize(x, 8)
+    assert p.exact_index.tolist() == [3] and p.const_index.tolist() == [5]
     held = [getattr(p, name) for name in PackedTensor.__slots__]
     tensors = [t for t in held if isinstance(t, torch.Tensor)]
+    assert len(tensors) == 7
     for t in tensors:
         assert t.untyped_storage().nbytes() == tensor_nbytes(t)  # no hidden larger storage
-        assert t.dtype in (torch.uint8, torch.bfloat16)  # nothing in full precision
+    assert p.nbytes == 64 * 256 + 3 * 64 + (8 + 256 * x.element_size()) + (8 + x.element_size())
     del x
     gc.collect()
     assert ref() is None
@@ -214,6 +220,22 @@ def test_nan_inf_groups_are_exact_and_neighbours_unaffected(bits: int) -> None:
     assert torch.equal(y[others], reference[others])  # bit for bit the clean tensor's decode
 
 
+def test_nan_in_the_partial_last_group_is_restored_from_a_small_copy() -> None:
+    x = torch.randn(1000, generator=_generator(19))  # 3 full groups of 256 and a tail of 232
+    x[100] = math.nan
+    x[-5] = math.inf
+    groups = codec._Groups.of(x, 256)
+    assert groups.full.data_ptr() == x.data_ptr() and groups.tail.numel() == 256  # no full copy
+    p = quantize(x, 4)
+    assert p.exact_index.tolist() == [0, 3]
+    y = dequantize(p)
+    for group in (slice(0, 256), slice(768, 1000)):
+        assert torch.equal(y[group].nan_to_num(0.0), x[group].nan_to_num(0.0))
+        assert torch.equal(y[group].isnan(), x[group].isnan())
+    step = p.scale[1:3].float().repeat_interleave(256)
+    assert ((y[256:768] - x[256:768]).abs() < step).all()  # the groups between are quantized
+
+
 def test_fp16_group_near_the_dtype_limit_never_decodes_to_inf() -> None:
     x = torch.linspace(-65504, 65504, 512).to(torch.float16)
     for bits in BITS:
@@ -286,6 +308,17 @@ def test_generator_controls_the_noise() -> None:
     assert (d != e).float().mean() > 0.3
     codec_generator("cpu").set_state(before)
     assert torch.equal(quantize(x, 4).codes, d)  # and its state can be replayed
+
+
+def test_scale_is_the_smallest_bfloat16_not_below_the_exact_step() -> None:
+    g = _generator(20)
+    powers = 10.0 ** torch.randint(-40, 38, (10_000,), generator=g)  # subnormal to near max
+    exact = torch.cat((torch.rand(10_000, generator=g) * powers, torch.tensor([0.0, 1.0, 3.39e38])))
+    rounded = _bf16_round_up(exact)
+    assert (rounded.float() >= exact).all()
+    below = (rounded.view(torch.int16) - 1).view(torch.bfloat16).float()  # the bf16 just under
+    assert ((below < exact) | (rounded == 0)).all()
+    assert rounded[-3:-1].tolist() == [0.0, 1.0] and rounded[-1].isinf()  # past the max: inf
 
 
 @pytest.mark.parametrize("bits", (2, 4))

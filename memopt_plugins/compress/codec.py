@@ -98,7 +98,7 @@ def codec_generator(device: torch.device | str) -> torch.Generator:
     """
     device = torch.device(device)
     if device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
     generator = _GENERATORS.get(device)
     if generator is None:
         generator = torch.Generator(device=device)
@@ -111,25 +111,63 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``x`` flattened as ``(groups, group_size)`` in its own dtype.
+@dataclass(frozen=True, slots=True)
+class _Groups:
+    """``x`` flattened into rows of ``group_size`` elements, without copying ``x``.
 
-    A view of ``x`` when it is contiguous and its numel a multiple of ``group_size`` (no copy).
-    The last group is padded by repeating the last element: it belongs to that group, so the
-    group's minimum, maximum, constancy and NaN/Inf status stay what they were.
+    ``full`` views the complete groups (a copy only when ``x`` is not contiguous). A partial last
+    group is ``tail``, a one-row copy padded by repeating its last element: that element belongs
+    to the group, so the group's minimum, maximum, constancy and NaN/Inf status stay the same.
     """
-    flat = x.reshape(-1)
-    pad = -flat.numel() % group_size
-    if pad:
-        flat = torch.cat((flat, flat[-1:].expand(pad)))
-    return flat.view(-1, group_size)
+
+    full: torch.Tensor
+    tail: torch.Tensor | None
+
+    @classmethod
+    def of(cls, x: torch.Tensor, group_size: int) -> _Groups:
+        flat = x.reshape(-1)
+        n_full = flat.numel() // group_size
+        rest = flat[n_full * group_size :]
+        tail = None
+        if rest.numel():
+            tail = torch.cat((rest, rest[-1:].expand(group_size - rest.numel())))[None]
+        return cls(full=flat[: n_full * group_size].view(n_full, group_size), tail=tail)
+
+    def __len__(self) -> int:
+        return self.full.shape[0] + (self.tail is not None)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Groups ``start:stop``; a view unless the slice reaches the tail (then a copy of it)."""
+        if self.tail is None or stop <= self.full.shape[0]:
+            return self.full[start:stop]
+        return torch.cat((self.full[start:], self.tail))
+
+    def stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-group minimum and maximum (amin and amax separately: faster than aminmax)."""
+        mins, maxs = self.full.amin(1), self.full.amax(1)
+        if self.tail is not None:
+            mins, maxs = torch.cat((mins, self.tail.amin(1))), torch.cat((maxs, self.tail.amax(1)))
+        return mins, maxs
+
+    def select(self, index: torch.Tensor) -> torch.Tensor:
+        """Copies of the groups at ``index`` (1-D, int64)."""
+        n_full = self.full.shape[0]
+        if self.tail is None:
+            return self.full[index]
+        if n_full == 0:
+            return self.tail[index]
+        picked = self.full[index.clamp(max=n_full - 1)]
+        picked[index == n_full] = self.tail
+        return picked
 
 
 def _bf16_round_up(x: torch.Tensor) -> torch.Tensor:
     """``x`` (non-negative) in bfloat16, rounded toward +inf so a step never shrinks."""
     y = x.to(torch.bfloat16)
-    below = y.to(x.dtype) < x
-    return torch.where(below, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+    # For non-negative bfloat16 the bit pattern + 1 is the next value up (the largest finite
+    # value goes to inf); integer arithmetic works on every backend, unlike nextafter for bf16.
+    next_up = (y.view(torch.int16) + 1).view(torch.bfloat16)
+    return torch.where(y.to(x.dtype) < x, next_up, y)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,15 +254,16 @@ class _Scratch:
     draws: torch.Tensor | None  # int64 random bits, for stochastic rounding
 
     @classmethod
-    def allocate(cls, groups: torch.Tensor, rows: int, stochastic: bool) -> _Scratch:
-        work = _work_dtype(groups.dtype)
-        shape = (rows, groups.shape[1])
-        numel = rows * groups.shape[1]
+    def allocate(cls, like: torch.Tensor, rows: int, stochastic: bool) -> _Scratch:
+        """Buffers for ``rows`` groups of ``like`` (a tensor of groups, for dtype and device)."""
+        work = _work_dtype(like.dtype)
+        shape = (rows, like.shape[1])
+        numel = rows * like.shape[1]
         return cls(
-            values=None if groups.dtype == work else groups.new_empty(shape, dtype=work),
-            codes=groups.new_empty(shape, dtype=work),
-            sign=groups.new_empty(shape, dtype=work),
-            draws=groups.new_empty(-(-numel // 4), dtype=torch.int64) if stochastic else None,
+            values=None if like.dtype == work else like.new_empty(shape, dtype=work),
+            codes=like.new_empty(shape, dtype=work),
+            sign=like.new_empty(shape, dtype=work),
+            draws=like.new_empty(-(-numel // 4), dtype=torch.int64) if stochastic else None,
         )
 
 
@@ -289,7 +328,7 @@ def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def _encode(
-    groups: torch.Tensor,
+    groups: _Groups,
     params: _GroupParams,
     bits: int,
     generator: torch.Generator | None,
@@ -301,18 +340,23 @@ def _encode(
     to chunk, and keeps them in cache on the CPU. ``clear_nan`` zeroes the (unused) codes of
     NaN groups before the integer conversion.
     """
-    n_groups, size = groups.shape
+    like = groups.full
+    n_groups, size = len(groups), like.shape[1]
     per_byte = 8 // bits
-    rows = max(1, min(_chunk_rows(size, per_byte, groups.device), n_groups))
-    scratch = _Scratch.allocate(groups, rows, stochastic=generator is not None)
-    packed = groups.new_empty(-(-n_groups * size // per_byte), dtype=torch.uint8)
+    rows = max(1, min(_chunk_rows(size, per_byte, like.device), n_groups))
+    scratch = _Scratch.allocate(like, rows, stochastic=generator is not None)
+    packed = like.new_empty(-(-n_groups * size // per_byte), dtype=torch.uint8)
     divisor = params.divisor[:, None]
     zero_point = params.zero_point[:, None]
     for start in range(0, n_groups, rows):
         stop = min(start + rows, n_groups)
-        chunk = slice(start, stop)
         codes = _round_to_codes(
-            groups[chunk], divisor[chunk], zero_point[chunk], bits, generator, scratch
+            groups.rows(start, stop),
+            divisor[start:stop],
+            zero_point[start:stop],
+            bits,
+            generator,
+            scratch,
         )
         if clear_nan:
             codes.nan_to_num_(0.0)
@@ -383,20 +427,20 @@ def quantize(
     if stochastic and generator is None:
         generator = codec_generator(x.device)
     with torch.no_grad():
-        groups = _grouped(x.detach(), group_size)
+        groups = _Groups.of(x.detach(), group_size)
         work = _work_dtype(x.dtype)
-        # (amin and amax separately are several times faster than aminmax on the CPU.)
-        params = _group_params(groups.amin(1).to(work), groups.amax(1).to(work), bits, x.dtype)
+        mins, maxs = groups.stats()
+        params = _group_params(mins.to(work), maxs.to(work), bits, x.dtype)
         n_exact, n_const = torch.stack((params.exact.sum(), params.const.sum())).tolist()
         codes = _encode(groups, params, bits, generator if stochastic else None, n_exact > 0)
 
         exact_index = exact_values = const_index = const_values = None
         if n_exact:
             exact_index = params.exact.nonzero().view(-1)
-            exact_values = groups[exact_index]
+            exact_values = groups.select(exact_index)
         if n_const:
             const_index = params.const.nonzero().view(-1)
-            const_values = groups[const_index, 0]
+            const_values = groups.select(const_index)[:, 0].clone()  # not a view of the rows
         return PackedTensor(
             codes=codes,
             scale=params.scale,
