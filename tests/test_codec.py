@@ -321,7 +321,7 @@ def test_scale_is_the_smallest_bfloat16_not_below_the_exact_step() -> None:
     assert rounded[-3:-1].tolist() == [0.0, 1.0] and rounded[-1].isinf()  # past the max: inf
 
 
-@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("bits", (1, 2, 4, 8))  # 1: dropout masks
 @pytest.mark.parametrize("count", [1, 7, 64, 1001])
 def test_bit_packing_round_trips(bits: int, count: int) -> None:
     codes = torch.randint(0, 2**bits, (count,), dtype=torch.uint8, generator=_generator(13))

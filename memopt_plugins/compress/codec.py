@@ -299,8 +299,9 @@ def _round_to_codes(
 def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack 1-D integer-valued codes (any dtype) of ``bits`` bits into ``uint8``, low bits first.
 
-    Packing runs in the codes' own dtype (``code0 + 2**bits·code1 + ...``, exact) so only the
-    packed bytes go through the costly conversion to ``uint8``.
+    ``bits`` is 1, 2, 4 or 8 (1: dropout masks). Packing runs in the codes' own dtype
+    (``code0 + 2**bits·code1 + ...``, exact) so only the packed bytes go through the costly
+    conversion to ``uint8``.
     """
     if bits == 8:
         return codes.to(torch.uint8)
