@@ -4,6 +4,9 @@ CUDA: ``memory_allocated`` / ``max_memory_allocated``. CPU: the process's reside
 glibc is told at first use to serve large blocks with mmap and return freed memory at once
 (the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``), and the
 peak is the kernel's high-water mark (``VmHWM``), reset before each step.
+
+The per-module report built on this meter (``profile_model``, tables, PNG, the planner behind
+``memopt plan``) lives in :mod:`memopt_plugins.report`.
 """
 
 from __future__ import annotations

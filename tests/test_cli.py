@@ -1,0 +1,167 @@
+"""The `memopt` command: profile a held-out model from a file, plan a config, clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from memopt_plugins import MemOptConfig
+from memopt_plugins.cli import main
+
+# A BERT-style factory this repository does not contain (built from a config, no download).
+BERT_FACTORY = textwrap.dedent(
+    """
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    def build():
+        torch.manual_seed(0)
+        cfg = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=256,
+                         max_position_embeddings=64)
+        cfg._attn_implementation = "eager"
+        model = BertForMaskedLM(cfg)
+        batch = torch.randint(0, 256, (8, 64))
+        return model, batch, lambda m, b: m(input_ids=b, labels=b).loss
+    """
+)
+
+TOY_FACTORY = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def mlp():
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(32, 64), nn.LayerNorm(64),
+            nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)),
+            nn.Linear(64, 8),
+        )
+        return model, torch.randn(512, 32), lambda m, x: m(x).square().mean()
+
+    def pair():
+        return nn.Linear(2, 2), None
+
+    def not_a_model():
+        return "model", None, lambda m, b: 0
+
+    def boom():
+        raise ValueError("no data here")
+
+    def bad_loss():
+        return nn.Linear(4, 4), torch.randn(2, 3), lambda m, x: m(x).sum()
+
+    answer = 42
+    """
+)
+
+BOOM_LINE = 1 + next(i for i, s in enumerate(TOY_FACTORY.splitlines()) if "raise ValueError" in s)
+
+
+@pytest.fixture
+def factories(tmp_path: Path) -> Path:
+    (tmp_path / "bert_factory.py").write_text(BERT_FACTORY)
+    (tmp_path / "toy.py").write_text(TOY_FACTORY)
+    (tmp_path / "broken.py").write_text("import torch\n\ndef f():\n    return 1\n\n1 / 0\n")
+    return tmp_path
+
+
+def test_profile_held_out_bert_writes_report_and_png(factories, tmp_path, capsys):
+    out = tmp_path / "report"
+    rc = main(["profile", "--model", f"{factories}/bert_factory.py:build", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    line = next(s for s in stdout.splitlines() if s.startswith("bert.encoder.layer.0.output "))
+    assert "KiB" in line  # named, with byte sizes in human units
+    assert (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert "bert.encoder.layer.0" in (out / "report.md").read_text()
+    data = json.loads((out / "report.json").read_text())
+    saved, retained = data["totals"]["saved"], data["totals"]["measured"]["retained"]
+    assert abs(saved - retained) <= 0.10 * retained
+    assert sum(m["self_saved"] for m in data["modules"]) == saved
+
+
+def test_profile_with_config_top_and_suggest(factories, tmp_path, capsys):
+    config = tmp_path / "q8.yaml"
+    config.write_text("quantize:\n  bits: 8\n")
+    out = tmp_path / "r"
+    argv = ["profile", "--model", f"{factories}/toy.py:mlp", "--config", str(config)]
+    rc = main([*argv, "--out", str(out), "--top", "3", "--suggest", "0.5", "--optimizer", "adam"])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    table = stdout[stdout.index("module ") :].split("\n\n")[0].splitlines()
+    assert len(table) == 2 + 3
+    assert "compress 8" in table[2] and "optim" in table[0] and "after" in table[0]
+    suggested = MemOptConfig.from_yaml(out / "suggested.yaml")
+    assert suggested.quantize.bits <= 16 or suggested.recompute.modules
+
+
+def test_plan_prints_yaml_that_loads(factories, tmp_path, capsys):
+    target = tmp_path / "plan.yaml"
+    argv = ["plan", "--model", f"{factories}/toy.py:mlp", "--budget", "0.2", "-o", str(target)]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert stdout == target.read_text()
+    config = MemOptConfig.from_yaml(target)
+    # the Linear-GELU-Linear block is the cheap, MLP-like one (recompute alone keeps ~28%);
+    # the rest is compressed to reach 20%
+    assert config.recompute.modules == ("2",)
+    assert config.quantize.bits in (16, 8, 4)
+    estimate = re.search(r"# estimated with this config: .* \((\d+)%\)", stdout)
+    assert int(estimate.group(1)) <= 20
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("missing.py:build", "file not found: {dir}/missing.py"),
+        ("toy.py", "expected FILE.py:factory"),
+        ("toy.py:mpl", "toy.py has no factory 'mpl'. Did you mean 'mlp'?"),
+        ("toy.py:answer", "toy.py:answer is a int, not a callable"),
+        ("toy.py:pair", "returned a tuple of 2: (Linear, NoneType); expected a factory"),
+        ("toy.py:not_a_model", "returned a tuple of 3: (str, NoneType, function)"),
+        ("toy.py:boom", f"raised ValueError: no data here (toy.py, line {BOOM_LINE})"),
+        ("toy.py:bad_loss", "one training step of {dir}/toy.py:bad_loss failed: RuntimeError"),
+        ("broken.py:f", "importing {dir}/broken.py failed: ZeroDivisionError"),
+    ],
+)
+def test_bad_factory_is_a_clear_error_with_exit_2(factories, capsys, spec, expected):
+    rc = main(["profile", "--model", f"{factories}/{spec}", "--out", str(factories / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("memopt: error: ")
+    assert expected.format(dir=factories) in err
+    assert "Traceback" not in err
+
+
+def test_bad_config_and_budget(factories, tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("quantize:\n  bits: 3\n")
+    rc = main(["profile", "--model", f"{factories}/toy.py:mlp", "--config", str(config)])
+    assert rc == 2
+    assert "quantize.bits: got 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", f"{factories}/toy.py:mlp", "--budget", "1.5"])
+    assert exit_info.value.code == 2
+    assert "outside (0, 1]" in capsys.readouterr().err
+
+
+def test_console_script_exit_status_without_traceback(factories):
+    script = Path(sys.executable).with_name("memopt")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "memopt_plugins.cli"]
+    done = subprocess.run(
+        [*command, "plan", "--model", f"{factories}/toy.py:boom", "--budget", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "raised ValueError: no data here" in done.stderr
+    assert "Traceback" not in done.stderr
