@@ -5,9 +5,6 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memopt-installed
-# Freed large blocks go straight back to the OS, so RSS measures what tensors hold (DESIGN.md).
-export MALLOC_MMAP_THRESHOLD_ = 65536
-export MALLOC_TRIM_THRESHOLD_ = 0
 
 .PHONY: demo test lint bench bench-quick clean
 

@@ -1,9 +1,14 @@
 """Memory meter: bytes retained for backward after the forward, and the peak over a step.
 
 CUDA: ``memory_allocated`` / ``max_memory_allocated``. CPU: the process's resident set (RSS);
-glibc is told at first use to serve large blocks with mmap and return freed memory at once
-(the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``), and the
-peak is the kernel's high-water mark (``VmHWM``), reset before each step.
+glibc is told at first use to serve blocks of 4 KiB and more with mmap and to return freed memory
+at once (the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0``), and
+the peak is the kernel's high-water mark (``VmHWM``), reset before each step.
+
+The threshold is 4 KiB rather than DESIGN.md's 64 KiB: compressed activations come with small
+per-group tables (a 1 MiB tensor has 8 KiB of scales), and blocks under the threshold are served
+from heap pages that are already resident, which RSS does not see. Smaller blocks still hide;
+tests therefore take ``max(retained, packed)`` as what a compressed step holds.
 
 The per-module report built on this meter (``profile_model``, tables, PNG, the planner behind
 ``memopt plan``) lives in :mod:`memopt_plugins.report`.
@@ -37,7 +42,7 @@ def _tune_malloc() -> None:
         return
     libc = ctypes.CDLL(name)
     if hasattr(libc, "mallopt"):
-        libc.mallopt(_M_MMAP_THRESHOLD, 65536)
+        libc.mallopt(_M_MMAP_THRESHOLD, 4096)
         libc.mallopt(_M_TRIM_THRESHOLD, 0)
 
 

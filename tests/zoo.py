@@ -85,13 +85,13 @@ def hf_bert(batch_size=8, seq=64, dim=64, layers=2, dropout=0.1, seed=0):
     return model, torch.randint(0, 256, (batch_size, seq)), _lm_loss
 
 
-def hf_resnet(batch_size=32, size=64, seed=0):
-    """ResNet (transformers) with bottleneck blocks: a ResNet-50-style CNN, scaled down."""
+def hf_resnet(batch_size=16, size=64, depths=(3, 4, 6, 3), seed=0):
+    """ResNet (transformers) with bottleneck blocks in ResNet-50's layout, at a quarter width."""
     torch.manual_seed(seed)
     cfg = ResNetConfig(
-        embedding_size=32,
+        embedding_size=16,
         hidden_sizes=[32, 64, 128, 256],
-        depths=[2, 2, 2, 2],
+        depths=list(depths),
         layer_type="bottleneck",
         num_labels=10,
     )
