@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from .compress.codec import codec_generator
 from .compress.hooks import OFF_BITS, CompressionHooks
 from .config import ConfigError, MemOptConfig, load_config
+from .drift import DriftMonitor, DriftReport
 from .select import check_globs, fqn_matches, layer_kind, parent_fqns
 
 log = logging.getLogger("memopt")
@@ -66,6 +69,7 @@ class MemoryOptimizer:
         self._scoped: dict[str, int] = {}
         self._hooks: CompressionHooks | None = None
         self._pending_bits: dict[str, int] = {}  # loaded before apply
+        self._drift = DriftMonitor(self.config.drift)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -104,6 +108,7 @@ class MemoryOptimizer:
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
             )
+        restored = set(self._pending_bits)  # escalated to 32 before a save: still listed
         self._scoped = self._resolve_bits(model)
         hooks = CompressionHooks(
             self._scoped.__getitem__,
@@ -112,7 +117,7 @@ class MemoryOptimizer:
             min_numel=self.config.quantize.min_numel,
         )
         hooks.install(model, list(self._scoped))
-        self._bits = {fqn: b for fqn, b in self._scoped.items() if b < OFF_BITS}
+        self._bits = {fqn: b for fqn, b in self._scoped.items() if b < OFF_BITS or fqn in restored}
         self._hooks = hooks
         self._model = model
         _PATCHED[model] = self
@@ -143,22 +148,105 @@ class MemoryOptimizer:
         self._bits[fqn] = bits
         self._scoped[fqn] = bits
 
+    # ----------------------------------------------------------------- drift
+    @property
+    def steps(self) -> int:
+        """Optimizer steps counted by :meth:`count_step` (restored by :meth:`load_state_dict`)."""
+        return self._drift.steps
+
+    def count_step(self) -> int:
+        """Count one optimizer step (integrations call this after ``optimizer.step()``)."""
+        self._drift.steps += 1
+        return self._drift.steps
+
+    def should_check(self, step: int | None = None) -> bool:
+        """True when a drift check is due at ``step`` (default: :attr:`steps`).
+
+        Due at step 0 and every ``drift.check_every`` steps, when ``drift.enabled`` and some
+        module is compressed below 32 bits.
+        """
+        return any(b < OFF_BITS for b in self._bits.values()) and self._drift.should_check(step)
+
+    def check_drift(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        *,
+        step: int | None = None,
+        max_rounds: int | None = None,
+    ) -> DriftReport:
+        """Compare compressed and exact gradients of ``loss_fn()`` and escalate drifting modules.
+
+        ``loss_fn()`` returns a scalar loss on a small batch (see :func:`drift.slice_batch`) and
+        calls the patched model itself (under DDP: ``ddp.module``). Training is unaffected:
+        RNG streams, buffers, ``.grad`` and the saved-bytes statistics are as before the call.
+        ``max_rounds=None`` re-checks until no module escalates (one compressed pass per round;
+        a check that escalates nothing costs one exact and one compressed pass); ``1`` escalates
+        at most one rung per call. Runs whether or not ``drift.enabled`` (which governs
+        :meth:`should_check`). See :mod:`memopt_plugins.drift`.
+        """
+        model = self._require_model()
+        hooks = self._hooks
+        stats = hooks.stats
+        kept = (stats.forward_original, stats.forward_stored, stats.forward_tensors)
+        devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
+        try:
+            return self._drift.check(
+                model,
+                loss_fn,
+                self._bits,
+                set_bits=self.set_bits,
+                suspend=hooks.suspend,
+                generators=[codec_generator(d) for d in devices],
+                scopes=list(self._scoped),
+                min_numel=self.config.quantize.min_numel,
+                step=step,
+                max_rounds=max_rounds,
+            )
+        finally:
+            stats.forward_original, stats.forward_stored, stats.forward_tensors = kept
+
+    def maybe_check_drift(
+        self, loss_fn: Callable[[], torch.Tensor], step: int | None = None
+    ) -> DriftReport | None:
+        """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due, else None."""
+        if self._model is None or not self.should_check(step):
+            return None
+        return self.check_drift(loss_fn, step=step)
+
+    def metrics(self) -> dict[str, float]:
+        """The ``memopt/*`` values for a logger (DESIGN.md "Logged metric names").
+
+        ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
+        ``memopt/bits/<fqn>``, ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
+        bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept).
+        The root module is named ``<root>``.
+        """
+        out = self._drift.metrics()
+        for fqn, b in self._bits.items():
+            out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
+        if self._hooks is not None:
+            out["memopt/saved_bytes"] = float(self._hooks.stats.forward_stored)
+            out["memopt/saved_ratio"] = float(self._hooks.stats.forward_ratio)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        """Bits of every compressed module (plain Python types, safe for any checkpoint)."""
-        return {"bits": dict(self._bits)}
+        """Bits of every compressed module, step counter and drift history (plain Python types)."""
+        return {"bits": dict(self._bits), "drift": self._drift.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore bits saved by :meth:`state_dict` (before or after :meth:`apply`)."""
         bits = dict(state.get("bits", {}))
-        if self._model is None:
-            self._pending_bits = bits
-            return
-        unknown = sorted(set(bits) - set(self._bits))
+        unknown = sorted(set(bits) - set(self._bits)) if self._model is not None else []
         if unknown:
             raise ConfigError(
                 f"state_dict names modules this model does not compress: {unknown[:5]}; "
                 f"compressed here: {sorted(self._bits)[:5]}"
             )
+        if "drift" in state:
+            self._drift.load_state_dict(state["drift"])
+        if self._model is None:
+            self._pending_bits = bits
+            return
         for fqn, b in bits.items():
             self.set_bits(fqn, int(b))
 

@@ -1,0 +1,357 @@
+"""Drift check: escalation bar on Llama, selectivity, exact formulas, non-interference, state."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import namedtuple
+
+import pytest
+import torch
+from memory import gradients
+from torch import nn
+from transformers import BatchEncoding
+from zoo import hf_gpt2, hf_llama, hf_resnet
+
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.compress.codec import codec_generator
+from memopt_plugins.config import DriftConfig
+from memopt_plugins.drift import (
+    HISTORY_LIMIT,
+    NEGLIGIBLE_GRADIENT,
+    SAVES_NOTHING,
+    DriftMonitor,
+    next_rung,
+    slice_batch,
+)
+
+
+def patched(build, config: dict, **size):
+    model, batch, loss_fn = build(**size)
+    opt = MemoryOptimizer(config)
+    opt.apply(model)
+    return opt, model, (lambda: loss_fn(model, batch))
+
+
+# --------------------------------------------------------------------------- the bar
+def test_llama_from_2_bits_settles_within_8_rounds(caplog):
+    """One rung per call: escalation stops by round 8, max drift <= 0.05, most stay <= 8 bits."""
+    opt, _, loss = patched(hf_llama, {"quantize": {"bits": 2}, "drift": {"threshold": 0.05}})
+    start = opt.bits
+    assert set(start.values()) == {2}
+    reports = []
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        for _ in range(8):
+            reports.append(opt.check_drift(loss, max_rounds=1))
+            if not reports[-1].escalated:
+                break
+    final = reports[-1]
+    assert final.escalated == {} and len(reports) <= 8
+    assert final.max <= 0.05
+    assert reports[0].max > 1.0  # 2 bits really drifted
+    low = sum(b <= 8 for b in opt.bits.values())
+    assert low >= len(opt.bits) / 2, opt.bits
+    # every escalation is one rung up the ladder, and each one has its INFO line
+    moves = [(f, o, n) for r in reports for f, (o, n) in r.escalated.items()]
+    assert moves and all(n == next_rung((2, 4, 8, 16, 32), o) for _, o, n in moves)
+    lines = [r.getMessage() for r in caplog.records if r.name == "memopt" and "drift" in r.msg]
+    assert len(lines) == len(moves) == opt.metrics()["memopt/escalations"]
+    fqn, old, new = moves[0]
+    assert any(
+        fqn in line and f"bits {old} -> {new}" in line and "threshold 0.0500" in line
+        for line in lines
+    )
+    # modules that save nothing compression touches keep their bits: nothing to give up there
+    for fqn in ("model.layers", "model.layers.0", "model.rotary_emb"):
+        assert final.unmeasured[fqn] == SAVES_NOTHING and opt.bits[fqn] == 2
+
+
+def test_default_check_rechecks_until_settled_in_one_call():
+    opt, _, loss = patched(hf_llama, {"quantize": {"bits": 2}}, batch_size=2)
+    report = opt.check_drift(loss)
+    assert report.round_max[0] > 1.0 and report.max <= 0.05
+    assert report.rounds >= 3  # 2 -> 4 -> 8, then a round that escalates nothing
+    moves = list(report.escalated.values())  # (bits before the call, bits after it)
+    assert all(old == 2 and new >= 4 for old, new in moves)
+    assert sum(new >= 8 for _, new in moves) > len(moves) / 2  # several rungs in one call
+    again = opt.check_drift(loss)
+    assert again.escalated == {} and again.rounds == 1
+
+
+def test_escalation_is_selective():
+    """Only the 2-bit modules climb; the 8-bit ones around them keep their bits."""
+    config = {"quantize": {"bits": 8, "overrides": {"*.down_proj": 2}}}
+    opt, _, loss = patched(hf_llama, config)
+    before = opt.bits
+    report = opt.check_drift(loss, max_rounds=1)
+    down = {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+    assert report.escalated == dict.fromkeys(down, (2, 4))
+    assert all(report.per_module[f] > 1.0 for f in down)
+    others = {f: d for f, d in report.per_module.items() if f not in down}
+    assert len(others) >= 20 and max(others.values()) < 0.05
+    assert {f: b for f, b in opt.bits.items() if f not in down} == {
+        f: b for f, b in before.items() if f not in down
+    }
+
+
+# --------------------------------------------------------------------------- what is measured
+def _manual_drift(opt, model, batch, loss_fn, fqn, metric):
+    """Drift of one module computed by hand (deterministic rounding, no dropout)."""
+    module = dict(model.named_modules())[fqn]
+    own = list(module.parameters(recurse=False))
+    inputs: list[torch.Tensor] = []
+    handle = module.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    grads = []
+    for exact in (True, False):
+        inputs.clear()
+        if exact:
+            with opt.hooks.suspend():
+                loss = loss_fn(model, batch)
+        else:
+            loss = loss_fn(model, batch)
+        targets = own or inputs
+        grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, targets)]))
+    handle.remove()
+    g, q = (x.double() for x in grads)
+    if metric == "cosine":
+        return float(1 - (g @ q) / (g.norm() * q.norm()))
+    return float((q - g).norm() / g.norm())
+
+
+@pytest.mark.parametrize("metric", ["rel_l2", "cosine"])
+def test_drift_matches_hand_computation(metric):
+    """Own-parameter drift for a Conv1D, input-gradient drift for the parameter-free GELU."""
+    model, batch, loss_fn = hf_gpt2(batch_size=2, seq=64, layers=1)
+    config = {
+        "quantize": {"bits": 4, "rounding": "nearest"},
+        "drift": {"metric": metric, "threshold": 1.0},  # nothing escalates before the hand check
+    }
+    opt = MemoryOptimizer(config)
+    opt.apply(model)
+    report = opt.check_drift(lambda: loss_fn(model, batch), max_rounds=1)
+    for fqn in ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.act"):
+        expected = _manual_drift(opt, model, batch, loss_fn, fqn, metric)
+        assert expected > 1e-4
+        assert report.per_module[fqn] == pytest.approx(expected, rel=1e-6)
+
+
+def test_key_bias_trap_module_is_measured_as_a_whole():
+    """The key bias's exact gradient is ~0 (softmax ignores a shared shift): its own relative
+    error is huge, but the module drift over weight and bias together stays small at 8 bits."""
+    model, batch, loss_fn = hf_gpt2(batch_size=2, seq=64, layers=1)
+    exact = gradients(model, batch, loss_fn)
+    approx = gradients(model, batch, loss_fn, {"quantize": {"bits": 8}})
+    name = "transformer.h.0.attn.c_attn.bias"
+    key = slice(128, 256)
+    key_error = (approx[name][key] - exact[name][key]).norm() / exact[name][key].norm()
+    assert key_error > 10.0
+    opt = MemoryOptimizer({"quantize": {"bits": 8}})
+    opt.apply(model)
+    report = opt.check_drift(lambda: loss_fn(model, batch), max_rounds=1)
+    assert report.per_module["transformer.h.0.attn.c_attn"] < 0.05
+    assert report.escalated == {} and 0 < report.max < 0.05
+
+
+class _Branches(nn.Module):
+    """A main path and a side path whose contribution to the loss is scaled by 1e-9."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.side = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.main(x).sum() + 1e-9 * torch.tanh(self.side(x)).sum()
+
+
+def test_negligible_exact_gradient_has_no_drift_and_never_escalates():
+    model = _Branches()
+    x = torch.randn(32, 64)
+    opt = MemoryOptimizer({"quantize": {"bits": 2, "min_numel": 0}})
+    opt.apply(model)
+    report = opt.check_drift(lambda: model(x))
+    assert report.unmeasured["side"] == NEGLIGIBLE_GRADIENT
+    assert opt.bits["side"] == 2 and "side" not in report.escalated
+    assert report.escalated["main.0"][0] == 2  # the main path did drift at 2 bits
+
+
+def test_custom_ladder_climbs_to_32_and_stops():
+    assert [next_rung((2, 8, 32), b) for b in (2, 4, 8, 16, 32)] == [8, 8, 32, 32, 32]
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(64, 64)
+    config = {
+        "quantize": {"bits": 2, "min_numel": 0},
+        "drift": {"threshold": 1e-9, "ladder": [2, 8, 32]},
+    }
+    opt = MemoryOptimizer(config)
+    opt.apply(model)
+    report = opt.check_drift(lambda: model(x).sum())
+    assert report.escalated["0"] == (2, 32) and opt.bits["0"] == 32
+    assert report.rounds == 3 and report.max == 0.0  # at 32 bits nothing drifts any more
+    assert opt.check_drift(lambda: model(x).sum()).escalated == {}
+
+
+def test_cosine_lets_4_bit_noise_through_that_rel_l2_stops():
+    results = {}
+    for metric in ("rel_l2", "cosine"):
+        config = {"quantize": {"bits": 4}, "drift": {"metric": metric}}
+        opt, _, loss = patched(hf_llama, config, batch_size=2)
+        results[metric] = opt.check_drift(loss, max_rounds=1)
+    strict, loose = results["rel_l2"], results["cosine"]
+    assert strict.max > 0.2 and loose.max < 0.5 * strict.max
+    assert len(loose.escalated) < len(strict.escalated) / 2
+
+
+# --------------------------------------------------------------------------- non-interference
+def _train(checks: bool, steps: int = 3):
+    model, batch, loss_fn = hf_gpt2(batch_size=2, seq=32, layers=1, dropout=0.1)
+    opt = MemoryOptimizer({"quantize": {"bits": 8}, "drift": {"threshold": 1.0, "check_every": 1}})
+    opt.apply(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    codec_generator("cpu").manual_seed(1)  # stochastic rounding: both runs draw the same noise
+    losses, reports = [], []
+    for _ in range(steps):
+        sgd.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if checks and opt.should_check():
+            grads = [p.grad.clone() for p in model.parameters()]
+            reports.append(opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 2))))
+            assert all(
+                torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True)
+            )
+        sgd.step()
+        opt.count_step()
+        losses.append(loss.item())
+    return model, losses, reports
+
+
+def test_checks_on_are_bit_for_bit_the_same_training_as_checks_off():
+    """With dropout active and 8-bit stochastic rounding: RNG, codec noise and .grad untouched."""
+    on, losses_on, reports = _train(checks=True)
+    off, losses_off, _ = _train(checks=False)
+    assert len(reports) == 3 and all(r.escalated == {} and r.max > 0 for r in reports)
+    assert losses_on == losses_off
+    for (name, a), b in zip(on.named_parameters(), off.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_check_restores_batchnorm_buffers_and_saved_stats():
+    model, batch, loss_fn = hf_resnet(batch_size=2, size=32)
+    opt = MemoryOptimizer({"quantize": {"bits": 4}})
+    opt.apply(model)
+    loss_fn(model, batch)  # a training forward: stats describe it
+    stats = dataclasses.astuple(opt.hooks.stats)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    report = opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 2)), max_rounds=1)
+    assert report.per_module and report.max > 0
+    assert dataclasses.astuple(opt.hooks.stats) == stats
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- bookkeeping
+def test_state_dict_round_trips_bits_steps_and_history():
+    opt, model, loss = patched(hf_llama, {"quantize": {"bits": 2}}, batch_size=1)
+    opt.check_drift(loss, max_rounds=1)
+    opt.count_step()
+    opt.check_drift(loss, max_rounds=1)
+    opt.set_bits("model.norm", 32)  # a module at the top of the ladder is still listed
+    state = json.loads(json.dumps(opt.state_dict()))  # plain types only
+    assert len(state["drift"]["history"]) == 2 and state["drift"]["steps"] == 1
+
+    for load_first in (True, False):
+        fresh, _, _ = hf_llama()
+        other = MemoryOptimizer({"quantize": {"bits": 2}})
+        if load_first:
+            other.load_state_dict(state)
+            other.apply(fresh)
+        else:
+            other.apply(fresh)
+            other.load_state_dict(state)
+        assert other.bits == opt.bits and other.bits["model.norm"] == 32
+        assert other.steps == 1
+        assert other.state_dict()["drift"] == opt.state_dict()["drift"]
+        drift_keys = {k: v for k, v in opt.metrics().items() if not k.startswith("memopt/saved")}
+        assert {k: other.metrics()[k] for k in drift_keys} == drift_keys
+        other.remove()
+
+
+def test_history_is_bounded():
+    monitor = DriftMonitor(DriftConfig())
+    model = nn.Linear(2, 2)
+    for step in range(HISTORY_LIMIT + 50):
+        monitor.check(model, lambda: model.weight.sum(), {}, set_bits=None, suspend=None, step=step)
+    assert len(monitor.history) == HISTORY_LIMIT
+    assert monitor.history[0]["step"] == 50 and monitor.history[-1]["step"] == HISTORY_LIMIT + 49
+
+
+def test_should_check_counts_optimizer_steps():
+    opt, _, _ = patched(hf_llama, {"quantize": {"bits": 4}, "drift": {"check_every": 3}})
+    due = []
+    for _ in range(7):
+        due.append(opt.should_check())
+        opt.count_step()
+    assert due == [True, False, False, True, False, False, True]
+    assert opt.should_check(step=9) and not opt.should_check(step=10)
+    assert opt.maybe_check_drift(lambda: None, step=10) is None
+    off, _, _ = patched(hf_llama, {"quantize": {"bits": 4}, "drift": {"enabled": False}})
+    assert not off.should_check(step=0)
+    nothing, _, _ = patched(hf_llama, {"quantize": {"bits": 32}})
+    assert not nothing.should_check(step=0)
+
+
+def test_metrics_report_drift_bits_escalations_and_saved_bytes():
+    opt, model, loss = patched(hf_llama, {"quantize": {"bits": 4}}, batch_size=2)
+    before = opt.metrics()
+    assert "memopt/drift/max" not in before and before["memopt/escalations"] == 0.0
+    loss().backward()  # a training step fills the saved-bytes statistics
+    report = opt.check_drift(loss, max_rounds=1)
+    m = opt.metrics()
+    assert m["memopt/drift/max"] == report.max
+    assert m["memopt/drift/lm_head"] == report.per_module["lm_head"]
+    assert m["memopt/bits/<root>"] == float(opt.bits[""])
+    assert m["memopt/bits/lm_head"] == float(opt.bits["lm_head"])
+    assert m["memopt/escalations"] == len(report.escalated) > 0
+    stats = opt.hooks.stats
+    assert m["memopt/saved_bytes"] == stats.forward_stored > 0
+    assert m["memopt/saved_ratio"] == pytest.approx(stats.forward_ratio) and stats.forward_ratio > 4
+
+
+def test_loss_fn_must_return_a_scalar():
+    opt, model, loss = patched(hf_llama, {"quantize": {"bits": 4}}, batch_size=1)
+    with pytest.raises(TypeError, match="scalar tensor; got Tensor of shape \\(2,\\)"):
+        opt.check_drift(lambda: loss().repeat(2))
+
+
+# --------------------------------------------------------------------------- slicing
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    tag: str
+
+
+def test_slice_batch_cuts_every_tensor_along_dim_0():
+    t = torch.arange(20).reshape(10, 2)
+    batch = {
+        "ids": t,
+        "pair": Pair(t, [t, 3]),
+        "tuple": (t, None),
+        "scalar": torch.tensor(5.0),
+        "sample": Sample(t, "a"),
+        "name": "x",
+    }
+    out = slice_batch(batch, 4)
+    assert torch.equal(out["ids"], t[:4]) and isinstance(out["pair"], Pair)
+    assert out["pair"].x.shape == (4, 2) and out["pair"].y[0].shape == (4, 2)
+    assert out["pair"].y[1] == 3 and out["tuple"][1] is None and out["name"] == "x"
+    assert out["scalar"].shape == () and out["sample"].x.shape == (4, 2)
+    assert out["sample"].tag == "a"
+    assert slice_batch(t, 50).shape == (10, 2)  # a smaller batch is used whole
+    enc = slice_batch(BatchEncoding({"input_ids": t}), 3)
+    assert isinstance(enc, BatchEncoding) and enc["input_ids"].shape == (3, 2)

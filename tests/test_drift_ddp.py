@@ -1,0 +1,102 @@
+"""Drift under torch.distributed: two CPU processes over gloo always end with the same bits."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from memopt_plugins import MemoryOptimizer
+
+WORLD = 2
+CONFIG = {"quantize": {"bits": 2, "modules": ["0"], "min_numel": 0}}
+
+
+def _data(rank: int) -> torch.Tensor:
+    """Rank 0: Gaussian inputs (2 bits drift a lot). Rank 1: integers 0..3, which 2-bit codes hold
+    exactly, so its compressed gradient equals the exact one."""
+    g = torch.Generator().manual_seed(rank)
+    if rank == 0:
+        return torch.randn(16, 256, generator=g)
+    return torch.randint(0, 4, (16, 256), generator=g).float()
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+    x = _data(rank)
+
+    # What this rank's data alone would decide.
+    alone_model = copy.deepcopy(model)
+    alone = MemoryOptimizer(CONFIG)
+    alone.apply(alone_model)
+    alone_report = alone.check_drift(lambda: alone_model(x).square().mean())
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        opt = MemoryOptimizer(CONFIG)
+        opt.apply(model)  # before wrapping, as the integrations do
+        ddp = DistributedDataParallel(model)
+        report = opt.check_drift(lambda: ddp.module(x).square().mean())
+        # A DDP step after the check: the reducer was not disturbed and replicas stay equal.
+        sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        ddp(x).square().mean().backward()
+        sgd.step()
+        torch.save(
+            {
+                "alone_drift": alone_report.round_max[0],  # before any escalation
+                "alone_escalated": alone_report.escalated,
+                "bits": opt.bits,
+                "escalated": report.escalated,
+                "per_module": report.per_module,
+                "params": [p.detach().clone() for p in model.parameters()],
+            },
+            Path(out) / f"rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_an_escalation_only_one_rank_would_trigger(tmp_path):
+    ctx = mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 50
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process drift check did not finish within 50 s")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+
+    # alone, only rank 0 would escalate; rank 1's gradients are exact at 2 bits
+    assert r0["alone_drift"] > 0.5 and r0["alone_escalated"]["0"][0] == 2
+    assert r1["alone_drift"] == 0.0 and r1["alone_escalated"] == {}
+    # together, both ranks take the max over ranks and escalate the same way
+    assert r0["per_module"] == r1["per_module"] and r1["per_module"]["0"] <= 0.05
+    assert r0["escalated"] == r1["escalated"] and r1["escalated"]["0"][0] == 2
+    assert r0["bits"] == r1["bits"] and r1["bits"]["0"] >= 4
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
