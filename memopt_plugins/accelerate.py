@@ -1,0 +1,152 @@
+"""``MemOptPlugin``: memopt in a Hugging Face Accelerate training loop.
+
+    plugin = MemOptPlugin("configs/int4_drift.yaml")
+    model = plugin.apply(model)                      # before accelerator.prepare
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    plugin.attach(accelerator)                       # save_state/load_state carry bits + history
+    for step, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = loss_of(model, batch)
+            accelerator.backward(loss)
+            sample = plugin.sample(batch)            # a few samples for the drift check
+            plugin.after_backward(step, lambda: loss_of(unwrapped, sample))
+            optimizer.step()
+            optimizer.zero_grad()
+
+The drift check's ``loss_fn`` must run the patched model itself (``accelerator.unwrap_model``), not
+the DDP wrapper around it, so that the check's extra backward never reaches the gradient reducer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from .config import MemOptConfig
+from .drift import DriftReport, slice_batch
+from .engine import MemoryOptimizer
+
+__all__ = ["MemOptPlugin"]
+
+
+class MemOptPlugin:
+    """Applies a memopt config to a model trained with Accelerate; checks drift; logs.
+
+    Args:
+        config: a path to a YAML file, a dict in the YAML schema, a ``MemOptConfig`` or ``None``
+            (the defaults, which change nothing).
+        log_every: log ``memopt/bits/*``, ``memopt/saved_*`` and ``memopt/escalations`` through
+            ``accelerator.log`` every this many optimizer steps (drift values are logged at
+            every check).
+        slicer: ``slicer(batch, n) -> batch`` used by :meth:`sample`; default cuts every tensor of
+            the batch along dim 0.
+    """
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str] | Mapping[str, Any] | MemOptConfig | None = None,
+        *,
+        log_every: int = 50,
+        slicer: Callable[[Any, int], Any] | None = None,
+    ) -> None:
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1; got {log_every}")
+        self.optimizer = MemoryOptimizer(config)
+        self.log_every = log_every
+        self.slicer = slicer or slice_batch
+        self.accelerator: Accelerator | None = None
+        self.last_report: DriftReport | None = None
+
+    @property
+    def config(self) -> MemOptConfig:
+        """The validated config."""
+        return self.optimizer.config
+
+    @property
+    def bits(self) -> dict[str, int]:
+        """``{fqn: current bits}`` of every compressed module."""
+        return self.optimizer.bits
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps counted by :meth:`after_backward` (restored with the state)."""
+        return self.optimizer.steps
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Patch ``model`` in place (call before ``accelerator.prepare``) and return it."""
+        return self.optimizer.apply(model)
+
+    def remove(self) -> None:
+        """Undo :meth:`apply`: the model is exactly as before."""
+        self.optimizer.remove()
+
+    def attach(self, accelerator: Accelerator) -> None:
+        """Register for ``save_state``/``load_state`` and log through ``accelerator.log``.
+
+        Also makes :meth:`after_backward` skip micro-batches that end no optimizer step
+        (``accelerator.sync_gradients`` is False while gradients accumulate).
+        """
+        if self.accelerator is accelerator:
+            return
+        accelerator.register_for_checkpointing(self)
+        self.accelerator = accelerator
+
+    def sample(self, batch: Any) -> Any:
+        """The first ``drift.sample_size`` samples of ``batch``, for the drift check's loss_fn."""
+        return self.slicer(batch, self.config.drift.sample_size)
+
+    def after_backward(
+        self, step: int | None, loss_fn: Callable[[], torch.Tensor]
+    ) -> DriftReport | None:
+        """Call after each backward: at an optimizer-step boundary, runs the drift check when due.
+
+        Args:
+            step: the index of the optimizer step about to be taken (0 for the first), or
+                ``None`` to use the plugin's own count of boundaries.
+            loss_fn: ``loss_fn() -> scalar loss`` on a small batch, running the patched model
+                itself (not the DDP wrapper); called only when a check runs.
+
+        Returns:
+            The drift report when a check ran, else ``None``. Under torch.distributed every
+            rank must call this at the same steps (the check reduces drift over ranks).
+        """
+        accelerator = self.accelerator
+        if accelerator is not None and not accelerator.sync_gradients:
+            return None  # accumulating: not an optimizer-step boundary
+        if step is None:
+            step = self.optimizer.steps
+        check = loss_fn
+        if accelerator is not None:
+            autocast = accelerator.autocast
+
+            def check() -> torch.Tensor:
+                with autocast():
+                    return loss_fn()
+
+        report = self.optimizer.maybe_check_drift(check, step)
+        self.optimizer.count_step()
+        if report is not None:
+            self.last_report = report
+        if accelerator is not None and (report is not None or step % self.log_every == 0):
+            accelerator.log(self.metrics(drift=report is not None), step=step)
+        return report
+
+    def metrics(self, drift: bool = True) -> dict[str, float]:
+        """The ``memopt/*`` values (DESIGN.md); ``drift=False`` leaves out ``memopt/drift/*``."""
+        metrics = self.optimizer.metrics()
+        if not drift:
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("memopt/drift/")}
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Bits, step counter and drift history (plain Python types)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (before or after :meth:`apply`)."""
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,192 @@
+"""Accelerate plugin: escalation in a plain loop, logging, save_state/load_state, accumulation,
+and two processes under `accelerate launch` (held-out model: Hugging Face Llama from a config)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.tracking import GeneralTracker
+from zoo import hf_llama
+
+from memopt_plugins.accelerate import MemOptPlugin
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+TWO_BITS = {"quantize": {"bits": 2}, "drift": {"threshold": 0.05, "check_every": 2}}
+
+
+class Recorder(GeneralTracker):
+    """An Accelerate tracker that keeps every ``log`` call in memory."""
+
+    name = "recorder"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def tracker(self) -> list:
+        return self.rows
+
+    def store_init_configuration(self, values: dict) -> None:
+        pass
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.rows.append((step, dict(values)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _loop(plugin: MemOptPlugin, accelerator: Accelerator, steps: int, micro: int = 1):
+    """Train a small Llama for ``steps`` optimizer steps; returns the reports of the checks."""
+    model, batch, loss_fn = hf_llama(batch_size=4, seq=32, dim=32, layers=1)
+    model = plugin.apply(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    plugin.attach(accelerator)
+    unwrapped = accelerator.unwrap_model(model)
+    reports = []
+    for step in range(steps):
+        for _ in range(micro):
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_fn(model, batch))
+                sample = plugin.sample(batch)
+                report = plugin.after_backward(step, lambda s=sample: loss_fn(unwrapped, s))
+                reports.append(report)
+                optimizer.step()
+                optimizer.zero_grad()
+    return model, reports
+
+
+def test_plain_loop_escalates_from_2_bits_and_logs_metrics():
+    recorder = Recorder()
+    accelerator = Accelerator(cpu=True, log_with=[recorder])
+    accelerator.init_trackers("memopt-test")
+    plugin = MemOptPlugin(TWO_BITS, log_every=1)
+    _, reports = _loop(plugin, accelerator, steps=3)
+
+    checked = [r.step for r in reports if r is not None]
+    assert checked == [0, 2]  # check_every 2, first check at step 0
+    assert reports[0].escalated, "2-bit activations at a 5% threshold must escalate"
+    assert all(old == 2 and new > 2 for old, new in reports[0].escalated.values())
+    assert plugin.steps == 3
+    assert max(plugin.bits.values()) > 2
+
+    steps = [step for step, _ in recorder.rows]
+    assert steps == [0, 1, 2]
+    first = recorder.rows[0][1]
+    assert first["memopt/escalations"] > 0
+    assert first["memopt/drift/max"] >= 0
+    assert {f"memopt/bits/{fqn or '<root>'}" for fqn in plugin.bits} <= set(first)
+    assert first["memopt/saved_bytes"] > 0 and first["memopt/saved_ratio"] > 1.0
+    # drift values belong to the step of their check: the step in between has none
+    assert not any(k.startswith("memopt/drift/") for k in recorder.rows[1][1])
+    for fqn, (_, new) in reports[0].escalated.items():
+        assert first[f"memopt/bits/{fqn or '<root>'}"] == float(new)
+
+
+def test_save_state_and_load_state_restore_bits_and_history(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    plugin = MemOptPlugin(TWO_BITS)
+    _, reports = _loop(plugin, accelerator, steps=1)
+    escalated_bits = plugin.bits
+    assert reports[0].escalated
+    accelerator.save_state(str(tmp_path))
+    assert (tmp_path / "custom_checkpoint_0.pkl").exists()
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = Accelerator(cpu=True)
+    fresh = MemOptPlugin(TWO_BITS)
+    model, _, _ = hf_llama(batch_size=4, seq=32, dim=32, layers=1)
+    model = fresh.apply(model)
+    assert set(fresh.bits.values()) == {2}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = resumed.prepare(model, optimizer)
+    fresh.attach(resumed)
+    resumed.load_state(str(tmp_path))
+    assert fresh.bits == escalated_bits
+    assert fresh.steps == 1
+    assert fresh.state_dict()["drift"]["history"] == plugin.state_dict()["drift"]["history"]
+
+
+def test_gradient_accumulation_checks_only_at_optimizer_step_boundaries():
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    config = {"quantize": {"bits": 8}, "drift": {"check_every": 1, "threshold": 1.0}}
+    plugin = MemOptPlugin(config)
+    _, reports = _loop(plugin, accelerator, steps=3, micro=2)
+    # 6 micro-batches, 3 boundaries (the 2nd, 4th and 6th micro-batch), a check at each
+    assert [r is not None for r in reports] == [False, True] * 3
+    assert [r.step for r in reports if r is not None] == [0, 1, 2]
+    assert plugin.steps == 3
+
+
+def test_attach_twice_registers_once():
+    accelerator = Accelerator(cpu=True)
+    plugin = MemOptPlugin({"quantize": {"bits": 8}})
+    plugin.attach(accelerator)
+    plugin.attach(accelerator)
+    assert accelerator._custom_objects.count(plugin) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, name: str, *script_args: str) -> list[dict]:
+    """``accelerate launch`` the example on 2 CPU processes; one JSON summary per rank."""
+    report = tmp_path / name
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
+        str(ROOT / "examples" / "train_accelerate.py"),
+        "--cpu", "--dim", "32", "--depth", "1", "--block-size", "32", "--batch-size", "4",
+        "--report", str(report), *script_args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return [json.loads(Path(f"{report}.rank{r}").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_processes_escalate_identically_and_resume_from_save_state(tmp_path):
+    config = tmp_path / "int2.yaml"
+    config.write_text("quantize: {bits: 2}\ndrift: {threshold: 0.05, check_every: 5}\n")
+    state = tmp_path / "state"
+    ranks = _launch(
+        tmp_path, "first.json", "--config", str(config), "--max-steps", "6",
+        "--save-state", str(state),
+    )  # fmt: skip
+    assert [r["processes"] for r in ranks] == [2, 2]
+    assert ranks[0]["escalation_count"] > 0
+    assert ranks[0]["bits"] == ranks[1]["bits"]
+    assert max(ranks[0]["bits"].values()) > 2
+
+    # Resumed at step 6 with checks due at 10: no check runs, so escalated bits can only come
+    # from the saved state.
+    resumed = _launch(
+        tmp_path, "resumed.json", "--config", str(config), "--max-steps", "8",
+        "--resume", str(state),
+    )  # fmt: skip
+    assert [r["steps"] for r in resumed] == [8, 8]
+    assert resumed[0]["escalations"] == {} and resumed[1]["escalations"] == {}
+    assert resumed[0]["bits"] == ranks[0]["bits"] == resumed[1]["bits"]
