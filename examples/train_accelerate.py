@@ -1,7 +1,10 @@
 """A plain Accelerate training loop with memopt: the character GPT on the standard library.
 
     python examples/train_accelerate.py --config configs/int4_drift.yaml --max-steps 200
-    accelerate launch --cpu --num_processes 2 examples/train_accelerate.py --max-steps 100
+    accelerate launch --multi_gpu --num_processes 2 examples/train_accelerate.py --cpu
+
+(On a machine without GPUs, ``--cpu`` makes each process train on CPU and talk over gloo;
+``accelerate launch --cpu`` alone starts a single process unless MPI is set up.)
 
 ``--save-state DIR`` writes ``accelerator.save_state`` at the end (model, optimizer and memopt's
 bits and drift history); ``--resume DIR`` starts from such a state. ``--report FILE`` writes a

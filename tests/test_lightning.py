@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
 
+from memopt_plugins import ConfigError
+
 TWO_BITS_YAML = """\
 quantize:
   bits: 2
@@ -105,13 +107,12 @@ class BitsAtFirstBatch(Callback):
 
 
 # --------------------------------------------------------------------------- the bar
-def test_two_bit_yaml_escalates_logs_csv_and_checkpoints_state(tmp_path):
-    config = tmp_path / "int2.yaml"
-    config.write_text(TWO_BITS_YAML)
-    memopt = MemOptCallback(str(config))
+def test_two_bit_yaml_escalates_logs_csv_and_checkpoints_state(tmp_path, caplog):
+    memopt = MemOptCallback(yaml_config(tmp_path))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     trainer = make_trainer(tmp_path, [memopt, ckpt], enable_checkpointing=True, max_steps=2)
-    trainer.fit(GPT2Module(), loader())
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        trainer.fit(GPT2Module(), loader())
 
     rows = csv_rows(trainer)
     logged = {k for row in rows for k, v in row.items() if v != ""}
@@ -128,6 +129,14 @@ def test_two_bit_yaml_escalates_logs_csv_and_checkpoints_state(tmp_path):
     assert max(saved["bits"].values()) > 2
     assert saved["drift"]["history"][0]["step"] == 0
     assert saved["drift"]["escalations"] == max(escalations)
+
+    # the console: one line per check, one per escalated module (module, drift, old -> new bits)
+    messages = [r.getMessage() for r in caplog.records]
+    check = next(m for m in messages if "drift check at step 0" in m)
+    n_escalated = int(check.split("; ")[1].split(" modules escalated")[0])
+    assert n_escalated == len(saved["drift"]["history"][0]["escalated"]) > 0
+    per_module = [m for m in messages if "> threshold" in m and "bits 2 -> " in m]
+    assert len(per_module) >= n_escalated
 
 
 def test_resumed_run_starts_with_escalated_bits(tmp_path):
@@ -211,6 +220,30 @@ def test_profile_logs_the_module_table_and_writes_the_chart(tmp_path, caplog):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "memopt_profile.png" in (Path(trainer.log_dir) / "memopt_profile.md").read_text()
     assert probe.bits and set(probe.bits.values()) == {4}  # the patch is back after profiling
+
+
+def test_a_bad_config_fails_when_the_callback_is_built():
+    with pytest.raises(ConfigError, match="Did you mean 'bits'"):
+        MemOptCallback({"quantize": {"bitz": 4}})
+
+
+class NoLossModule(GPT2Module):
+    def training_step(self, batch, batch_idx):
+        return {"loss": super().training_step(batch, batch_idx), "tokens": batch[0]}
+
+
+def test_training_step_output_without_a_loss_tensor_is_refused_by_the_check(tmp_path):
+    class Nothing(GPT2Module):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)  # Lightning skips the batch's backward
+
+    memopt = MemOptCallback({"quantize": {"bits": 4}})
+    with pytest.raises(MisconfigurationException, match="loss_fn"):
+        make_trainer(tmp_path, [memopt], max_steps=1).fit(Nothing(), loader())
+    # a dict with "loss" is what Lightning accepts, and so does the check
+    memopt = MemOptCallback({"quantize": {"bits": 4}})
+    make_trainer(tmp_path, [memopt], max_steps=1).fit(NoLossModule(), loader())
+    assert memopt.state_dict()["drift"]["history"][0]["step"] == 0
 
 
 # --------------------------------------------------------------------------- set-up, tear-down
