@@ -5,17 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .batchnorm import BatchNormPatch
 from .compress.codec import codec_generator
 from .compress.hooks import OFF_BITS, CompressionHooks
 from .config import ConfigError, MemOptConfig, load_config
 from .drift import DriftMonitor, DriftReport
+from .dropout import DropoutPatch
 from .select import check_globs, fqn_matches, layer_kind, parent_fqns
 
 log = logging.getLogger("memopt")
@@ -70,6 +73,8 @@ class MemoryOptimizer:
         self._hooks: CompressionHooks | None = None
         self._pending_bits: dict[str, int] = {}  # loaded before apply
         self._drift = DriftMonitor(self.config.drift)
+        self._dropout: DropoutPatch | None = None
+        self._batchnorm: BatchNormPatch | None = None
 
     # ----------------------------------------------------------------- public API
     @property
@@ -110,6 +115,13 @@ class MemoryOptimizer:
             )
         restored = set(self._pending_bits)  # escalated to 32 before a save: still listed
         self._scoped = self._resolve_bits(model)
+        # Dropout/BN patches go in before the hooks and recompute wrappers (removed after them).
+        if self.config.dropout.mode != "keep":
+            self._dropout = DropoutPatch(self.config.dropout.mode)
+            self._dropout.apply(model)
+        if self.config.batchnorm.mode == "running":
+            self._batchnorm = BatchNormPatch(self.config.batchnorm.warmup_steps, lambda: self.steps)
+            self._batchnorm.apply(model)
         hooks = CompressionHooks(
             self._scoped.__getitem__,
             group_size=self.config.quantize.group_size,
@@ -135,6 +147,11 @@ class MemoryOptimizer:
             return
         if self._hooks is not None:
             self._hooks.remove()
+        if self._batchnorm is not None:
+            self._batchnorm.remove()
+        if self._dropout is not None:
+            self._dropout.remove()
+        self._batchnorm = self._dropout = None
         _PATCHED.pop(self._model, None)
         self._model = None
         self._hooks = None
@@ -147,6 +164,16 @@ class MemoryOptimizer:
             raise KeyError(f"{fqn!r} is not a compressed module; compressed: {sorted(self._bits)}")
         self._bits[fqn] = bits
         self._scoped[fqn] = bits
+
+    @contextmanager
+    def _region_context(self) -> Iterator[None]:
+        """Entered inside every recomputed module: no compression, functional dropout routed."""
+        with self._hooks.suspend():
+            if self._dropout is None:
+                yield
+            else:
+                with self._dropout.active():
+                    yield
 
     # ----------------------------------------------------------------- drift
     @property

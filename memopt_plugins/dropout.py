@@ -1,0 +1,454 @@
+"""Memory-efficient dropout: the mask kept as bits (``bitmask``) or rebuilt from a seed.
+
+PyTorch's dropout keeps its whole noise tensor for backward: float32 on the CPU (4 bytes per
+element), a bool mask on CUDA (1 byte). :class:`_DropoutFunction` computes the same output and
+gradient and keeps
+
+* ``bitmask``: the mask packed 8 elements per byte (``uint8``). The mask is drawn from the global
+  RNG exactly as PyTorch's CPU kernel draws it, so on the CPU the output and the gradient are
+  bit-for-bit those of ``nn.Dropout`` under the same seed.
+* ``regenerate``: nothing tensor-sized. Each call draws one 63-bit seed from the global CPU
+  generator (one ``torch.randint``; the global stream is never reseeded) and fills the mask from
+  a fresh private ``torch.Generator`` seeded with it, in forward and again in backward. The seed
+  is its own stream, so the offset is always 0. The global stream therefore advances by one draw
+  per call rather than by a mask's worth as with ``nn.Dropout``: runs are reproducible under
+  ``torch.manual_seed``, but the masks differ from ``nn.Dropout``'s.
+
+Recompute: both modes draw from the global RNG, which ``torch.utils.checkpoint`` restores before
+it recomputes (``preserve_rng_state=True``, its default), so a recomputed region rebuilds the very
+mask (``bitmask``) or seed (``regenerate``) its forward used. The packed mask is ``uint8``; the
+compression hooks keep integer tensors losslessly, so they never quantize it.
+
+Coverage. :class:`DropoutPatch` swaps every module whose type is exactly ``nn.Dropout``,
+``Dropout1d``, ``Dropout2d``, ``Dropout3d``, ``AlphaDropout`` or ``FeatureAlphaDropout`` (the alpha
+variants qualify: their gradient is ``grad * a * mask``, so the mask is all backward needs) for a
+subclass of the same type that keeps ``p`` and ``inplace``, so ``isinstance`` checks, the module
+names and the state dict are unchanged. Functional dropout inside third-party modules (Hugging
+Face's eager attention calls ``nn.functional.dropout(attn_weights, p=..., training=...)``) is
+routed through a ``TorchFunctionMode`` that is active while any module of the patched model runs
+(entered by the outermost module call on the thread, including the module calls a checkpoint
+recompute makes). It covers ``F.dropout``, ``F.dropout1d/2d/3d``, ``F.alpha_dropout``,
+``F.feature_alpha_dropout`` and ``torch.dropout`` / ``feature_dropout`` / ``alpha_dropout`` /
+``feature_alpha_dropout`` (and their in-place forms). Not covered: subclasses of the dropout
+modules with their own ``forward`` (unless it calls one of those functions), dropout fused into
+another kernel (``F.scaled_dot_product_attention(dropout_p=...)``, fused RNN dropout), a
+functional call outside any module of the model, and dropout2d/3d inputs of the deprecated ranks
+(those go to PyTorch's own function, with its warning). A recompute that calls a bare function
+rather than a module (``checkpoint(block.forward, x)``) runs functional dropout in its body without
+the mode; PyTorch's checkpoint then reports the mismatch instead of computing a wrong gradient.
+Tracing (``torch.compile``) is not a goal of this module: it is written for eager execution.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from .compress.codec import _pack_bits, _unpack_bits
+
+log = logging.getLogger("memopt")
+
+BITMASK = "bitmask"
+REGENERATE = "regenerate"
+MODES = (BITMASK, REGENERATE)
+
+_ALPHA = 1.7580993408473766  # SELU's -scale * alpha, as in ATen's alpha dropout
+_SEED_HIGH = 2**63 - 1
+
+
+# --------------------------------------------------------------------------- mask storage
+
+
+def pack_mask(noise: torch.Tensor) -> torch.Tensor:
+    """A 0/1 tensor of any dtype as ``uint8`` bits, 8 elements per byte, in row-major order."""
+    return _pack_bits(noise.to(torch.uint8).reshape(-1), 1)
+
+
+def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: a contiguous 0/1 tensor of ``shape`` and ``dtype``."""
+    return _unpack_bits(packed, 1, math.prod(shape)).view(shape).to(dtype)
+
+
+def _draw_seed() -> int:
+    # The global CPU generator: checkpoint restores it before recompute, on any device.
+    return int(torch.randint(_SEED_HIGH, (), dtype=torch.int64))
+
+
+def _seeded_noise(
+    seed: int, shape: torch.Size, dtype: torch.dtype, device: torch.device, keep: float
+) -> torch.Tensor:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(keep, generator=generator)
+
+
+def _noise_shape(x: torch.Tensor, feature: bool, batched: bool) -> torch.Size:
+    if not feature:
+        return x.shape
+    lead = 2 if batched else 1  # one draw per (sample, channel), or per channel when unbatched
+    return torch.Size((*x.shape[:lead], *([1] * (x.dim() - lead))))
+
+
+def _alpha_coefficients(p: float) -> tuple[float, float]:
+    """``(a, c)``: alpha dropout computes ``x * (mask * a) + (mask - 1) * c + c * p``."""
+    a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
+    return a, _ALPHA * a
+
+
+def _to_multiplier(noise: torch.Tensor, p: float, alpha: bool) -> torch.Tensor:
+    """Turn a 0/1 noise tensor (in place) into the factor PyTorch multiplies the input by."""
+    return noise.mul_(_alpha_coefficients(p)[0]) if alpha else noise.div_(1 - p)
+
+
+class _DropoutFunction(torch.autograd.Function):
+    """Dropout whose backward needs the mask as bits (or only a seed), never a float mask."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        p: float,
+        feature: bool,
+        batched: bool,
+        alpha: bool,
+        inplace: bool,
+        regenerate: bool,
+    ) -> torch.Tensor:
+        shape = _noise_shape(x, feature, batched)
+        if regenerate:
+            ctx.seed = _draw_seed()
+            noise = _seeded_noise(ctx.seed, shape, x.dtype, x.device, 1 - p)
+        else:
+            # The same allocation and draw as ATen's CPU dropout, hence the same mask.
+            noise = x.new_empty(shape) if feature else torch.empty_like(x)
+            noise.bernoulli_(1 - p)
+            ctx.save_for_backward(pack_mask(noise))
+        ctx.p, ctx.shape, ctx.alpha, ctx.regenerate = p, shape, alpha, regenerate
+        ctx.dtype, ctx.device = x.dtype, x.device
+        shift = None
+        if alpha:
+            _, c = _alpha_coefficients(p)
+            shift = noise.add(-1).mul_(c).add_(c * p)
+        _to_multiplier(noise, p, alpha)
+        if inplace:
+            out = x.mul_(noise)
+            ctx.mark_dirty(x)
+        else:
+            out = x.mul(noise)
+        return out.add_(shift) if shift is not None else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.regenerate:
+            noise = _seeded_noise(ctx.seed, ctx.shape, ctx.dtype, ctx.device, 1 - ctx.p)
+        else:
+            (packed,) = ctx.saved_tensors
+            noise = unpack_mask(packed, ctx.shape, ctx.dtype)
+        return grad * _to_multiplier(noise, ctx.p, ctx.alpha), None, None, None, None, None, None
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"dropout mode must be one of {', '.join(MODES)}; got {mode!r}")
+
+
+def _dropout(
+    x: torch.Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    mode: str,
+    *,
+    feature: bool = False,
+    batched: bool = True,
+    alpha: bool = False,
+) -> torch.Tensor:
+    """ATen's ``_dropout_impl`` with the mask kept by ``mode``; same early exits and checks."""
+    _check_mode(mode)
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 0 or not training or x.numel() == 0:
+        return x
+    if feature and x.dim() < 2:
+        raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
+    if p == 1:
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        return x.mul_(zero) if inplace else x.mul(zero)
+    return _DropoutFunction.apply(x, p, feature, batched, alpha, inplace, mode == REGENERATE)
+
+
+# --------------------------------------------------------------------------- functional API
+
+
+def _functional(
+    name: str,
+    *,
+    feature: bool = False,
+    alpha: bool = False,
+    training: bool = True,
+    ranks: tuple[int, ...] = (),
+    batched_rank: int | None = None,
+) -> Callable[..., torch.Tensor]:
+    """``F.<name>`` with PyTorch's signature and defaults, plus the keyword ``mode``.
+
+    ``ranks``: the input ranks handled here (others go to ``F.<name>`` itself, which raises or
+    warns as it does); ``batched_rank``: the rank that has a batch dimension (feature dropout
+    draws one value per sample and channel, or per channel without a batch).
+    """
+    native = getattr(F, name)
+
+    def functional(
+        input: torch.Tensor,
+        p: float = 0.5,
+        training: bool = training,
+        inplace: bool = False,
+        *,
+        mode: str = BITMASK,
+    ) -> torch.Tensor:
+        if ranks and input.dim() not in ranks:
+            return native(input, p, training, inplace)
+        batched = batched_rank is None or input.dim() == batched_rank
+        return _dropout(
+            input, p, training, inplace, mode, feature=feature, batched=batched, alpha=alpha
+        )
+
+    functional.__name__ = functional.__qualname__ = name
+    functional.__doc__ = f"``F.{name}`` whose backward keeps the mask as bits or a seed (``mode``)."
+    return functional
+
+
+dropout = _functional("dropout")
+alpha_dropout = _functional("alpha_dropout", alpha=True, training=False)
+feature_alpha_dropout = _functional(
+    "feature_alpha_dropout", feature=True, alpha=True, training=False
+)
+dropout1d = _functional("dropout1d", feature=True, ranks=(2, 3), batched_rank=3)
+#: 4-D only: PyTorch treats 3-D input to dropout2d as (N, C, L) with a deprecation warning.
+dropout2d = _functional("dropout2d", feature=True, ranks=(4,), batched_rank=4)
+dropout3d = _functional("dropout3d", feature=True, ranks=(4, 5), batched_rank=5)
+
+
+def _aten_route(feature: bool, alpha: bool, inplace: bool) -> Callable[..., torch.Tensor]:
+    # torch.dropout(input, p, train) and friends: ATen's signature, batched feature noise.
+    def route(input: torch.Tensor, p: float, train: bool, *, mode: str) -> torch.Tensor:
+        return _dropout(input, p, train, inplace, mode, feature=feature, alpha=alpha)
+
+    return route
+
+
+#: PyTorch function -> the equivalent above (which takes ``mode=`` as a keyword).
+_ROUTES: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
+    F.dropout: dropout,
+    F.alpha_dropout: alpha_dropout,
+    F.feature_alpha_dropout: feature_alpha_dropout,
+    F.dropout1d: dropout1d,
+    F.dropout2d: dropout2d,
+    F.dropout3d: dropout3d,
+}
+for _name, _feature, _alpha in (
+    ("dropout", False, False),
+    ("feature_dropout", True, False),
+    ("alpha_dropout", False, True),
+    ("feature_alpha_dropout", True, True),
+):
+    _ROUTES[getattr(torch, _name)] = _aten_route(_feature, _alpha, inplace=False)
+    _ROUTES[getattr(torch, _name + "_")] = _aten_route(_feature, _alpha, inplace=True)
+
+
+class FunctionalDropoutMode(TorchFunctionMode):
+    """Routes PyTorch's dropout functions to their memory-efficient equivalents (see module doc)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        _check_mode(mode)
+        self.mode = mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = _ROUTES.get(func)
+        if route is not None:
+            return route(*args, mode=self.mode, **kwargs)
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class _MemoryDropoutMixin:
+    """Forward of a dropout module through the memory-efficient functional of the same kind."""
+
+    mode: str
+    _functional: Callable[..., torch.Tensor]
+    _uses_inplace = True  # PyTorch's alpha-dropout modules ignore their ``inplace``
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        inplace = self.inplace and self._uses_inplace
+        return type(self)._functional(input, self.p, self.training, inplace, mode=self.mode)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode}"
+
+
+class MemoryDropout(_MemoryDropoutMixin, nn.Dropout):
+    """``nn.Dropout`` keeping its mask as bits or a seed."""
+
+    _functional = staticmethod(dropout)
+
+
+class MemoryDropout1d(_MemoryDropoutMixin, nn.Dropout1d):
+    """``nn.Dropout1d`` keeping its mask as bits or a seed."""
+
+    _functional = staticmethod(dropout1d)
+
+
+class MemoryDropout2d(_MemoryDropoutMixin, nn.Dropout2d):
+    """``nn.Dropout2d`` keeping its mask as bits or a seed."""
+
+    _functional = staticmethod(dropout2d)
+
+
+class MemoryDropout3d(_MemoryDropoutMixin, nn.Dropout3d):
+    """``nn.Dropout3d`` keeping its mask as bits or a seed."""
+
+    _functional = staticmethod(dropout3d)
+
+
+class MemoryAlphaDropout(_MemoryDropoutMixin, nn.AlphaDropout):
+    """``nn.AlphaDropout`` keeping its mask as bits or a seed (``inplace`` ignored, as there)."""
+
+    _functional = staticmethod(alpha_dropout)
+    _uses_inplace = False
+
+
+class MemoryFeatureAlphaDropout(_MemoryDropoutMixin, nn.FeatureAlphaDropout):
+    """``nn.FeatureAlphaDropout`` keeping its mask as bits or a seed (``inplace`` ignored)."""
+
+    _functional = staticmethod(feature_alpha_dropout)
+    _uses_inplace = False
+
+
+#: Exact PyTorch type -> replacement (a subclass of it). Subclasses of these are not swapped.
+REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Dropout: MemoryDropout,
+    nn.Dropout1d: MemoryDropout1d,
+    nn.Dropout2d: MemoryDropout2d,
+    nn.Dropout3d: MemoryDropout3d,
+    nn.AlphaDropout: MemoryAlphaDropout,
+    nn.FeatureAlphaDropout: MemoryFeatureAlphaDropout,
+}
+
+
+def memory_dropout_module(module: nn.Module, mode: str) -> nn.Module:
+    """The replacement of a dropout ``module``: same type family, ``p``, ``inplace``, mode."""
+    _check_mode(mode)
+    replacement = REPLACEMENTS[type(module)](module.p, module.inplace)
+    replacement.mode = mode
+    replacement.train(module.training)
+    return replacement
+
+
+class DropoutPatch:
+    """Applies a dropout mode to a model: swaps dropout modules, routes functional dropout.
+
+    Args:
+        mode: ``"bitmask"`` or ``"regenerate"``.
+    """
+
+    def __init__(self, mode: str) -> None:
+        _check_mode(mode)
+        self.mode = mode
+        # (parent, child name, original, replacement), in the order applied
+        self._swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
+        self._handles: list[RemovableHandle] = []
+        self._local = threading.local()
+
+    @property
+    def swapped(self) -> list[nn.Module]:
+        """The replacement modules now in the model."""
+        return [swap[3] for swap in self._swaps]
+
+    def apply(self, model: nn.Module) -> None:
+        """Swap the dropout modules of ``model`` and hook every module to enter the mode."""
+        made: dict[int, nn.Module] = {}  # a module registered under several parents: one swap
+        for parent in list(model.modules()):
+            for name, child in list(parent._modules.items()):
+                if child is None or type(child) not in REPLACEMENTS:
+                    continue
+                replacement = made.get(id(child))
+                if replacement is None:
+                    replacement = made[id(child)] = memory_dropout_module(child, self.mode)
+                parent._modules[name] = replacement
+                self._swaps.append((parent, name, child, replacement))
+        for module in model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        log.info(
+            "memopt: dropout mode %s: %d dropout modules swapped, functional dropout routed",
+            self.mode,
+            len(made),
+        )
+
+    def remove(self) -> None:
+        """Put the original modules back (with the ``p`` and train/eval state they have now)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for parent, name, original, replacement in reversed(self._swaps):
+            if parent._modules.get(name) is not replacement:
+                log.warning(
+                    "memopt: %s.%s was replaced by someone else since apply; left as it is",
+                    type(parent).__name__,
+                    name,
+                )
+                continue
+            original.p = replacement.p
+            original.inplace = replacement.inplace
+            original.train(replacement.training)
+            parent._modules[name] = original
+        self._swaps.clear()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Route functional dropout inside this block (if not already routed on this thread).
+
+        For code that runs parts of the model without calling its modules, e.g. a recompute
+        replay that calls a module's ``forward`` directly.
+        """
+        self._enter(None, ())
+        try:
+            yield
+        finally:
+            self._exit(None, (), None)
+
+    # The mode is entered by the outermost module call on this thread and left by the same call.
+    @property
+    def _entered(self) -> list[FunctionalDropoutMode | None]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _enter(self, module: nn.Module | None, args: object) -> None:
+        stack = self._entered
+        mode = None
+        if not stack:  # the outermost call enters; the calls inside it find the mode active
+            mode = FunctionalDropoutMode(self.mode)
+            mode.__enter__()
+        stack.append(mode)
+
+    def _exit(self, module: nn.Module | None, args: object, output: object) -> None:
+        stack = self._entered
+        if stack:
+            mode = stack.pop()
+            if mode is not None:
+                mode.__exit__(None, None, None)
