@@ -65,8 +65,6 @@ def trainer(steps: int, seconds: float | None, callbacks: list, root: Path) -> p
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=8,
     )
 
 

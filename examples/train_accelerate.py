@@ -25,6 +25,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+PRESETS = Path(__file__).resolve().parents[1] / "configs"
 
 from data import VOCAB, char_splits  # noqa: E402
 from models import GPT, lm_loss  # noqa: E402
@@ -34,7 +35,7 @@ from memopt_plugins.accelerate import MemOptPlugin  # noqa: E402
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/int4_drift.yaml", help="memopt YAML")
+    parser.add_argument("--config", default=str(PRESETS / "int4_drift.yaml"), help="memopt YAML")
     parser.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--accumulate", type=int, default=1, help="gradient accumulation")

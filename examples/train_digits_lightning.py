@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+PRESETS = Path(__file__).resolve().parents[1] / "configs"
 
 from data import digits  # noqa: E402
 from memopt_plugins.callbacks import MemOptCallback  # noqa: E402
@@ -63,7 +64,7 @@ class DigitsResNet(pl.LightningModule):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/convnet.yaml", help="memopt YAML")
+    parser.add_argument("--config", default=str(PRESETS / "convnet.yaml"), help="memopt YAML")
     parser.add_argument("--no-memopt", action="store_true", help="train without memopt")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--max-steps", type=int, default=-1, help="stop earlier (-1: no limit)")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train, val = digits()
     callbacks = [] if args.no_memopt else [MemOptCallback(args.config)]
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator="auto",
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         callbacks=callbacks,

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+PRESETS = Path(__file__).resolve().parents[1] / "configs"
 
 from data import VOCAB, char_splits  # noqa: E402
 from memopt_plugins.callbacks import MemOptCallback  # noqa: E402
@@ -123,7 +124,7 @@ def loaders(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/int4_drift.yaml", help="memopt YAML")
+    parser.add_argument("--config", default=str(PRESETS / "int4_drift.yaml"), help="memopt YAML")
     parser.add_argument("--no-memopt", action="store_true", help="train without memopt")
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_memopt:
         callbacks.insert(0, MemOptCallback(args.config))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator="auto",
         max_steps=args.max_steps,
         callbacks=callbacks,
         logger=CSVLogger(args.log_dir, name="gpt"),
@@ -162,9 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        limit_val_batches=8,
-        val_check_interval=None,
-        check_val_every_n_epoch=1,
+        num_sanity_val_steps=0,
     )
     trainer.fit(model, train, val)
     print(f"final validation loss: {float(trainer.callback_metrics['val_loss']):.4f}")
