@@ -294,3 +294,25 @@ def test_functional_calls_inside_a_selected_module_are_compressed():
     assert opt.hooks.stats.forward_ratio > 7.0
     loss.backward()
     opt.remove()
+
+
+def test_dedup_cache_is_emptied_after_each_forward_even_when_the_root_is_not_called():
+    """Lightning modules often call ``self.model(x)``: the patched root's own hooks never run."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+    wrapper = Wrapper()
+    opt = MemoryOptimizer(q(8, min_numel=1))
+    opt.apply(wrapper)
+    for _ in range(3):
+        wrapper.model(torch.randn(32, 64)).sum().backward()
+        assert len(opt.hooks._cache) == 0
+        assert opt.hooks.stats.held_bytes == 0  # payloads freed with the graph
+    loss = wrapper.model(torch.randn(32, 64)).sum()
+    one_forward = opt.hooks.stats.forward_original
+    assert one_forward == 3 * 32 * 64 * 4  # x, the GELU input, the GELU output: one step only
+    loss.backward()
+    opt.remove()

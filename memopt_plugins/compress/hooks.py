@@ -110,11 +110,9 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: list[str]) -> None:
-        """Hook ``root`` (bookkeeping) and every module in ``fqns`` (a compression scope each)."""
+        """Give every module in ``fqns`` (names within ``root``) a compression scope."""
         self._root = root
         modules = dict(root.named_modules())
-        self._handles.append(root.register_forward_pre_hook(self._root_enter))
-        self._handles.append(root.register_forward_hook(self._root_exit, always_call=True))
         for fqn in fqns:
             module = modules[fqn]
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(fqn)))
@@ -149,24 +147,25 @@ class CompressionHooks:
             self._local.suspended -= 1
 
     # ----------------------------------------------------------------- module hooks
-    def _root_enter(self, module: nn.Module, args: object) -> None:
-        if not self._scopes:
-            # Parameters may have moved (device, dtype) since apply: refresh their addresses.
+    def _begin(self) -> None:
+        """The outermost scope opens. Nothing held from an earlier forward means a new step:
+        restart the per-forward counts and refresh the parameters' addresses (they may have
+        moved to another device or dtype since apply)."""
+        if self.stats.held_bytes == 0 and self._root is not None:
+            root = self._root
             self._skip_ptrs = frozenset(
                 t.untyped_storage().data_ptr()
-                for t in (*module.parameters(), *module.buffers())
+                for t in (*root.parameters(), *root.buffers())
                 if t.numel() > 0
             )
             self.stats.forward_original = 0
             self.stats.forward_stored = 0
             self.stats.forward_tensors = 0
 
-    def _root_exit(self, module: nn.Module, args: object, output: object) -> None:
-        if not self._scopes:
-            self._cache.clear()
-
     def _enter_hook(self, fqn: str) -> Callable:
         def enter(module: nn.Module, args: object) -> None:
+            if not self._scopes:
+                self._begin()
             scope = None
             if torch.is_grad_enabled() and not self.suspended:
                 bits = self.bits_of(fqn)
@@ -182,6 +181,8 @@ class CompressionHooks:
             scope = scopes.pop()
             if scope is not None:
                 scope.__exit__(None, None, None)
+            if not scopes:
+                self._cache.clear()  # the outermost scope closed: dedup spans one forward
 
     # ----------------------------------------------------------------- pack / unpack
     def _keep_as_is(self, t: torch.Tensor) -> bool:
