@@ -19,6 +19,7 @@ from .compress.hooks import OFF_BITS, CompressionHooks
 from .config import ConfigError, MemOptConfig, load_config
 from .drift import DriftMonitor, DriftReport
 from .dropout import DropoutPatch
+from .recompute import Recompute, RecomputePlan, RecomputePlanner, recompute_targets, region_actions
 from .select import check_globs, fqn_matches, layer_kind, parent_fqns
 
 log = logging.getLogger("memopt")
@@ -73,6 +74,10 @@ class MemoryOptimizer:
         self._hooks: CompressionHooks | None = None
         self._pending_bits: dict[str, int] = {}  # loaded before apply
         self._drift = DriftMonitor(self.config.drift)
+        self._recompute: Recompute | None = None
+        self._planner: RecomputePlanner | None = None
+        self._parked_bits: dict[str, int] = {}  # compressed modules now inside a recompute region
+        self._pending_recompute: list[str] | None = None  # planner choice loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
 
@@ -96,9 +101,12 @@ class MemoryOptimizer:
         """Per-module decision with the current bits; printable."""
         model = self._require_model()
         plan = Plan()
+        regions = self._recompute.actions() if self._recompute is not None else {}
         for fqn, module in model.named_modules():
             bits = self._bits.get(fqn)
-            if bits is not None:
+            if fqn in regions:
+                plan[fqn] = ModulePlan(layer_kind(module), regions[fqn], OFF_BITS)
+            elif bits is not None:
                 plan[fqn] = ModulePlan(layer_kind(module), COMPRESS, bits)
             else:
                 plan[fqn] = ModulePlan(layer_kind(module), KEEP, OFF_BITS)
@@ -113,8 +121,11 @@ class MemoryOptimizer:
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
             )
+        targets = recompute_targets(model, self.config.recompute)  # validates before patching
         restored = set(self._pending_bits)  # escalated to 32 before a save: still listed
         self._scoped = self._resolve_bits(model)
+        in_regions = region_actions(self._scoped, targets)  # recompute wins: no scope inside
+        self._scoped = {f: b for f, b in self._scoped.items() if f not in in_regions}
         # Dropout/BN patches go in before the hooks and recompute wrappers (removed after them).
         if self.config.dropout.mode != "keep":
             self._dropout = DropoutPatch(self.config.dropout.mode)
@@ -133,6 +144,24 @@ class MemoryOptimizer:
         self._hooks = hooks
         self._model = model
         _PATCHED[model] = self
+        self._recompute = Recompute(model, suspend=self._region_context)
+        self._recompute.wrap(targets)
+        if targets:
+            log.info("memopt: recomputing %d modules in backward", len(targets))
+        if self.config.recompute.auto is not None:
+            planner = RecomputePlanner(
+                self._recompute, self.config.recompute.auto.budget, self._recompute_changed
+            )
+            self._planner = planner
+            pending, self._pending_recompute = self._pending_recompute, None
+            try:
+                if pending is not None:
+                    planner.adopt(pending)
+                else:
+                    planner.install()
+            except ConfigError:
+                self.remove()
+                raise
         if self._bits:
             log.info(
                 "memopt: compressing saved activations of %d modules (%s bits)",
@@ -145,6 +174,12 @@ class MemoryOptimizer:
         """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers)."""
         if self._model is None:
             return
+        if self._planner is not None:
+            self._planner.remove()
+        if self._recompute is not None:
+            self._recompute.remove()
+        self._planner = self._recompute = None
+        self._parked_bits.clear()
         if self._hooks is not None:
             self._hooks.remove()
         if self._batchnorm is not None:
@@ -164,6 +199,45 @@ class MemoryOptimizer:
             raise KeyError(f"{fqn!r} is not a compressed module; compressed: {sorted(self._bits)}")
         self._bits[fqn] = bits
         self._scoped[fqn] = bits
+
+    # ----------------------------------------------------------------- recompute
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """Fqns of the modules recomputed in backward (from the config and the planner)."""
+        return self._recompute.wrapped if self._recompute is not None else ()
+
+    @property
+    def recompute_plan(self) -> RecomputePlan | None:
+        """The planner's last plan (``recompute.auto`` or :meth:`plan_recompute`); printable."""
+        return self._planner.plan if self._planner is not None else None
+
+    def plan_recompute(
+        self, loss_fn: Callable[[], Any], budget: float | None = None
+    ) -> RecomputePlan:
+        """Measure one forward of ``loss_fn()`` now and recompute the modules the planner picks.
+
+        Call it before training on a batch of your choice (saved bytes scale with the batch, so
+        a small one plans as well) instead of letting ``recompute.auto`` measure the first
+        training step, which runs at baseline memory. ``budget`` defaults to
+        ``recompute.auto.budget``; RNG streams and buffers are left as they were; a previous
+        planner choice is replaced. See :mod:`memopt_plugins.recompute`.
+        """
+        self._require_model()
+        if self._planner is None:
+            if budget is None:
+                raise ConfigError(
+                    "plan_recompute: no budget; set recompute.auto: {budget: b} or pass budget=b"
+                )
+            self._planner = RecomputePlanner(self._recompute, budget, self._recompute_changed)
+        return self._planner.plan_now(loss_fn, budget)
+
+    def _recompute_changed(self, plan: RecomputePlan | None = None) -> None:
+        """Modules inside a recompute region are not compressed: park their bits meanwhile."""
+        inside = self._recompute.actions() if self._recompute is not None else {}
+        for fqn in [f for f in self._bits if f in inside]:
+            self._parked_bits[fqn] = self._bits.pop(fqn)
+        for fqn in [f for f in self._parked_bits if f not in inside]:
+            self._bits[fqn] = self._parked_bits.pop(fqn)
 
     @contextmanager
     def _region_context(self) -> Iterator[None]:
@@ -258,7 +332,10 @@ class MemoryOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Bits of every compressed module, step counter and drift history (plain Python types)."""
-        return {"bits": dict(self._bits), "drift": self._drift.state_dict()}
+        state = {"bits": dict(self._bits), "drift": self._drift.state_dict()}
+        if self._planner is not None and (self._planner.plan is not None or self._planner.chosen):
+            state["recompute"] = list(self._planner.chosen)  # the planner's choice, kept on resume
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore bits saved by :meth:`state_dict` (before or after :meth:`apply`)."""
@@ -271,11 +348,23 @@ class MemoryOptimizer:
             )
         if "drift" in state:
             self._drift.load_state_dict(state["drift"])
+        if "recompute" in state:
+            self._load_recompute([str(f) for f in state["recompute"]])
         if self._model is None:
             self._pending_bits = bits
             return
         for fqn, b in bits.items():
             self.set_bits(fqn, int(b))
+
+    def _load_recompute(self, fqns: list[str]) -> None:
+        if self.config.recompute.auto is None:
+            raise ConfigError(
+                "state_dict holds a recompute plan, but this config has no recompute.auto"
+            )
+        if self._planner is None:
+            self._pending_recompute = fqns
+        else:
+            self._planner.adopt(fqns)
 
     # ----------------------------------------------------------------- planning
     def _require_model(self) -> nn.Module:

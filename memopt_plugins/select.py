@@ -34,12 +34,23 @@ _ACTIVATIONS = (
     nn.Hardsigmoid,
     nn.Hardtanh,
     nn.Softmax,
+    nn.Softmin,
+    nn.Softmax2d,
     nn.LogSoftmax,
+    nn.LogSigmoid,
     nn.GLU,
+    nn.PReLU,
+    nn.RReLU,
+    nn.Softsign,
+    nn.Tanhshrink,
+    nn.Softshrink,
+    nn.Hardshrink,
+    nn.Threshold,
 )
 _NORMS = (
     nn.modules.batchnorm._BatchNorm,
     nn.LayerNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),  # torch >= 2.4
     nn.GroupNorm,
     nn.modules.instancenorm._InstanceNorm,
     nn.LocalResponseNorm,
@@ -99,6 +110,20 @@ def parent_fqns(fqn: str) -> list[str]:
         return []
     parts = fqn.split(".")
     return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def within(fqn: str, ancestor: str) -> bool:
+    """True when module ``fqn`` lies strictly inside module ``ancestor`` (``""`` is the root)."""
+    if fqn == ancestor:
+        return False
+    return ancestor == "" or fqn.startswith(ancestor + ".")
+
+
+def outermost(fqns: Iterable[str]) -> list[str]:
+    """The given module names without those inside another one of them (order kept)."""
+    chosen = list(dict.fromkeys(fqns))
+    present = set(chosen)
+    return [f for f in chosen if not any(p in present for p in parent_fqns(f))]
 
 
 def check_globs(key: str, globs: Sequence[str], names: Sequence[str]) -> None:
