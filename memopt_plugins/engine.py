@@ -231,6 +231,10 @@ class MemoryOptimizer:
             self._planner = RecomputePlanner(self._recompute, budget, self._recompute_changed)
         return self._planner.plan_now(loss_fn, budget)
 
+    def _region_fqns(self) -> dict[str, str]:
+        """``{fqn: action}`` of the recomputed modules and every module inside them."""
+        return self._recompute.actions() if self._recompute is not None else {}
+
     def _recompute_changed(self, plan: RecomputePlan | None = None) -> None:
         """Modules inside a recompute region are not compressed: park their bits meanwhile."""
         inside = self._recompute.actions() if self._recompute is not None else {}
@@ -290,6 +294,9 @@ class MemoryOptimizer:
         stats = hooks.stats
         kept = (stats.forward_original, stats.forward_stored, stats.forward_tensors)
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
+        # No drift-recorder hooks inside a planner-chosen recompute region (config-chosen ones
+        # have no scope there): they would hide the region's saved tensors from the checkpoint.
+        regions = self._region_fqns()
         try:
             return self._drift.check(
                 model,
@@ -298,7 +305,7 @@ class MemoryOptimizer:
                 set_bits=self.set_bits,
                 suspend=hooks.suspend,
                 generators=[codec_generator(d) for d in devices],
-                scopes=list(self._scoped),
+                scopes=[f for f in self._scoped if f not in regions],
                 min_numel=self.config.quantize.min_numel,
                 step=step,
                 max_rounds=max_rounds,
