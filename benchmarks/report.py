@@ -1,0 +1,442 @@
+"""The benchmark's outputs: ``results.md`` (tables) and ``pareto.png`` (memory vs step time).
+
+Works on the rows ``run.py`` measured (duck-typed: ``WorkloadResult`` with ``Row`` items), so the
+two files always come from the same numbers.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from methods import BASELINE, CHECKPOINT, INT2, INT4_DRIFT, INT8, MEMOPT, PLANNER_05
+
+MIB = 1 << 20
+NOISE = "baseline, other seeds"
+#: Columns of each workload's memory / time / gradient table.
+MEASURE_COLUMNS = [
+    "method",
+    "what it does",
+    "retained MiB",
+    "retained vs baseline",
+    "peak MiB",
+    "peak vs baseline",
+    "packed MiB",
+    "step ms",
+    "step vs baseline",
+    "grad rel. error",
+]
+OTHER_BENCHMARKS = (
+    ("recompute.md", "selective recompute: the planner against checkpointing every block"),
+    ("batchnorm.md", "running-statistics BatchNorm on the digits"),
+)
+
+
+# --------------------------------------------------------------------------- numbers
+def _row(result: Any, name: str) -> Any | None:
+    return next((r for r in result.rows if r.method == name), None)
+
+
+def memory_ratio(result: Any, row: Any) -> float | None:
+    """Retained memory as a ratio to the baseline's (``None`` when either failed)."""
+    base = _row(result, BASELINE)
+    if row is None or row.error or base.error or not base.retained:
+        return None
+    return row.retained / base.retained
+
+
+def time_ratio(result: Any, row: Any) -> float | None:
+    """Median step time as a ratio to the baseline's (``None`` when either failed)."""
+    base = _row(result, BASELINE)
+    if row is None or row.error or base.error or not base.step_seconds:
+        return None
+    return row.step_seconds / base.step_seconds
+
+
+def loss_change(result: Any, row: Any) -> float | None:
+    """Relative change of the held-out loss against the baseline's (0.01 = 1% higher)."""
+    base = _row(result, BASELINE)
+    if row is None or row.val_loss is None or base.val_loss is None:
+        return None
+    return row.val_loss / base.val_loss - 1
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def _ratio(x: float | None) -> str:
+    return "failed" if x is None else f"{x:.2f}x"
+
+
+def _err(row: Any) -> str:
+    x = row.grad_error
+    if row.error:
+        return "failed"
+    return "0" if x == 0 else (f"{x:.1e}" if x < 1e-3 else f"{x:.3f}")
+
+
+def _table(header: Sequence[str], align: str, rows: list[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+# --------------------------------------------------------------------------- markdown
+def headline(results: Sequence[Any]) -> list[str]:
+    """One row per method: memory and time ratios per model, GPT gradient error, loss changes."""
+    header = ["method"]
+    for res in results:
+        header += [f"{res.label} memory", f"{res.label} time"]
+    grad_from = results[0]
+    header.append(f"grad error ({grad_from.label})")
+    trained = [res for res in results if res.train_steps]
+    header += [f"{res.label} loss vs baseline" for res in trained]
+    rows = []
+    for row in results[0].rows:
+        if row.method == NOISE:
+            continue
+        cells = [row.method]
+        for res in results:
+            r = _row(res, row.method)
+            cells += [_ratio(memory_ratio(res, r)), _ratio(time_ratio(res, r))]
+        cells.append(_err(row))
+        cells += [_pct(loss_change(res, _row(res, row.method))) for res in trained]
+        rows.append(cells)
+    if trained:
+        cells = [f"*{NOISE} (for scale)*"] + ["", ""] * len(results) + [""]
+        cells += [_pct(loss_change(res, _row(res, NOISE))) for res in trained]
+        rows.append(cells)
+    align = ["---"] + ["--:"] * (len(header) - 1)
+    return _table(header, align, rows)
+
+
+def bars(results: Sequence[Any]) -> list[str]:
+    """The bars of the benchmark issue, each with the measured figures and a verdict.
+
+    A bar whose methods were not run (``--methods``) is left out.
+    """
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    def ran(*names: str) -> bool:
+        return all(_row(res, n) is not None for res in results for n in names)
+
+    lines = []
+    if ran(INT8):
+        times = [(res.label, time_ratio(res, _row(res, INT8))) for res in results]
+        worst = max(float("inf") if t is None else t for _, t in times)
+        lines.append(
+            "- int8 step time <= 1.25x baseline (target 1.15x): "
+            + ", ".join(f"{label} {_ratio(t)}" for label, t in times)
+            + f" -- {verdict(worst <= 1.25)}"
+            + ("" if worst > 1.25 else f", target {verdict(worst <= 1.15)}")
+        )
+    if ran(PLANNER_05, CHECKPOINT):
+        pairs = [(res.label, _row(res, PLANNER_05), _row(res, CHECKPOINT)) for res in results]
+        lines.append(
+            "- planner at budget 0.5 faster than checkpointing every block: "
+            + ", ".join(
+                f"{label} {p.step_seconds * 1e3:.0f} ms vs {c.step_seconds * 1e3:.0f} ms"
+                for label, p, c in pairs
+            )
+            + " -- "
+            + verdict(all(not p.error and p.step_seconds < c.step_seconds for _, p, c in pairs))
+        )
+    trained = [res for res in results if res.train_steps]
+    for name, bar in (
+        (INT8, f"- {INT8} final loss within 1% of the baseline's"),
+        (INT4_DRIFT, f"- {INT4_DRIFT} final loss within 1% of the baseline's"),
+        (INT2, f"- {INT2} (no drift check), reported as measured"),
+        (NOISE, "- for scale, the baseline trained on other seeds"),
+    ):
+        if not trained or any(_row(res, name) is None for res in trained):
+            continue
+        changes = [(res.label, loss_change(res, _row(res, name))) for res in trained]
+        line = f"{bar}: " + ", ".join(f"{label} {_pct(c)}" for label, c in changes)
+        if name in (INT8, INT4_DRIFT):
+            line += f" -- {verdict(all(c is not None and abs(c) <= 0.01 for _, c in changes))}"
+        lines.append(line)
+        if name == NOISE:
+            noisy = [(label, c) for label, c in changes if c is not None and abs(c) > 0.01]
+            if noisy:
+                lines.append(
+                    "- where the baseline's own run-to-run spread exceeds 1% ("
+                    + ", ".join(f"{label} {_pct(c)}" for label, c in noisy)
+                    + "), a loss difference smaller than that spread is within noise"
+                )
+    return lines
+
+
+def workload_section(res: Any) -> list[str]:
+    """The memory/time/gradient table of one workload, and its convergence table."""
+    lines = [
+        f"## {res.title}",
+        "",
+        f"Device: **{res.device}**. Measurement batch {res.measure_shape}; data: {res.data}.",
+        "",
+    ]
+    header = MEASURE_COLUMNS
+    base = _row(res, BASELINE)
+    rows = []
+    failures = []
+    for r in res.rows:
+        if r.method == NOISE:
+            continue
+        if r.error:
+            failures.append(f"- {r.method}: `{r.error}`")
+            rows.append([r.method, r.detail] + ["failed"] * 8)
+            continue
+        rows.append(
+            [
+                r.method,
+                r.detail,
+                f"{r.retained / MIB:.2f}",
+                _ratio(memory_ratio(res, r)),
+                f"{r.peak / MIB:.2f}",
+                f"{r.peak / base.peak:.2f}x" if base.peak else "-",
+                f"{r.packed / MIB:.2f}" if r.packed else "-",
+                f"{r.step_seconds * 1e3:.1f}",
+                _ratio(time_ratio(res, r)),
+                _err(r),
+            ]
+        )
+    lines += _table(header, ["---", "---"] + ["--:"] * 8, rows)
+    if failures:
+        lines += ["", "Failed (the error each raised):", "", *failures]
+    if not res.train_steps:
+        return lines
+    lines += [
+        "",
+        f"### Convergence: {res.train_steps} AdamW steps, batches of {res.train_shape}",
+        "",
+        f"Device: **{res.device}**. AdamW (lr {res.lr:g}, weight decay 0.01, 10 warm-up "
+        "steps, cosine decay to 10%), every method from the same initial weights on the same "
+        "batches. Held-out loss after the last step (eval mode)"
+        + (
+            f", mean of {res.seeds} seeds (data order, dropout masks) ± half their range"
+            if res.seeds > 1
+            else ""
+        )
+        + "; train loss: mean of the last 10% of steps; s/step: the whole training step "
+        "(optimizer and drift checks included), as a ratio to the baseline's, from runs "
+        f"interleaved step by step. *{NOISE}*: the baseline on as many other seeds, for the "
+        "run-to-run spread.",
+        "",
+    ]
+    header = ["method", "held-out loss", "vs baseline"]
+    if base.accuracy is not None:
+        header.append("accuracy")
+    header += ["train loss", "s/step vs baseline", "drift checks / bits at the end"]
+    rows = []
+    for r in res.rows:
+        if r.val_loss is None:
+            cells = [r.method, "failed", "-"] + ["-"] * (len(header) - 4) + [r.training]
+            rows.append(cells)
+            continue
+        spread = f" ± {r.val_spread:.4f}" if r.val_spread is not None else ""
+        cells = [r.method, f"{r.val_loss:.4f}{spread}", _pct(loss_change(res, r))]
+        if base.accuracy is not None:
+            cells.append(f"{r.accuracy:.1%}")
+        speed = f"{r.train_seconds / base.train_seconds:.2f}x" if base.train_seconds else "-"
+        cells += [f"{r.train_loss:.4f}", speed, r.training]
+        rows.append(cells)
+    lines += _table(header, ["---"] + ["--:"] * (len(header) - 2) + ["---"], rows)
+    return lines
+
+
+NOTES = """\
+## How it was measured
+
+- **Retained**: bytes held for backward after the forward; **peak**: the most held during
+  forward + backward; both above what was held before the step, with the gradients already
+  allocated by a warm-up step (`memopt_plugins.profile.MemoryMeter`; the smallest of a few
+  readings, taken round-robin). CUDA: `memory_allocated` / `max_memory_allocated`. CPU: the
+  process's RSS with glibc told to serve blocks of 4 KiB and more with mmap and to return freed
+  memory at once, peak from the kernel's `VmHWM` reset before each step. RSS misses small heap
+  blocks (the per-group scales of compressed tensors come from pages already resident), so on
+  the CPU a compressed method's retained is `max(RSS delta, packed bytes)`; **packed** is what
+  memopt's saved-tensor hooks hold after the forward. Peak is at least the retained figure.
+- **Step time**: forward + backward on the measurement batch, median over the timed rounds
+  after a warm-up, methods alternated round-robin (order rotated every round) in one process.
+  Timings on a shared machine are noisy; they are reported, never asserted.
+- **Gradient error**: `|g - g_exact| / |g_exact|` over all parameters together, one step on
+  the measurement batch, against the unpatched model under the same seed (same dropout masks).
+  Recompute methods are exact up to float rounding; memopt's rounding is stochastic, so a
+  second draw differs a little.
+- **Convergence**: every method trains its own copy of the same initial weights on the same
+  batches, interleaved step by step, each run with its own RNG stream (a run equals a standalone
+  seeded one). The drift check, where the config enables it, runs between backward and the
+  optimizer step, on the first `drift.sample_size` samples of the batch.
+- **save_on_cpu** on a CPU run: `tensor.cpu()` returns a host tensor as it is, so it frees
+  nothing and costs only the hook calls; it is here for the CUDA tables, where it moves saved
+  tensors to pinned host memory (host memory is not counted there).
+- **PyTorch SAC**: `create_selective_checkpoint_contexts` around every block, saving the outputs
+  of `mm`, `addmm`, `bmm`, `baddbmm`, `convolution` and the fused attention kernels; the rest is
+  recomputed.
+- **Checkpointing and BatchNorm**: PyTorch's checkpoint replays BatchNorm in training mode, so
+  the CNN's running statistics are updated twice per step under `checkpoint every block` and
+  SAC (pytorch#96136); the held-out loss, which uses them, shows it. memopt's recompute updates
+  them once.
+- **Combined presets**: `configs/gpt_int4_auto.yaml` (planner at 0.5 + 4 bits + drift, cosine)
+  for the transformers, `configs/convnet.yaml` (BatchNorm on running statistics after 100
+  warm-up steps, bit-packed dropout masks, 4 bits + drift) for the CNN. The memory, time and
+  gradient rows show the CNN preset in its steady state (past the warm-up), with BatchNorm
+  running statistics first brought to the measurement batch's by no-grad passes, as they are
+  mid-training; its gradient error therefore includes the gradient terms through the batch
+  statistics that running-statistics BatchNorm drops by design. Training runs use the presets
+  as they are, warm-up included.
+- **Planner**: it times modules, so two plans of one model can differ; the plan behind the
+  memory rows is made once (in the memory process, on the measurement batch) and adopted for
+  the time and gradient rows. Training runs plan on their first batch before the first step.
+- **Threads**: the device line says how many CPU threads torch used (`--threads`); on a shared
+  machine one thread avoids OpenMP threads waiting on busy cores, which distorts timings.
+"""
+
+
+def write_results(path: Path, results: Sequence[Any], meta: dict[str, Any]) -> Path:
+    """Write ``results.md`` for ``results`` (one per workload) and return its path."""
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# Benchmarks: memopt next to PyTorch's own memory tools",
+        "",
+        f"Generated by `{'make bench-quick' if meta['quick'] else 'make bench'}` "
+        f"(`benchmarks/run.py`) on {today}: torch {meta['torch']}, Python {meta['python']}, "
+        f"device {meta['device']}; the run took {meta['seconds'] / 60:.1f} min. Every table "
+        "names the device that produced it.",
+        "",
+    ]
+    if meta["quick"]:
+        lines += ["**Quick smoke run: tiny models and few steps; the numbers mean little.**", ""]
+    lines += [
+        "## Headline",
+        "",
+        "Retained activation memory and step time as ratios to the baseline (lower is better), "
+        "the gradient's relative error against exact, and the final held-out loss against the "
+        "baseline's after the same training steps.",
+        "",
+        *headline(results),
+        "",
+        "![memory vs step time](pareto.png)",
+        "",
+        "### The bars of the benchmark issue",
+        "",
+        *bars(results),
+        "",
+    ]
+    for res in results:
+        lines += workload_section(res) + [""]
+    lines.append(NOTES)
+    others = [(f, what) for f, what in OTHER_BENCHMARKS if (path.parent / f).exists()]
+    if others:
+        lines += ["## Other benchmarks", ""]
+        lines += [f"- [{f}]({f}): {what}" for f, what in others]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+# --------------------------------------------------------------------------- plot
+def _place_labels(ax: Any, points: list[tuple[float, float, str]], color: list[str]) -> None:
+    """Label every point, trying offsets at three distances and keeping the least overlapping.
+
+    Overlap counts other labels, points under the label and leaving the axes.
+    """
+    from matplotlib.text import Text
+
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    placed: list[Any] = []
+    dots = [ax.transData.transform((x, y)) for x, y, _ in points]
+    offsets = [(6, 4), (6, -10), (-6, 4), (-6, -10), (0, 9), (0, -14), (10, -3), (-10, -3)]
+    offsets += [(dx * k, dy * k) for k in (2, 3) for dx, dy in offsets]  # farther out
+    for (x, y, text), c in zip(points, color, strict=True):
+        best = None
+        for dx, dy in offsets:
+            label = ax.annotate(
+                text,
+                (x, y),
+                xytext=(dx, dy),
+                textcoords="offset points",
+                fontsize=7.5,
+                color=c,
+                ha="left" if dx > 0 else ("right" if dx < 0 else "center"),
+                arrowprops={"arrowstyle": "-", "color": c, "lw": 0.5, "shrinkA": 0, "shrinkB": 3},
+            )
+            label.update_positions(renderer)
+            box = Text.get_window_extent(label, renderer).expanded(1.05, 1.15)  # text, no line
+            overlap = sum(_area(box, other) for other in placed)
+            overlap += sum(
+                box.width * box.height
+                for px, py in dots
+                if box.x0 <= px <= box.x1 and box.y0 <= py <= box.y1
+            )
+            inside = ax.get_window_extent(renderer)
+            overlap += (
+                0 if inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1) else 1e6
+            )
+            if best is None or overlap < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (overlap, label, box)
+            else:
+                label.remove()
+            if overlap == 0:
+                break
+        placed.append(best[2])
+
+
+def _area(a: Any, b: Any) -> float:
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+def write_plot(path: Path, results: Sequence[Any]) -> Path:
+    """``pareto.png``: retained memory vs step time (ratios to the baseline), a panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.2 * len(results), 6.4), squeeze=False)
+    labelled = []
+    for ax, res in zip(axes[0], results, strict=True):
+        rows = [r for r in res.rows if r.method != NOISE and memory_ratio(res, r) is not None]
+        rows = [r for r in rows if time_ratio(res, r) is not None]
+        xs = [time_ratio(res, r) for r in rows]
+        ys = [memory_ratio(res, r) for r in rows]
+        colors = [
+            "black"
+            if r.method == BASELINE
+            else ("tab:orange" if r.family == MEMOPT else "tab:blue")
+            for r in rows
+        ]
+        ax.scatter(xs, ys, c=colors, s=36, zorder=3)
+        ax.scatter([1], [1], s=110, facecolors="none", edgecolors="black", zorder=4)  # baseline
+        ax.axhline(1, color="0.8", lw=0.8, zorder=1)
+        ax.axvline(1, color="0.8", lw=0.8, zorder=1)
+        ax.set_xlim(min(0.9, min(xs) - 0.05), max(xs) * 1.15 + 0.05)
+        ax.set_ylim(-0.1, max(1.1, max(ys) * 1.08))  # room for labels under the lowest points
+        ax.set_xlabel("step time vs baseline (forward + backward)")
+        ax.set_ylabel("retained activation memory vs baseline")
+        ax.set_title(f"{res.label}\n{res.device}", fontsize=10)
+        ax.grid(True, color="0.93", zorder=0)
+        labelled.append(
+            (ax, [(x, y, r.method) for x, y, r in zip(xs, ys, rows, strict=True)], colors)
+        )
+    handles = [
+        plt.Line2D([], [], marker="o", ls="", color=c, label=lab)
+        for c, lab in (("black", "baseline"), ("tab:blue", "PyTorch"), ("tab:orange", "memopt"))
+    ]
+    fig.legend(handles=handles, loc="upper right", ncols=3, frameon=False)
+    fig.suptitle("Memory vs step time (lower left is better)", x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.canvas.draw()
+    for ax, points, colors in labelled:
+        _place_labels(ax, points, colors)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

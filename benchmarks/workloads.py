@@ -1,0 +1,308 @@
+"""The three workloads of the benchmark: a model, its loss, the batch it is measured on, real data.
+
+* ``gpt``: our character GPT (``examples/models.py``) on the Python standard library's source.
+* ``hf-gpt2``: Hugging Face GPT-2 built from a small config (no download), same text.
+* ``cnn``: ``SmallResNet`` (ResNet basic blocks, BatchNorm, dropout) on scikit-learn's digits.
+
+Memory, step time and gradient error are taken on one fixed batch of real data (``measure``);
+convergence trains from the same initial weights on ``train_batches(seed)`` and reports the mean
+loss on the held-out ``val`` batches. Sizes differ between the full run and ``--quick``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+if str(ROOT / "examples") not in sys.path:
+    sys.path.insert(0, str(ROOT / "examples"))
+
+from data import CharWindows, digits, encode, stdlib_text  # noqa: E402
+from models import GPT, SmallResNet, classification_loss, lm_loss  # noqa: E402
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass
+class Workload:
+    """One model with its data, as every method sees it.
+
+    Attributes:
+        key: short id (``--only``); label: short name (headline columns); title: the heading.
+        build: a fresh model with the workload's initial weights (seeded, so every call agrees).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        block_class: class name of the blocks that PyTorch checkpointing wraps.
+        preset: the combined memopt preset for this kind of model (``configs/*.yaml``).
+        measure: the batch memory, step time and gradient error are measured on.
+        train_batches: ``train_batches(seed)`` -> the batches of one training run, or ``None``
+            when the workload is measured but not trained.
+        val: held-out batches for the final loss.
+        lr: AdamW learning rate of the training runs.
+        seeds: the seeds every method trains with (data order, dropout); results are means.
+        data: a line saying what the data is.
+        accuracy: whether the final evaluation also reports classification accuracy.
+    """
+
+    key: str
+    label: str
+    title: str
+    build: Callable[[], nn.Module]
+    loss_fn: LossFn
+    block_class: str
+    preset: Path
+    measure: Batch
+    train_batches: Callable[[int], list[Batch]] | None
+    val: list[Batch]
+    lr: float
+    data: str
+    accuracy: bool = False
+    seeds: tuple[int, ...] = (0,)
+
+    def to(self, device: torch.device) -> Workload:
+        """Move the batches to ``device`` (models are moved where they are built)."""
+        self.measure = to_device(self.measure, device)
+        self.val = [to_device(b, device) for b in self.val]
+        make = self.train_batches
+        if make is not None:
+            self.train_batches = lambda seed: [to_device(b, device) for b in make(seed)]
+        return self
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` (a tensor or a tuple of tensors) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    return type(batch)(to_device(b, device) for b in batch)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each workload is; :data:`FULL` for ``make bench``, :data:`QUICK` for a smoke run."""
+
+    gpt_dim: int
+    gpt_depth: int
+    measure_batch: int  # transformers: sequences of `measure_len`
+    measure_len: int
+    train_batch: int
+    train_len: int
+    gpt_steps: int
+    cnn_width: int
+    cnn_measure_batch: int
+    cnn_train_batch: int
+    cnn_steps: int
+    cnn_seeds: int
+    val_batches: int
+    text_chars: int
+
+
+FULL = Sizes(
+    gpt_dim=128,
+    gpt_depth=4,
+    measure_batch=16,
+    measure_len=128,
+    train_batch=16,
+    train_len=64,
+    gpt_steps=200,
+    cnn_width=32,
+    cnn_measure_batch=256,
+    cnn_train_batch=32,
+    cnn_steps=150,
+    cnn_seeds=3,
+    val_batches=16,
+    text_chars=2_000_000,
+)
+QUICK = Sizes(
+    gpt_dim=32,
+    gpt_depth=2,
+    measure_batch=4,
+    measure_len=32,
+    train_batch=4,
+    train_len=32,
+    gpt_steps=4,
+    cnn_width=8,
+    cnn_measure_batch=32,
+    cnn_train_batch=16,
+    cnn_steps=4,
+    cnn_seeds=2,
+    val_batches=2,
+    text_chars=100_000,
+)
+
+
+def _windows(tokens: torch.Tensor, length: int, count: int, seed: int) -> torch.Tensor:
+    """``count`` windows of ``length + 1`` tokens at random offsets fixed by ``seed``."""
+    offsets = CharWindows(tokens, length, count, seed=seed).offsets.tolist()
+    return torch.stack([tokens[o : o + length + 1] for o in offsets])
+
+
+def _text_splits(sizes: Sizes) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = encode(stdlib_text(sizes.text_chars))
+    cut = int(0.9 * tokens.numel())
+    return tokens[:cut], tokens[cut:]
+
+
+def _char_batches(
+    tokens: torch.Tensor, batch: int, length: int, count: int, seed: int
+) -> list[torch.Tensor]:
+    """``count`` batches of ``batch`` windows (``length + 1`` tokens each)."""
+    return list(_windows(tokens, length, batch * count, seed).split(batch))
+
+
+def gpt_workload(sizes: Sizes) -> Workload:
+    """Our character GPT (GPT-2 layout, dropout 0.1) on the standard library's source."""
+    train, val = _text_splits(sizes)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(vocab=128, dim=sizes.gpt_dim, depth=sizes.gpt_depth, block_size=128)
+
+    def xy(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return w[:, :-1], w[:, 1:]
+
+    measure = _char_batches(train, sizes.measure_batch, sizes.measure_len, 1, seed=99)[0]
+    return Workload(
+        key="gpt",
+        label="GPT",
+        title=f"GPT (examples/models.py, {sizes.gpt_depth} blocks x width {sizes.gpt_dim})",
+        build=build,
+        loss_fn=lm_loss,
+        block_class="Block",
+        preset=CONFIGS / "gpt_int4_auto.yaml",
+        measure=xy(measure),
+        train_batches=lambda seed: [
+            xy(w)
+            for w in _char_batches(
+                train, sizes.train_batch, sizes.train_len, sizes.gpt_steps, seed=seed
+            )
+        ],
+        val=[
+            xy(w)
+            for w in _char_batches(val, sizes.train_batch, sizes.train_len, sizes.val_batches, 1)
+        ],
+        lr=3e-3,
+        data=f"characters of the standard library's .py files ({train.numel() / 1e6:.1f} M "
+        f"train, {val.numel() / 1e6:.2f} M held out)",
+    )
+
+
+def hf_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Hugging Face causal-LM loss (the model shifts the labels itself)."""
+    return model(input_ids=batch, labels=batch).loss
+
+
+def hf_gpt2_workload(sizes: Sizes) -> Workload:
+    """Hugging Face GPT-2 from a config (tests/zoo.py's, with ASCII vocabulary and dropout 0.1).
+
+    Measured only: its training curve would repeat the GPT's at twice the cost.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    train, _ = _text_splits(sizes)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        cfg = GPT2Config(
+            vocab_size=128,
+            n_positions=128,
+            n_embd=sizes.gpt_dim,
+            n_layer=sizes.gpt_depth,
+            n_head=4,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+            bos_token_id=0,
+            eos_token_id=0,
+            use_cache=False,
+        )
+        cfg._attn_implementation = "eager"
+        return GPT2LMHeadModel(cfg)
+
+    measure = _char_batches(train, sizes.measure_batch, sizes.measure_len - 1, 1, seed=99)[0]
+    return Workload(
+        key="hf-gpt2",
+        label="HF GPT-2",
+        title=f"Hugging Face GPT-2 (transformers, from a config: {sizes.gpt_depth} layers x "
+        f"width {sizes.gpt_dim}, eager attention)",
+        build=build,
+        loss_fn=hf_lm_loss,
+        block_class="GPT2Block",
+        preset=CONFIGS / "gpt_int4_auto.yaml",
+        measure=measure,
+        train_batches=None,
+        val=[],
+        lr=3e-3,
+        data="characters of the standard library's .py files (measurement batch only)",
+    )
+
+
+def cnn_workload(sizes: Sizes) -> Workload:
+    """``SmallResNet`` (two stages of basic blocks, BatchNorm, dropout 0.1) on 8x8 digits."""
+    train, val = digits(val_fraction=0.2, seed=0)
+    images, labels = train.tensors
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return SmallResNet(in_channels=1, classes=10, width=sizes.cnn_width)
+
+    def train_batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(seed)
+        per_epoch = len(labels) // sizes.cnn_train_batch
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        while len(out) < sizes.cnn_steps:
+            order = torch.randperm(len(labels), generator=generator)
+            for chunk in order[: per_epoch * sizes.cnn_train_batch].split(sizes.cnn_train_batch):
+                out.append((images[chunk], labels[chunk]))
+        return out[: sizes.cnn_steps]
+
+    val_x, val_y = val.tensors
+    n = sizes.cnn_measure_batch
+    return Workload(
+        key="cnn",
+        label="CNN",
+        title=f"ResNet-style CNN (examples/models.py SmallResNet, width {sizes.cnn_width})",
+        build=build,
+        loss_fn=classification_loss,
+        block_class="BasicBlock",
+        preset=CONFIGS / "convnet.yaml",
+        measure=(images[:n], labels[:n]),
+        train_batches=train_batches,
+        val=[(val_x, val_y)],
+        lr=3e-3,
+        data=f"scikit-learn's load_digits, 8x8 images ({len(labels)} train, {len(val_y)} held out)",
+        accuracy=True,
+        seeds=tuple(range(sizes.cnn_seeds)),
+    )
+
+
+def workloads(sizes: Sizes) -> list[Workload]:
+    """All three workloads at ``sizes``."""
+    return [gpt_workload(sizes), hf_gpt2_workload(sizes), cnn_workload(sizes)]
+
+
+def evaluate(model: nn.Module, workload: Workload) -> tuple[float, float | None]:
+    """Mean loss over the held-out batches (eval mode, no grad), and accuracy where it applies."""
+    was_training = model.training
+    model.eval()
+    losses, correct, total = [], 0, 0
+    with torch.no_grad():
+        for batch in workload.val:
+            if workload.accuracy:
+                x, y = batch
+                logits = model(x)
+                losses.append(float(F.cross_entropy(logits, y)))
+                correct += int((logits.argmax(-1) == y).sum())
+                total += len(y)
+            else:
+                losses.append(float(workload.loss_fn(model, batch)))
+    model.train(was_training)
+    return sum(losses) / len(losses), (correct / total if total else None)

@@ -1,0 +1,168 @@
+"""The benchmark keeps working: `benchmarks/run.py --quick` runs and writes complete results.
+
+One quick run (tiny models, a few steps, one thread) in a subprocess, shared by the tests below.
+Timings are never asserted; memory, gradient and loss figures are, where they are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from methods import METHODS, method_names  # noqa: E402
+from report import MEASURE_COLUMNS  # noqa: E402
+
+WORKLOADS = ("gpt", "hf-gpt2", "cnn")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    rows = {w["key"]: {r["method"]: r for r in w["rows"]} for w in data["workloads"]}
+    return out, (out / "results.md").read_text(), data, rows
+
+
+def tables(markdown: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """``(heading, header cells, body rows)`` of every markdown table, under its last heading."""
+    found, heading, lines = [], "", markdown.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        if line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|-"):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            body = []
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                body.append([c.strip() for c in lines[i].strip("|").split("|")])
+                i += 1
+            found.append((heading, header, body))
+            continue
+        i += 1
+    return found
+
+
+def test_every_workload_table_has_every_method_and_column(quick):
+    _, markdown, _, _ = quick
+    measured = [t for t in tables(markdown) if t[1] == MEASURE_COLUMNS]
+    assert len(measured) == len(WORKLOADS)
+    for heading, header, body in measured:
+        assert [row[0] for row in body] == method_names(), heading
+        assert all(len(row) == len(header) for row in body), heading
+
+
+def test_headline_has_a_row_per_method_with_ratios_for_all_three_models(quick):
+    _, markdown, _, _ = quick
+    heading, header, body = tables(markdown)[0]
+    assert heading == "Headline"
+    assert header[:7] == [
+        "method",
+        "GPT memory",
+        "GPT time",
+        "HF GPT-2 memory",
+        "HF GPT-2 time",
+        "CNN memory",
+        "CNN time",
+    ]
+    assert header[-2:] == ["GPT loss vs baseline", "CNN loss vs baseline"]
+    assert [row[0] for row in body[: len(METHODS)]] == method_names()
+    assert body[0][1:7] == ["1.00x"] * 6  # the baseline against itself
+
+
+def test_convergence_tables_cover_every_method_and_the_seed_spread(quick):
+    _, markdown, data, _ = quick
+    convergence = [t for t in tables(markdown) if t[0].startswith("Convergence")]
+    assert len(convergence) == 2  # the GPT on text, the CNN on digits
+    for _, header, body in convergence:
+        assert header[:3] == ["method", "held-out loss", "vs baseline"]
+        assert [row[0] for row in body] == method_names() + ["baseline, other seeds"]
+    steps = {w["key"]: w["train_steps"] for w in data["workloads"]}
+    assert steps == {"gpt": 4, "hf-gpt2": 0, "cnn": 4}
+
+
+def test_every_table_names_its_device(quick):
+    _, markdown, data, _ = quick
+    device = data["meta"]["device"]
+    assert device.startswith("cpu (1 thread")
+    assert markdown.count(f"Device: **{device}**") == len(WORKLOADS) + 2  # + 2 convergence
+
+
+def test_exact_methods_reproduce_the_baseline_gradient(quick):
+    _, _, _, rows = quick
+    exact = [m.name for m in METHODS if m.exact]
+    assert len(exact) == 6
+    for key in WORKLOADS:
+        for name in exact:
+            assert rows[key][name]["error"] is None, (key, name)
+            assert rows[key][name]["grad_error"] < 1e-5, (key, name)
+
+
+def test_gradient_error_grows_as_bits_shrink(quick):
+    _, _, _, rows = quick
+    for key in WORKLOADS:
+        r = rows[key]
+        errors = [r[f"memopt int{b}"]["grad_error"] for b in (8, 4, 2)]
+        assert 0 < errors[0] < 0.05, key  # ~1% at 8 bits (DESIGN.md)
+        assert errors[0] < errors[1] < errors[2], key
+
+
+def test_packed_bytes_halve_with_each_halving_of_bits_and_bound_retained(quick):
+    _, _, _, rows = quick
+    for key in WORKLOADS:
+        r = rows[key]
+        packed = [r[f"memopt int{b}"]["packed"] for b in (8, 4, 2)]
+        assert 0.4 < packed[1] / packed[0] < 0.6, key
+        assert 0.4 < packed[2] / packed[1] < 0.65, key
+        for b in (8, 4, 2):
+            row = r[f"memopt int{b}"]
+            assert row["retained"] == max(row["meter_retained"], row["packed"])
+        assert r["baseline"]["packed"] == 0
+        assert r["baseline"]["retained"] > packed[0]  # 8 bits keep under a third of float32
+
+
+def test_every_method_trains_to_the_end_including_drift_checks(quick):
+    """The drift check runs at step 0 under every drift-enabled config, the planner's regions
+    included (the combined GPT preset: planner + 4 bits + drift)."""
+    _, _, _, rows = quick
+    for key in ("gpt", "cnn"):
+        for name, row in rows[key].items():
+            assert row["val_loss"] is not None, (key, name, row["training"])
+        assert rows[key]["memopt int4 + drift"]["training"].startswith("1 drift check,"), key
+        assert rows[key]["memopt combined preset"]["training"].startswith("1 drift check,"), key
+
+
+def test_interleaved_training_runs_equal_standalone_seeded_runs(quick):
+    """Exact methods on the GPT (dropout on) end at the baseline's loss: each run's RNG stream is
+    its own even though the runs step in turn, and recompute replays the same dropout masks."""
+    _, _, _, rows = quick
+    r = rows["gpt"]
+    base = r["baseline"]["val_loss"]
+    for name in ("checkpoint every block", "save_on_cpu", "memopt planner 0.5"):
+        assert abs(r[name]["val_loss"] - base) <= 1e-5 * base, name
+    assert r["baseline, other seeds"]["val_loss"] != base
+
+
+def test_pareto_png_is_written(quick):
+    out, markdown, _, _ = quick
+    png = (out / "pareto.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width = int.from_bytes(png[16:20], "big")
+    assert width >= 1500  # three panels side by side
+    assert "![memory vs step time](pareto.png)" in markdown
