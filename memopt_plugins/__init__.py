@@ -2,6 +2,7 @@
 
 from .config import ConfigError, MemOptConfig
 from .engine import MemoryOptimizer
+from .recompute import RecomputeError
 
-__all__ = ["ConfigError", "MemOptConfig", "MemoryOptimizer"]
+__all__ = ["ConfigError", "MemOptConfig", "MemoryOptimizer", "RecomputeError"]
 __version__ = "0.1.0"

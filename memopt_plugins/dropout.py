@@ -54,7 +54,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from .compress.codec import _pack_bits, _unpack_bits
+from .compress.codec import pack_bits, unpack_bits
 
 log = logging.getLogger("memopt")
 
@@ -71,12 +71,12 @@ _SEED_HIGH = 2**63 - 1
 
 def pack_mask(noise: torch.Tensor) -> torch.Tensor:
     """A 0/1 tensor of any dtype as ``uint8`` bits, 8 elements per byte, in row-major order."""
-    return _pack_bits(noise.to(torch.uint8).reshape(-1), 1)
+    return pack_bits(noise.to(torch.uint8).reshape(-1), 1)
 
 
 def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`pack_mask`: a contiguous 0/1 tensor of ``shape`` and ``dtype``."""
-    return _unpack_bits(packed, 1, math.prod(shape)).view(shape).to(dtype)
+    return unpack_bits(packed, 1, math.prod(shape)).view(shape).to(dtype)
 
 
 def _draw_seed() -> int:

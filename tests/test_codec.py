@@ -12,13 +12,13 @@ from memopt_plugins.compress.codec import (
     NarrowedInt,
     PackedTensor,
     _bf16_round_up,
-    _pack_bits,
-    _unpack_bits,
     codec_generator,
     dequantize,
     narrow_int,
+    pack_bits,
     quantize,
     tensor_nbytes,
+    unpack_bits,
     widen_int,
 )
 
@@ -325,9 +325,9 @@ def test_scale_is_the_smallest_bfloat16_not_below_the_exact_step() -> None:
 @pytest.mark.parametrize("count", [1, 7, 64, 1001])
 def test_bit_packing_round_trips(bits: int, count: int) -> None:
     codes = torch.randint(0, 2**bits, (count,), dtype=torch.uint8, generator=_generator(13))
-    packed = _pack_bits(codes, bits)
+    packed = pack_bits(codes, bits)
     assert packed.numel() == math.ceil(count * bits / 8)
-    assert torch.equal(_unpack_bits(packed, bits, count), codes)
+    assert torch.equal(unpack_bits(packed, bits, count), codes)
 
 
 def test_bad_arguments_raise() -> None:

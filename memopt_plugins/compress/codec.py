@@ -311,7 +311,7 @@ def _to_uint8(codes: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.uint8)
 
 
-def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack 1-D integer-valued codes (any dtype) of ``bits`` bits into ``uint8``, low bits first.
 
     ``bits`` is 1, 2, 4 or 8 (1: dropout masks). The codes of one packed byte, one byte each, are
@@ -334,8 +334,8 @@ def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed.to(torch.uint8)  # the low byte (conversion wraps modulo 256)
 
 
-def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_bits`: the first ``count`` codes as 1-D ``uint8``."""
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``count`` codes as 1-D ``uint8``."""
     if bits == 8:
         return packed[:count]
     per_byte = 8 // bits
@@ -380,7 +380,7 @@ def _encode(
         )
         if clear_nan:
             codes.nan_to_num_(0.0)
-        chunk_bytes = _pack_bits(codes.view(-1), bits)
+        chunk_bytes = pack_bits(codes.view(-1), bits)
         first = start * size // per_byte
         packed[first : first + chunk_bytes.numel()] = chunk_bytes
     return packed
@@ -404,7 +404,7 @@ def _decode(p: PackedTensor) -> torch.Tensor:
         stop = min(start + rows, n_groups)
         first = start * size // per_byte
         count = (stop - start) * size
-        codes = _unpack_bits(p.codes[first : first + -(-count // per_byte)], p.bits, count)
+        codes = unpack_bits(p.codes[first : first + -(-count // per_byte)], p.bits, count)
         target = out[start:stop] if work is None else work[: stop - start]
         target.copy_(codes.view(stop - start, size))
         target.sub_(zero_point[start:stop]).mul_(step[start:stop])
