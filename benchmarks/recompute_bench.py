@@ -15,24 +15,21 @@ The markdown goes to stdout, and to FILE when given.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-import re
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from methods import checkpoint_blocks, summarize  # noqa: E402
 from models import cnn, gpt  # noqa: E402
 
 from memopt_plugins import MemoryOptimizer  # noqa: E402
@@ -64,12 +61,6 @@ def to_device(batch: object, device: torch.device) -> object:
     return type(batch)(to_device(b, device) for b in batch)
 
 
-def summarize(fqns: tuple[str, ...]) -> str:
-    """``blocks.0.mlp, blocks.1.mlp`` -> ``blocks.*.mlp x2``."""
-    counts = Counter(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", f) for f in fqns)
-    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items()) or "-"
-
-
 def build(factory: Callable, device: torch.device, name: str) -> Run:
     model, batch, loss_fn = factory()
     return Run(name, model.to(device).train(), to_device(batch, device), loss_fn)
@@ -77,12 +68,7 @@ def build(factory: Callable, device: torch.device, name: str) -> Run:
 
 def checkpoint_every(run: Run, block_class: str) -> Run:
     """PyTorch's non-reentrant checkpoint around every block: the usual full-block recipe."""
-    blocks = [f for f, m in run.model.named_modules() if type(m).__name__ == block_class]
-    modules = dict(run.model.named_modules())
-    for fqn in blocks:
-        module = modules[fqn]
-        module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
-    run.recomputed = summarize(tuple(blocks))
+    run.recomputed = summarize(checkpoint_blocks(run.model, block_class))
     return run
 
 
