@@ -101,7 +101,7 @@ class MemoryOptimizer:
         """Per-module decision with the current bits; printable."""
         model = self._require_model()
         plan = Plan()
-        regions = self._recompute.actions() if self._recompute is not None else {}
+        regions = self._region_fqns()
         for fqn, module in model.named_modules():
             bits = self._bits.get(fqn)
             if fqn in regions:
@@ -237,7 +237,7 @@ class MemoryOptimizer:
 
     def _recompute_changed(self, plan: RecomputePlan | None = None) -> None:
         """Modules inside a recompute region are not compressed: park their bits meanwhile."""
-        inside = self._recompute.actions() if self._recompute is not None else {}
+        inside = self._region_fqns()
         for fqn in [f for f in self._bits if f in inside]:
             self._parked_bits[fqn] = self._bits.pop(fqn)
         for fqn in [f for f in self._parked_bits if f not in inside]:
