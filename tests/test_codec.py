@@ -1,4 +1,7 @@
-"""Codec: error bounds, bytes held, exactness guarantees, RNG isolation, integer narrowing."""
+"""Codec: error bounds, bytes held, exactness guarantees, RNG isolation, integer narrowing.
+
+Every test runs twice: on the fused CPU kernels (``native``) and on the torch ops (``torch``).
+"""
 
 import gc
 import math
@@ -7,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from memopt_plugins.compress import codec
+from memopt_plugins.compress import codec, native
 from memopt_plugins.compress.codec import (
     NarrowedInt,
     PackedTensor,
@@ -24,6 +27,17 @@ from memopt_plugins.compress.codec import (
 
 BITS = (2, 4, 8)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def codec_path(request, monkeypatch) -> str:
+    """Run the test on the fused kernels, then on the torch path (the kernels switched off)."""
+    if request.param == "native":
+        if native.library() is None:
+            pytest.skip("the codec kernels cannot be built here (no C compiler?)")
+    else:
+        monkeypatch.setitem(native._state, "lib", None)
+    return request.param
 
 
 def _generator(seed: int = 0) -> torch.Generator:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
+
 _SUPPORTED_BITS = (2, 4, 8)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Candidate integer types for narrowing, smallest first.
@@ -447,40 +449,87 @@ def quantize(
     if stochastic and generator is None:
         generator = codec_generator(x.device)
     with torch.no_grad():
-        groups = _Groups.of(x.detach(), group_size)
+        x = x.detach()
+        if native.supports(x.device, x.dtype):
+            return _quantize_native(
+                x.contiguous(), bits, group_size, generator if stochastic else None
+            )
+        groups = _Groups.of(x, group_size)
         work = _work_dtype(x.dtype)
         mins, maxs = groups.stats()
         params = _group_params(mins.to(work), maxs.to(work), bits, x.dtype)
         n_exact, n_const = torch.stack((params.exact.sum(), params.const.sum())).tolist()
         codes = _encode(groups, params, bits, generator if stochastic else None, n_exact > 0)
-
-        exact_index = exact_values = const_index = const_values = None
-        if n_exact:
-            exact_index = params.exact.nonzero().view(-1)
-            exact_values = groups.select(exact_index)
-        if n_const:
-            const_index = params.const.nonzero().view(-1)
-            const_values = groups.select(const_index)[:, 0].clone()  # not a view of the rows
-        return PackedTensor(
-            codes=codes,
-            scale=params.scale,
-            zero_point=params.zero_point.to(torch.uint8),
-            exact_index=exact_index,
-            exact_values=exact_values,
-            const_index=const_index,
-            const_values=const_values,
-            shape=x.shape,
-            dtype=x.dtype,
-            bits=bits,
-            group_size=group_size,
-            numel=x.numel(),
+        return _packed(
+            x,
+            groups,
+            codes,
+            params.scale,
+            params.zero_point.to(torch.uint8),
+            params.exact if n_exact else None,
+            params.const if n_const else None,
+            bits,
+            group_size,
         )
+
+
+def _quantize_native(
+    x: torch.Tensor, bits: int, group_size: int, generator: torch.Generator | None
+) -> PackedTensor:
+    """:func:`quantize` by the fused CPU kernels (contiguous ``x``); same bytes when nearest."""
+    seed = None
+    if generator is not None:  # one draw from the generator seeds the kernels' noise
+        seed = int(torch.randint(2**62, (), generator=generator))
+    q = native.quantize(x.view(-1), group_size, bits, seed)
+    exact = q.exact if q.exact is not None and q.exact.any() else None
+    const = q.const if q.const is not None and q.const.any() else None
+    groups = _Groups.of(x, group_size) if exact is not None or const is not None else None
+    return _packed(x, groups, q.codes, q.scale, q.zero_point, exact, const, bits, group_size)
+
+
+def _packed(
+    x: torch.Tensor,
+    groups: _Groups | None,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    exact: torch.Tensor | None,
+    const: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> PackedTensor:
+    """The :class:`PackedTensor` of ``x``, with copies of the groups flagged ``exact`` (all
+    their values) and ``const`` (one value each); ``groups`` may be ``None`` when neither is."""
+    exact_index = exact_values = const_index = const_values = None
+    if exact is not None:
+        exact_index = exact.nonzero().view(-1)
+        exact_values = groups.select(exact_index)
+    if const is not None:
+        const_index = const.nonzero().view(-1)
+        const_values = groups.select(const_index)[:, 0].clone()  # not a view of the rows
+    return PackedTensor(
+        codes=codes,
+        scale=scale,
+        zero_point=zero_point,
+        exact_index=exact_index,
+        exact_values=exact_values,
+        const_index=const_index,
+        const_values=const_values,
+        shape=x.shape,
+        dtype=x.dtype,
+        bits=bits,
+        group_size=group_size,
+        numel=x.numel(),
+    )
 
 
 def dequantize(p: PackedTensor) -> torch.Tensor:
     """Decode ``p`` to a contiguous tensor of its original shape and dtype."""
     with torch.no_grad():
-        out = _decode(p)
+        if native.supports(p.codes.device, p.dtype):
+            out = native.decode(p.codes, p.bits, p.group_size, p.scale, p.zero_point, p.dtype)
+        else:
+            out = _decode(p)
         if p.const_index is not None:
             out[p.const_index] = p.const_values[:, None]
         if p.exact_index is not None:

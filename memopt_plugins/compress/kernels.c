@@ -1,0 +1,350 @@
+/* Fused CPU kernels of the activation codec, called through ctypes by native.py.
+ *
+ * codec.py holds the specification, and with round-to-nearest these kernels write the same bytes
+ * as its torch path (tests/test_codec.py checks it). Quantizing makes one pass over memory
+ * (group statistics, parameters, codes and packing while a group is in cache) instead of torch's
+ * dozen, decoding one; both work on a range of groups, so callers can split a tensor.
+ *
+ * Element types (dtype argument): 0 float32, 1 bfloat16, 2 float16. Codes are packed low bits
+ * first, 8 / bits per byte, in the order of the flattened tensor.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even; finite input (decoded values always are). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Elements [start, start + count) of x as float32 into buf. */
+static void load(const void *x, int dtype, int64_t start, int64_t count, float *buf) {
+    if (dtype == F32) {
+        memcpy(buf, (const float *)x + start, (size_t)count * sizeof(float));
+    } else if (dtype == BF16) {
+        const uint16_t *p = (const uint16_t *)x + start;
+        for (int64_t i = 0; i < count; i++) buf[i] = from_bf16(p[i]);
+    } else {
+        const _Float16 *p = (const _Float16 *)x + start;
+        for (int64_t i = 0; i < count; i++) buf[i] = (float)p[i];
+    }
+}
+
+/* A group's elements as float32 in buf (group_size floats); the tensor's last group is padded
+ * by repeating its last element, as codec.py's _Groups does. Returns buf. */
+static float *load_group(const void *x, int dtype, int64_t numel, int64_t group_size, int64_t g,
+                         float *buf) {
+    int64_t start = g * group_size;
+    int64_t count = numel - start < group_size ? numel - start : group_size;
+    load(x, dtype, start, count, buf);
+    for (int64_t i = count; i < group_size; i++) buf[i] = buf[count - 1];
+    return buf;
+}
+
+/* The float32 whose order key (below) is k: the key flips the magnitude bits of negative
+ * floats, so that signed int32 order is the floats' order (NaN aside); flipping is its inverse. */
+static inline float from_order_key(int32_t k) {
+    int32_t i = k ^ ((k >> 31) & 0x7fffffff);
+    float f;
+    memcpy(&f, &i, sizeof f);
+    return f;
+}
+
+/* Minimum and maximum of the n floats at v, both NaN when one is NaN. Integer reductions over
+ * order keys: they vectorize where float min/max (NaN rules) do not. */
+static void minmax(const float *v, int64_t n, float *mn, float *mx) {
+    int32_t lo = INT32_MAX, hi = INT32_MIN, nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t bits;
+        memcpy(&bits, &v[i], sizeof bits);
+        int32_t k = bits ^ ((bits >> 31) & 0x7fffffff);
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+        nan |= (bits & 0x7fffffff) > 0x7f800000;
+    }
+    *mn = nan ? __builtin_nanf("") : from_order_key(lo);
+    *mx = nan ? __builtin_nanf("") : from_order_key(hi);
+}
+
+/* f (>= 0) as bfloat16, rounded toward +inf so a step never shrinks: codec._bf16_round_up. */
+static inline uint16_t bf16_round_up(float f) {
+    uint16_t y = to_bf16(f);
+    return from_bf16(y) < f ? (uint16_t)(y + 1) : y;
+}
+
+enum { EXACT = 1, CONSTANT = 2 };
+
+/* A group's parameters from its minimum and maximum: codec._group_params, operation for
+ * operation in float32, so both give the same bits. */
+typedef struct {
+    float divisor;    /* the step, 1 where it is not used */
+    float zero_point; /* integer-valued */
+    uint16_t scale;   /* bfloat16 bits of the stored step; 0 for a group kept exactly */
+    uint8_t flags;    /* EXACT: kept exactly; CONSTANT: its value goes in the side table */
+} params_t;
+
+static params_t group_params(float mn, float mx, int bits, float dtype_max) {
+    const float top = (float)((1 << bits) - 1);
+    const int finite = __builtin_isfinite(mn) && __builtin_isfinite(mx);
+    const int constant = mn == mx;
+    if (!finite) mn = mx = 0.0f;
+    const int nonneg = mn >= 0.0f, nonpos = mx <= 0.0f;
+    const float span = constant ? 1.0f : mx - mn;
+    float zp_mixed = __builtin_rintf(-mn / span * top);
+    zp_mixed = zp_mixed < 1.0f ? 1.0f : zp_mixed > top - 1.0f ? top - 1.0f : zp_mixed;
+    const float zero_point = nonneg ? 0.0f : nonpos ? top : zp_mixed;
+    const float below = -mn / zp_mixed, above = mx / (top - zp_mixed);
+    float scale = nonneg ? mx / top : nonpos ? -mn / top : (below >= above ? below : above);
+    if (constant) scale = __builtin_fabsf(mx);
+    const uint16_t stored = bf16_round_up(scale);
+    const float step = from_bf16(stored);
+    const float reach = (zero_point > top - zero_point ? zero_point : top - zero_point) * step;
+    const int encodable = !constant && finite && step > 0.0f && reach <= dtype_max;
+    const int const_by_codes = constant && finite && step == __builtin_fabsf(mx);
+    const int usable = step > 0.0f && (encodable || const_by_codes);
+    const int exact = !constant && !encodable;
+    params_t p;
+    p.divisor = usable ? step : 1.0f;
+    p.zero_point = exact ? 0.0f : zero_point;
+    p.scale = exact ? 0 : stored;
+    p.flags = (uint8_t)((exact ? EXACT : 0) | (constant && !const_by_codes ? CONSTANT : 0));
+    return p;
+}
+
+/* A well-mixed 32-bit hash (Wellons' lowbias32): the noise of one element. */
+static inline uint32_t mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    h *= 0x846ca68bu;
+    h ^= h >> 16;
+    return h;
+}
+
+/* Rounding noise of elements [first, first + n): u = (k + 0.5) / 2^16 with k the top 16 bits of
+ * a hash of the element's index and the seed, so E[u] = 1/2 and floor(u) = 0. */
+static void fill_noise(uint64_t first, uint64_t seed, int64_t n, float *u) {
+    const uint32_t key = (uint32_t)seed ^ mix32((uint32_t)(first >> 32) ^ (uint32_t)(seed >> 32));
+    const uint32_t base = (uint32_t)first;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t h = mix32((base + (uint32_t)i) ^ key);
+        u[i] = ((float)(h >> 16) + 0.5f) * (1.0f / 65536.0f);
+    }
+}
+
+/* codes[i] = clamp(zp + sign(v) * max(|floor(v / d + u)|, 1), 0, top), 0 where v == 0 (zp then),
+ * and zp where v is NaN (only groups kept exactly hold NaN; their codes go unused); u[i] is the
+ * rounding noise. */
+static void round_group(const float *v, const float *u, int64_t n, float d, int32_t zp,
+                        int32_t top, uint8_t *codes) {
+    for (int64_t i = 0; i < n; i++) {
+        float e = v[i];
+        float q = e / d + u[i];
+        q = q == q ? q : 0.0f;
+        q = q < -1024.0f ? -1024.0f : q; /* codes clamp anyway; keeps the int conversion defined */
+        q = q > 1024.0f ? 1024.0f : q;
+        int32_t f = (int32_t)__builtin_floorf(q);
+        int32_t mag = f < 0 ? -f : f;
+        mag = mag < 1 ? 1 : mag;
+        int32_t sign = (e > 0.0f) - (e < 0.0f);
+        int32_t code = zp + sign * mag;
+        code = code < 0 ? 0 : code;
+        code = code > top ? top : code;
+        codes[i] = (uint8_t)code;
+    }
+}
+
+/* Pack n one-byte codes into n / per_byte bytes (n a multiple of per_byte), low bits first. */
+static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
+    if (per_byte == 1) {
+        memcpy(out, codes, (size_t)n);
+    } else if (per_byte == 2) {
+        for (int64_t b = 0; b < n / 2; b++)
+            out[b] = (uint8_t)(codes[2 * b] | codes[2 * b + 1] << 4);
+    } else {
+        for (int64_t b = 0; b < n / 4; b++)
+            out[b] = (uint8_t)(codes[4 * b] | codes[4 * b + 1] << 2 | codes[4 * b + 2] << 4 |
+                               codes[4 * b + 3] << 6);
+    }
+}
+
+/* Quantize groups [g0, g1): parameters (codec._group_params) and codes packed into out (the
+ * whole tensor's packed bytes), one group at a time while it is in cache. g0 * group_size must be
+ * a multiple of 8 / bits, so the range starts on a byte. Rounding: nearest (stochastic == 0,
+ * u = 1/2) or stochastic with fill_noise's u. dtype_max: the largest finite value of the input
+ * type. Writes scale (bfloat16 bits), zero_point and flags per group; returns the number of
+ * groups flagged. Scratch: buf and noise, group_size floats each; codes, group_size + 4 bytes. */
+static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t group_size,
+                              int64_t g0, int64_t g1, int bits, int stochastic, uint64_t seed,
+                              float dtype_max, uint8_t *out, uint16_t *scale, uint8_t *zero_point,
+                              uint8_t *flags, float *buf, float *noise, uint8_t *codes) {
+    const int per_byte = 8 / bits;
+    const int32_t top = (1 << bits) - 1;
+    int64_t flagged = 0;
+    int64_t pending = 0; /* codes of the previous group not yet packed, fewer than per_byte */
+    uint8_t *next = out + g0 * group_size / per_byte;
+    if (!stochastic)
+        for (int64_t i = 0; i < group_size; i++) noise[i] = 0.5f;
+    for (int64_t g = g0; g < g1; g++) {
+        const float *v = load_group(x, dtype, numel, group_size, g, buf);
+        float mn, mx;
+        minmax(v, group_size, &mn, &mx);
+        const params_t p = group_params(mn, mx, bits, dtype_max);
+        scale[g] = p.scale;
+        zero_point[g] = (uint8_t)p.zero_point;
+        flags[g] = p.flags;
+        flagged += p.flags != 0;
+        if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
+        round_group(v, noise, group_size, p.divisor, (int32_t)p.zero_point, top, codes + pending);
+        int64_t have = pending + group_size;
+        int64_t whole = have / per_byte * per_byte;
+        pack(codes, whole, per_byte, next);
+        next += whole / per_byte;
+        pending = have - whole;
+        memmove(codes, codes + whole, (size_t)pending);
+    }
+    if (pending) { /* the tensor's last byte; unused lanes are 0, as pack_bits pads */
+        memset(codes + pending, 0, (size_t)(per_byte - pending));
+        pack(codes, per_byte, per_byte, next);
+    }
+    return flagged;
+}
+
+/* Groups [g0, g1) of part `part` of `parts` contiguous ranges of n_groups groups; every range
+ * starts at a multiple of `align` groups. */
+static void range_of(int64_t n_groups, int parts, int part, int64_t align, int64_t *g0,
+                     int64_t *g1) {
+    int64_t per = (n_groups + parts - 1) / parts;
+    per = (per + align - 1) / align * align;
+    *g0 = part * per < n_groups ? part * per : n_groups;
+    *g1 = *g0 + per < n_groups ? *g0 + per : n_groups;
+}
+
+/* Split a tensor's groups between threads: below this many groups per thread, one thread. */
+#define GROUPS_PER_THREAD 64
+
+static int thread_count(int64_t n_groups, int threads) {
+    int64_t most = n_groups / GROUPS_PER_THREAD;
+    return most < 1 ? 1 : most < threads ? (int)most : threads;
+}
+
+/* quantize_range over all n_groups groups of x, split between `threads` threads (OpenMP, the
+ * runtime torch runs on). Returns the number of groups flagged, or -1 when scratch memory could
+ * not be allocated. */
+int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_size,
+                        int64_t n_groups, int bits, int stochastic, uint64_t seed,
+                        float dtype_max, uint8_t *out, uint16_t *scale, uint8_t *zero_point,
+                        uint8_t *flags, int threads) {
+    const int parts = thread_count(n_groups, threads);
+    int64_t flagged = 0;
+    int failed = 0;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(+ : flagged) \
+    reduction(| : failed)
+    for (int part = 0; part < parts; part++) {
+        int64_t g0, g1;
+        range_of(n_groups, parts, part, 8 / bits, &g0, &g1);
+        if (g0 == g1) continue;
+        float *buf = malloc((size_t)group_size * 2 * sizeof(float));
+        uint8_t *codes = malloc((size_t)group_size + 4);
+        if (buf && codes)
+            flagged += quantize_range(x, dtype, numel, group_size, g0, g1, bits, stochastic, seed,
+                                      dtype_max, out, scale, zero_point, flags, buf,
+                                      buf + group_size, codes);
+        else
+            failed = 1;
+        free(buf);
+        free(codes);
+    }
+    return failed ? -1 : flagged;
+}
+
+/* One-byte codes of elements [first, first + n) from the packed stream. */
+static void unpack(const uint8_t *packed, int bits, int64_t first, int64_t n, uint8_t *codes) {
+    const int per_byte = 8 / bits;
+    const uint8_t *p = packed + first / per_byte;
+    if (per_byte == 1) {
+        memcpy(codes, p, (size_t)n);
+    } else if (first % per_byte == 0 && n % per_byte == 0 && per_byte == 2) {
+        for (int64_t b = 0; b < n / 2; b++) {
+            codes[2 * b] = p[b] & 15u;
+            codes[2 * b + 1] = p[b] >> 4;
+        }
+    } else if (first % per_byte == 0 && n % per_byte == 0) {
+        for (int64_t b = 0; b < n / 4; b++) {
+            codes[4 * b] = p[b] & 3u;
+            codes[4 * b + 1] = (p[b] >> 2) & 3u;
+            codes[4 * b + 2] = (p[b] >> 4) & 3u;
+            codes[4 * b + 3] = p[b] >> 6;
+        }
+    } else {
+        const uint32_t mask = (1u << bits) - 1u;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t e = first + i;
+            codes[i] = (uint8_t)((packed[e / per_byte] >> (e % per_byte * bits)) & mask);
+        }
+    }
+}
+
+/* (code - zero_point) * scale of groups [g0, g1) into out, which holds (groups, group_size)
+ * elements of dtype. scale: bfloat16 bits per group; the product is exact in float32 and rounded
+ * once to the output type. buf: group_size floats; codes: group_size bytes. */
+static void decode_range(const uint8_t *packed, int bits, int64_t group_size, int64_t g0,
+                         int64_t g1, const uint16_t *scale, const uint8_t *zero_point, int dtype,
+                         void *out, float *buf, uint8_t *codes) {
+    for (int64_t g = g0; g < g1; g++) {
+        const float step = from_bf16(scale[g]);
+        const float zp = (float)zero_point[g];
+        const int64_t first = g * group_size;
+        unpack(packed, bits, first, group_size, codes);
+        if (dtype == F32) {
+            float *o = (float *)out + first;
+            for (int64_t i = 0; i < group_size; i++) o[i] = ((float)codes[i] - zp) * step;
+            continue;
+        }
+        for (int64_t i = 0; i < group_size; i++) buf[i] = ((float)codes[i] - zp) * step;
+        if (dtype == BF16) {
+            uint16_t *o = (uint16_t *)out + first;
+            for (int64_t i = 0; i < group_size; i++) o[i] = to_bf16(buf[i]);
+        } else {
+            _Float16 *o = (_Float16 *)out + first;
+            for (int64_t i = 0; i < group_size; i++) o[i] = (_Float16)buf[i];
+        }
+    }
+}
+
+/* decode_range over all n_groups groups, split between `threads` threads. Returns 0, or -1 when
+ * scratch memory could not be allocated. */
+int memopt_decode(const uint8_t *packed, int bits, int64_t group_size, int64_t n_groups,
+                   const uint16_t *scale, const uint8_t *zero_point, int dtype, void *out,
+                   int threads) {
+    const int parts = thread_count(n_groups, threads);
+    int failed = 0;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
+    for (int part = 0; part < parts; part++) {
+        int64_t g0, g1;
+        range_of(n_groups, parts, part, 1, &g0, &g1);
+        if (g0 == g1) continue;
+        float *buf = malloc((size_t)group_size * sizeof(float));
+        uint8_t *codes = malloc((size_t)group_size);
+        if (buf && codes)
+            decode_range(packed, bits, group_size, g0, g1, scale, zero_point, dtype, out, buf,
+                         codes);
+        else
+            failed = 1;
+        free(buf);
+        free(codes);
+    }
+    return failed ? -1 : 0;
+}

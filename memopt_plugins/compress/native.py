@@ -1,0 +1,192 @@
+"""The codec's fused CPU kernels (``kernels.c``): built on first use, called through ctypes.
+
+Quantizing with torch's elementwise ops makes about a dozen passes over a saved tensor; the
+``memopt_quantize`` kernel makes one (group minimum and maximum, group parameters, codes and bit
+packing while a group is in cache), and ``memopt_decode`` one back. Both split a tensor's groups
+between ``torch.get_num_threads()`` OpenMP threads, on the OpenMP runtime torch has loaded.
+``codec.py`` stays the specification: with round-to-nearest the kernels write the same bytes as
+its torch path (tests check it). Stochastic rounding draws its noise from a hash of each element's
+index and a seed drawn from the codec's private generator.
+
+The library is compiled once per source, compiler and CPU with the system C compiler (``CC`` or
+``cc``; ``-O3 -march=native -fopenmp``, about a second) into ``$XDG_CACHE_HOME/memopt_plugins``
+(default ``~/.cache``). Without a compiler, on another architecture, or with ``MEMOPT_NATIVE=0``
+in the environment, the codec uses its torch path; a failed build is logged once as a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("memopt")
+
+_SOURCE = Path(__file__).with_name("kernels.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno")
+_FLAGS += ("-shared", "-fPIC")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "memopt_quantize": (
+        (_P, _INT, _I64, _I64, _I64, _INT, _INT, ctypes.c_uint64, ctypes.c_float, _P, _P, _P, _P)
+        + (_INT,),
+        ctypes.c_int64,
+    ),
+    "memopt_decode": ((_P, _INT, _I64, _I64, _P, _P, _INT, _P, _INT), _INT),
+}
+
+# Group flags written by memopt_quantize.
+_EXACT, _CONSTANT = 1, 2
+
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "cc").split()
+    return shutil.which(cc[0]) if cc else None
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "memopt_plugins"
+
+
+def _build(cc: str) -> Path:
+    """Compile ``kernels.c`` into the cache (once per source, compiler, flags and CPU)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join((_SOURCE.read_text(), cc, version, " ".join(_FLAGS), _cpu_identity())).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes building at once never see a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode:
+            raise RuntimeError(done.stderr.strip() or f"{cc} exited with {done.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernels, built and loaded on first call; ``None`` where they cannot be used."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[return-value]
+    lib = None
+    cc = _compiler()
+    if os.environ.get("MEMOPT_NATIVE", "1") == "0":
+        log.debug("memopt: native codec kernels disabled by MEMOPT_NATIVE=0")
+    elif platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64") or cc is None:
+        log.debug("memopt: no C compiler or unsupported CPU; the codec uses torch ops")
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+            for name, (argtypes, restype) in _SIGNATURES.items():
+                getattr(lib, name).argtypes = argtypes
+                getattr(lib, name).restype = restype
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.warning("memopt: building the codec kernels failed, using torch ops: %s", exc)
+            lib = None
+    _state["lib"] = lib
+    return lib
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels take tensors of ``dtype`` on ``device`` (CPU float32, bfloat16 and
+    float16, once the library is built)."""
+    return device.type == "cpu" and dtype in _DTYPE_CODES and library() is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Quantized:
+    """What :func:`quantize` returns: packed codes and per-group parameters and flags."""
+
+    codes: torch.Tensor  # uint8, packed
+    scale: torch.Tensor  # bfloat16
+    zero_point: torch.Tensor  # uint8
+    exact: torch.Tensor | None  # bool per group (kept exactly), None when no group is flagged
+    const: torch.Tensor | None  # bool per group (constant, value in the side table), or None
+
+
+def quantize(flat: torch.Tensor, group_size: int, bits: int, seed: int | None) -> Quantized:
+    """``codec.quantize``'s codes and group parameters for contiguous 1-D ``flat``.
+
+    ``seed``: stochastic rounding with noise from this seed; round-to-nearest when ``None``.
+    """
+    lib = library()
+    per_byte = 8 // bits
+    n_groups = -(-flat.numel() // group_size)
+    packed = torch.empty(-(-n_groups * group_size // per_byte), dtype=torch.uint8)
+    scale = torch.empty(n_groups, dtype=torch.bfloat16)
+    zero_point = torch.empty(n_groups, dtype=torch.uint8)
+    flags = torch.empty(n_groups, dtype=torch.uint8)
+    flagged = lib.memopt_quantize(
+        flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(), group_size, n_groups, bits,
+        seed is not None, seed or 0, torch.finfo(flat.dtype).max, packed.data_ptr(),
+        scale.data_ptr(), zero_point.data_ptr(), flags.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if flagged < 0:
+        raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
+    any_flagged = flagged > 0
+    return Quantized(
+        codes=packed,
+        scale=scale,
+        zero_point=zero_point,
+        exact=(flags & _EXACT).bool() if any_flagged else None,
+        const=(flags & _CONSTANT).bool() if any_flagged else None,
+    )
+
+
+def decode(
+    packed: torch.Tensor,
+    bits: int,
+    group_size: int,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(code - zero_point) * scale`` of every group, as ``(groups, group_size)`` of ``dtype``.
+
+    ``scale``: bfloat16 per group; ``zero_point``: uint8 per group.
+    """
+    lib = library()
+    n_groups = scale.numel()
+    out = torch.empty(n_groups, group_size, dtype=dtype)
+    failed = lib.memopt_decode(
+        packed.data_ptr(), bits, group_size, n_groups, scale.contiguous().data_ptr(),
+        zero_point.contiguous().data_ptr(), _DTYPE_CODES[dtype], out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
+    return out

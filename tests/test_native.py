@@ -1,0 +1,125 @@
+"""The codec's fused CPU kernels: the same bytes as the torch path, thread-count independence,
+the build cache, and the fallback to torch ops when they cannot be built."""
+
+import pytest
+import torch
+
+from memopt_plugins.compress import native
+from memopt_plugins.compress.codec import dequantize, quantize
+
+BITS = (2, 4, 8)
+
+pytestmark = pytest.mark.skipif(
+    native.library() is None, reason="the codec kernels cannot be built here (no C compiler?)"
+)
+
+
+def _generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _adversarial(n: int, group_size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values with zeros, and groups that take every special path of the codec."""
+    g = _generator(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(
+        -3, 3, (1,), generator=g
+    )
+    x[torch.randint(n, (n // 50 + 1,), generator=g)] = 0.0
+    specials = [
+        lambda v: v.fill_(0.5),  # constant, exact by its codes
+        lambda v: v.fill_(-3.0),
+        lambda v: v.fill_(1e-30),  # constant the codes cannot express: side table
+        lambda v: v.__setitem__(0, float("nan")),  # kept exactly
+        lambda v: v.__setitem__(-1, float("inf")),
+        lambda v: v.abs_(),  # one-signed groups
+        lambda v: v.neg_().abs_().neg_(),
+        lambda v: v.sign_().mul_(6.0e4),  # near float16's limit
+        lambda v: v.fill_(1e-41),  # subnormal in float32
+        lambda v: v.fill_(float("-inf")),
+    ]
+    for i, special in enumerate(specials):
+        if (i + 1) * group_size <= n:
+            special(x[i * group_size : (i + 1) * group_size])
+    return x.to(dtype)
+
+
+def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Same dtype, shape and bit pattern (NaN and signed zeros included)."""
+    if a is None or b is None:
+        return a is None and b is None
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(
+    ("numel", "group_size"), [(40_000, 256), (12_345, 100), (3_001, 7), (9, 1), (5, 64)]
+)
+def test_kernels_write_the_same_bytes_as_the_torch_path(
+    dtype: torch.dtype, bits: int, numel: int, group_size: int, monkeypatch
+) -> None:
+    x = _adversarial(numel, group_size, dtype, seed=numel + bits)
+    fused = quantize(x, bits, group_size, stochastic=False)
+    fused_decoded = dequantize(fused)
+    monkeypatch.setitem(native._state, "lib", None)
+    reference = quantize(x, bits, group_size, stochastic=False)
+    for field in (
+        "codes",
+        "scale",
+        "zero_point",
+        "exact_index",
+        "exact_values",
+        "const_index",
+        "const_values",
+    ):
+        assert _same_bits(getattr(fused, field), getattr(reference, field)), field
+    assert _same_bits(fused_decoded, dequantize(fused))  # the torch decoder reads kernel output
+    assert _same_bits(fused_decoded, dequantize(reference))
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_kernels_give_the_same_result_on_any_number_of_threads(stochastic: bool) -> None:
+    x = torch.randn(1001, 257, generator=_generator(30))  # 1005 groups, split between threads
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            p = quantize(x, 4, stochastic=stochastic, generator=_generator(31))
+            results.append((p.codes, dequantize(p)))
+    finally:
+        torch.set_num_threads(threads)
+    for codes, decoded in results[1:]:
+        assert torch.equal(codes, results[0][0])
+        assert torch.equal(decoded, results[0][1])
+
+
+def test_kernels_are_built_once_into_the_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.library() is not None
+    built = list((tmp_path / "memopt_plugins").glob("kernels-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_state", {})
+    assert native.library() is not None  # loaded from the cache, not rebuilt
+    assert built[0].stat().st_mtime_ns == stamp
+    assert list((tmp_path / "memopt_plugins").iterdir()) == built  # no temporary file left
+
+
+def test_without_kernels_the_codec_falls_back_to_torch(tmp_path, monkeypatch, caplog) -> None:
+    x = torch.randn(5000, generator=_generator(32))
+    expected = quantize(x, 8, stochastic=False).codes
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+    monkeypatch.setattr(native, "_state", {})
+    with caplog.at_level("WARNING", logger="memopt"):
+        assert torch.equal(quantize(x, 8, stochastic=False).codes, expected)
+    assert native.library() is None
+    assert "building the codec kernels failed" in caplog.text
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("MEMOPT_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert native.library() is None
+    assert torch.equal(quantize(x, 8, stochastic=False).codes, expected)
