@@ -42,12 +42,14 @@ static void load(const void *x, int dtype, int64_t start, int64_t count, float *
     }
 }
 
-/* A group's elements as float32 in buf (group_size floats); the tensor's last group is padded
- * by repeating its last element, as codec.py's _Groups does. Returns buf. */
-static float *load_group(const void *x, int dtype, int64_t numel, int64_t group_size, int64_t g,
-                         float *buf) {
+/* A group's elements as float32: in place for a whole float32 group, else converted into buf
+ * (group_size floats); the tensor's last group is padded by repeating its last element, as
+ * codec.py's _Groups does. */
+static const float *load_group(const void *x, int dtype, int64_t numel, int64_t group_size,
+                               int64_t g, float *buf) {
     int64_t start = g * group_size;
     int64_t count = numel - start < group_size ? numel - start : group_size;
+    if (dtype == F32 && count == group_size) return (const float *)x + start;
     load(x, dtype, start, count, buf);
     for (int64_t i = count; i < group_size; i++) buf[i] = buf[count - 1];
     return buf;
