@@ -2,8 +2,9 @@
 
 CUDA: ``memory_allocated`` / ``max_memory_allocated``. CPU: the process's resident set (RSS);
 glibc is told at first use to serve blocks of 4 KiB and more with mmap and to return freed memory
-at once (the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0``), and
-the peak is the kernel's high-water mark (``VmHWM``), reset before each step.
+at once (the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0``), free
+heap pages are given back (``malloc_trim``) before each reading, and the peak is the kernel's
+high-water mark (``VmHWM``), reset before each step.
 
 The threshold is 4 KiB rather than DESIGN.md's 64 KiB: compressed activations come with small
 per-group tables (a 1 MiB tensor has 8 KiB of scales), and blocks under the threshold are served
@@ -29,21 +30,29 @@ from .compress.hooks import SavedStats
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_malloc_tuned = False
+_libc: dict[str, ctypes.CDLL | None] = {}
 
 
-def _tune_malloc() -> None:
-    global _malloc_tuned
-    if _malloc_tuned:
-        return
-    _malloc_tuned = True
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    libc = ctypes.CDLL(name)
-    if hasattr(libc, "mallopt"):
-        libc.mallopt(_M_MMAP_THRESHOLD, 4096)
-        libc.mallopt(_M_TRIM_THRESHOLD, 0)
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has ``mallopt`` and ``malloc_trim``), else ``None``."""
+    if "libc" not in _libc:
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        ok = libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")
+        _libc["libc"] = libc if ok else None
+        if ok:
+            libc.mallopt(_M_MMAP_THRESHOLD, 4096)
+            libc.mallopt(_M_TRIM_THRESHOLD, 0)
+    return _libc["libc"]
+
+
+def _release_free_heap() -> None:
+    """Give free heap memory back to the kernel (``malloc_trim``), so that RSS counts only live
+    blocks: without it, blocks freed inside the heap by earlier work stay resident, and new
+    blocks served from them add nothing to RSS (a long test process read 0 retained bytes)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _status_kib(field: str) -> int | None:
@@ -97,7 +106,7 @@ class MemoryMeter:
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            _tune_malloc()
+            _glibc()
 
     def current(self) -> int:
         if self.device.type == "cuda":
@@ -119,6 +128,8 @@ class MemoryMeter:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        else:
+            _release_free_heap()
 
     def measure(
         self,
