@@ -57,6 +57,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
+from .patching import InstanceForward, forward_pre_hook
+
 log = logging.getLogger("memopt")
 
 #: ``|γ|·PRECISION_RATIO ≤ β`` marks a channel whose input cannot be recovered from the ReLU output
@@ -527,7 +529,7 @@ class BatchNormPatch(BatchNormObserver):
             self._previous[fqn] = module.__dict__.get("forward")
             module.forward = self._forward_of(module, fqn)
             self._patched[fqn] = module
-        self._handles.append(model.register_forward_pre_hook(self._next_forward))
+        self._handles.append(forward_pre_hook(model, self._next_forward))
         if not self._patched:
             log.warning(
                 "memopt: batchnorm.mode is running but the model has no BatchNorm layer with "
@@ -568,17 +570,7 @@ class BatchNormPatch(BatchNormObserver):
         self._check_pending()
 
     def _forward_of(self, module: nn.modules.batchnorm._BatchNorm, fqn: str) -> Callable:
-        ref = weakref.ref(module)
-        previous = module.__dict__.get("forward")
-
-        def forward(input: torch.Tensor) -> torch.Tensor:
-            bn = ref()
-            if not (bn.training and self.active):
-                return previous(input) if previous is not None else type(bn).forward(bn, input)
-            bn._check_input_dim(input)
-            return running_batch_norm(input, bn, name=fqn, observer=self)
-
-        return forward
+        return _RunningForward(self, module, fqn)
 
     def fused(self, name: str) -> None:
         self.fused_layers.add(name)
@@ -603,3 +595,23 @@ class BatchNormPatch(BatchNormObserver):
 def _at_initial_values(module: nn.modules.batchnorm._BatchNorm) -> bool:
     with torch.no_grad():
         return bool((module.running_mean == 0).all() and (module.running_var == 1).all())
+
+
+class _RunningForward(InstanceForward):
+    """The ``forward`` of a patched BatchNorm layer: running statistics while the patch is active
+    and the layer trains, its own ``forward`` otherwise (a copy of the model gets that one)."""
+
+    def __init__(self, patch: BatchNormPatch, module: nn.modules.batchnorm._BatchNorm, fqn: str):
+        self.patch = patch
+        self.module = module
+        self.fqn = fqn
+        self.previous = module.__dict__.get("forward")
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        bn = self.module
+        if not (bn.training and self.patch.active):
+            if self.previous is not None:
+                return self.previous(input)
+            return type(bn).forward(bn, input)
+        bn._check_input_dim(input)
+        return running_batch_norm(input, bn, name=self.fqn, observer=self.patch)

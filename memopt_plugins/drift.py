@@ -63,6 +63,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from .config import DriftConfig
+from .patching import forward_hook, forward_pre_hook
 
 __all__ = [
     "HISTORY_LIMIT",
@@ -247,15 +248,13 @@ class _Recorder:
         )
         for fqn in self.param_free:
             module = self.modules[fqn]
-            self._handles.append(
-                module.register_forward_pre_hook(self._input_hook(fqn), with_kwargs=True)
-            )
+            self._handles.append(forward_pre_hook(module, self._input_hook(fqn), with_kwargs=True))
             for child in module.children():
-                self._handles.append(child.register_forward_hook(self._output_hook(fqn)))
+                self._handles.append(forward_hook(child, self._output_hook(fqn)))
         for fqn in self.scopes:
             module = self.modules[fqn]
-            self._handles.append(module.register_forward_pre_hook(self._enter_hook(fqn)))
-            self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
+            self._handles.append(forward_pre_hook(module, self._enter_hook(fqn)))
+            self._handles.append(forward_hook(module, self._exit_hook, always_call=True))
         return self
 
     def __exit__(self, *exc: object) -> None:

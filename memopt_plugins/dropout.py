@@ -55,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from .compress.codec import pack_bits, unpack_bits
+from .patching import forward_hook, forward_pre_hook
 
 log = logging.getLogger("memopt")
 
@@ -284,6 +285,15 @@ class FunctionalDropoutMode(TorchFunctionMode):
 # --------------------------------------------------------------------------- modules
 
 
+# Instance attribute of a module DropoutPatch swapped in: the PyTorch type it replaced.
+_SWAPPED_FROM = "_memopt_swapped_from"
+
+
+def _new_module(cls: type[nn.Module]) -> nn.Module:
+    """An empty instance of ``cls``, for unpickling; its state is set afterwards."""
+    return cls.__new__(cls)
+
+
 class _MemoryDropoutMixin:
     """Forward of a dropout module through the memory-efficient functional of the same kind."""
 
@@ -297,6 +307,16 @@ class _MemoryDropoutMixin:
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mode={self.mode}"
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Copies and pickles of a module that :class:`DropoutPatch` swapped in are the PyTorch
+        module it replaced (see :mod:`memopt_plugins.patching`); others stay as they are."""
+        reduced = super().__reduce_ex__(protocol)
+        original = self.__dict__.get(_SWAPPED_FROM)
+        if original is None:
+            return reduced
+        state = {k: v for k, v in reduced[2].items() if k not in ("mode", _SWAPPED_FROM)}
+        return (_new_module, (original,), state)
 
 
 class MemoryDropout(_MemoryDropoutMixin, nn.Dropout):
@@ -387,11 +407,12 @@ class DropoutPatch:
                 replacement = made.get(id(child))
                 if replacement is None:
                     replacement = made[id(child)] = memory_dropout_module(child, self.mode)
+                    setattr(replacement, _SWAPPED_FROM, type(child))
                 parent._modules[name] = replacement
                 self._swaps.append((parent, name, child, replacement))
         for module in model.modules():
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+            self._handles.append(forward_pre_hook(module, self._enter))
+            self._handles.append(forward_hook(module, self._exit, always_call=True))
         log.info(
             "memopt: dropout mode %s: %d dropout modules swapped, functional dropout routed",
             self.mode,

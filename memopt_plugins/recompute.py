@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from .config import ConfigError, RecomputeConfig
+from .patching import InstanceForward, forward_hook, forward_pre_hook
 from .select import (
     check_globs,
     check_types,
@@ -72,7 +73,6 @@ RECOMPUTE = "recompute"
 IN_RECOMPUTE = "in-recompute"
 
 Suspend = Callable[[], AbstractContextManager[Any]]
-_MISSING = object()
 _BUFFER_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -271,14 +271,15 @@ class Recompute:
         return new_args, new_kwargs
 
 
-class _RecomputedForward:
-    """The ``forward`` instance attribute of a recomputed module."""
+class _RecomputedForward(InstanceForward):
+    """The ``forward`` instance attribute of a recomputed module (a copy of the model gets the
+    module's own ``forward``)."""
 
     def __init__(self, owner: Recompute, fqn: str, module: nn.Module):
         self.owner = owner
         self.fqn = fqn
         self.module = module
-        self.previous = module.__dict__.get("forward", _MISSING)
+        self.previous = module.__dict__.get("forward")
         self.original = module.forward
         self.keeps_cache = bool(getattr(module, "_can_checkpoint_with_cache", False))
 
@@ -288,7 +289,7 @@ class _RecomputedForward:
             log.warning(
                 "memopt: %s.forward was replaced after memopt wrapped it; left as is", self.fqn
             )
-        elif self.previous is _MISSING:
+        elif self.previous is None:
             del slots["forward"]
         else:
             slots["forward"] = self.previous
@@ -501,12 +502,8 @@ class _Recorder:
         self._clock = time.thread_time if cpu else time.perf_counter
         for fqn, module in model.named_modules():
             if fqn:  # the root may be running its pre-hooks right now (auto planner)
-                self._handles.append(
-                    module.register_forward_pre_hook(self._enter(fqn), with_kwargs=True)
-                )
-                self._handles.append(
-                    module.register_forward_hook(self._exit(fqn), always_call=True)
-                )
+                self._handles.append(forward_pre_hook(module, self._enter(fqn), with_kwargs=True))
+                self._handles.append(forward_hook(module, self._exit(fqn), always_call=True))
         if self.recompute is not None:
             if self.recompute.suspend is not None:
                 self._contexts.enter_context(self.recompute.suspend())
@@ -806,8 +803,8 @@ class RecomputePlanner:
         """Measure the first training forward of the model and apply the plan after it."""
         root = self.recompute.model
         self._handles = [
-            root.register_forward_pre_hook(self._start, prepend=True),
-            root.register_forward_hook(self._finish, always_call=True),
+            forward_pre_hook(root, self._start, prepend=True),
+            forward_hook(root, self._finish, always_call=True),
         ]
 
     def remove(self) -> None:

@@ -33,6 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .config import MemOptConfig, QuantizeConfig, load_config
 from .engine import _PATCHED, MemoryOptimizer
+from .patching import forward_hook, forward_pre_hook
 from .profile import MemoryMeter, MemoryReading
 from .select import ACTIVATION, COMPUTE, DROPOUT, NORM, layer_kind, parent_fqns
 
@@ -127,10 +128,8 @@ class _StepCounter:
             fqn = self.fqn_of.get(module)
             if fqn is None:
                 continue  # a wrapper the optimizer added: its saves belong to the enclosing module
-            self._handles.append(
-                module.register_forward_pre_hook(self._enter(fqn), with_kwargs=True)
-            )
-            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+            self._handles.append(forward_pre_hook(module, self._enter(fqn), with_kwargs=True))
+            self._handles.append(forward_hook(module, self._leave, always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:

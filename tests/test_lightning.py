@@ -281,6 +281,21 @@ def test_second_fit_keeps_the_bits_the_first_escalated(tmp_path):
     assert probe.bits == escalated and max(escalated.values()) > 2
 
 
+def test_stochastic_weight_averaging_copies_the_patched_module(tmp_path):
+    """Lightning's SWA deep-copies the LightningModule after memopt patched it: the average is a
+    plain model, and training and averaging run to the end."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"enabled": False}})
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+    module = GPT2Module()
+    trainer = make_trainer(tmp_path, [memopt, swa], max_steps=-1, max_epochs=2)
+    trainer.fit(module, loader(16))
+    assert trainer.current_epoch == 2
+    assert swa._average_model is not None
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 class LateGPT2Module(GPT2Module):
     """Builds its model in configure_model (runs after the callbacks' setup)."""
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
+from ..patching import forward_hook, forward_pre_hook
 from .codec import dequantize, narrow_int, quantize, tensor_nbytes, widen_int
 
 HALF_BITS = 16
@@ -115,8 +116,8 @@ class CompressionHooks:
         modules = dict(root.named_modules())
         for fqn in fqns:
             module = modules[fqn]
-            self._handles.append(module.register_forward_pre_hook(self._enter_hook(fqn)))
-            self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
+            self._handles.append(forward_pre_hook(module, self._enter_hook(fqn)))
+            self._handles.append(forward_hook(module, self._exit_hook, always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:
