@@ -135,15 +135,30 @@ static inline uint32_t mix32(uint32_t h) {
     return h;
 }
 
-/* Rounding noise of elements [first, first + n): u = (k + 0.5) / 2^16 with k the top 16 bits of
- * a hash of the element's index and the seed, so E[u] = 1/2 and floor(u) = 0. */
+/* Noise u = (k + 0.5) / 2^16 from 16 bits k of a hash: E[u] = 1/2 exactly and floor(u) = 0. */
+static inline float noise_of(uint32_t h, int low_half) {
+    return ((float)(low_half ? h & 0xffffu : h >> 16) + 0.5f) * (1.0f / 65536.0f);
+}
+
+/* Rounding noise of elements [first, first + n): element e takes one 16-bit half (by the parity
+ * of e) of a hash of e / 2 and the seed, so one hash serves two elements and the noise depends
+ * only on the element's index, however a tensor is split between threads. */
 static void fill_noise(uint64_t first, uint64_t seed, int64_t n, float *u) {
-    const uint32_t key = (uint32_t)seed ^ mix32((uint32_t)(first >> 32) ^ (uint32_t)(seed >> 32));
-    const uint32_t base = (uint32_t)first;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t h = mix32((base + (uint32_t)i) ^ key);
-        u[i] = ((float)(h >> 16) + 0.5f) * (1.0f / 65536.0f);
+    const uint32_t key = (uint32_t)seed ^ mix32((uint32_t)(first >> 33) ^ (uint32_t)(seed >> 32));
+    int64_t i = 0;
+    if (first & 1) { /* the second half of a pair the previous group started */
+        u[0] = noise_of(mix32((uint32_t)(first >> 1) ^ key), 1);
+        i = 1;
     }
+    const uint32_t pair0 = (uint32_t)((first + (uint64_t)i) >> 1);
+    const int64_t pairs = (n - i) / 2;
+    float *v = u + i;
+    for (int64_t j = 0; j < pairs; j++) {
+        uint32_t h = mix32((pair0 + (uint32_t)j) ^ key);
+        v[2 * j] = noise_of(h, 0);
+        v[2 * j + 1] = noise_of(h, 1);
+    }
+    if (i + 2 * pairs < n) u[n - 1] = noise_of(mix32((pair0 + (uint32_t)pairs) ^ key), 0);
 }
 
 /* codes[i] = clamp(zp + sign(v) * max(|floor(v / d + u)|, 1), 0, top), 0 where v == 0 (zp then),
