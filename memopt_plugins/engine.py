@@ -27,6 +27,11 @@ log = logging.getLogger("memopt")
 #: Every model a MemoryOptimizer is applied to, so that patching one twice is refused.
 _PATCHED: weakref.WeakKeyDictionary[nn.Module, MemoryOptimizer] = weakref.WeakKeyDictionary()
 
+
+def patched_by(model: nn.Module) -> MemoryOptimizer | None:
+    """The :class:`MemoryOptimizer` applied to ``model`` now, or ``None``."""
+    return _PATCHED.get(model)
+
 COMPRESS = "compress"
 KEEP = "keep"
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from .config import MemOptConfig, QuantizeConfig, load_config
-from .engine import _PATCHED, MemoryOptimizer
+from .engine import MemoryOptimizer, patched_by
 from .patching import forward_hook, forward_pre_hook
 from .profile import MemoryMeter, MemoryReading
 from .select import ACTIVATION, COMPUTE, DROPOUT, NORM, layer_kind, parent_fqns
@@ -525,7 +525,7 @@ def profile_model(
     must not be patched already. Its parameters, buffers, gradients, the optimizer state and the
     global RNG are as before when this returns.
     """
-    if model in _PATCHED:
+    if patched_by(model) is not None:
         raise RuntimeError(
             "profile_model measures the model as it is, then under the plan of `config`: call it "
             "before MemoryOptimizer.apply(model) or after remove()"
