@@ -63,6 +63,13 @@ def loss_change(result: Any, row: Any) -> float | None:
     return row.val_loss / base.val_loss - 1
 
 
+def _paired(row: Any, seeds: int) -> str:
+    """``+0.3% (4/10 higher)``: the early paired comparison of ``row``, or ``-``."""
+    if getattr(row, "early_paired", None) is None:
+        return "-"
+    return f"{row.early_paired:+.1%} ({row.early_worse}/{seeds} higher)"
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
@@ -162,6 +169,18 @@ def bars(results: Sequence[Any]) -> list[str]:
         if name in (INT8, INT4_DRIFT):
             line += f" -- {verdict(all(c is not None and c <= 0.01 for _, c in changes))}"
         lines.append(line)
+        early = [
+            (res, _row(res, name))
+            for res in trained
+            if getattr(res, "early_step", None) and name in (INT8, INT4_DRIFT)
+        ]
+        for res, row in early:
+            if getattr(row, "early_paired", None) is None:
+                continue
+            lines.append(
+                f"  - {res.label} after {res.early_step} steps, paired with the baseline seed by "
+                f"seed: {_paired(row, res.seeds)} -- {verdict(row.early_paired <= 0.01)}"
+            )
         if name == NOISE:
             noisy = [(label, c) for label, c in changes if c is not None and abs(c) > 0.01]
             if noisy:
@@ -223,6 +242,13 @@ def workload_section(res: Any) -> list[str]:
             if res.seeds > 1
             else ""
         )
+        + (
+            f"; after {res.early_step} steps, the held-out loss against the baseline's on the "
+            "same seed (same weights and batches, so seed-to-seed noise cancels): mean change "
+            "and the seeds on which it is higher"
+            if getattr(res, "early_step", None)
+            else ""
+        )
         + "; train loss: mean of the last 10% of steps; s/step: the whole training step "
         "(optimizer and drift checks included), as a ratio to the baseline's, from runs "
         f"interleaved step by step. *{NOISE}*: the baseline on as many other seeds, for the "
@@ -232,6 +258,9 @@ def workload_section(res: Any) -> list[str]:
     header = ["method", "held-out loss", "vs baseline"]
     if base.accuracy is not None:
         header.append("accuracy")
+    early = getattr(res, "early_step", None)
+    if early:
+        header.append(f"after {early} steps, paired")
     header += ["train loss", "s/step vs baseline", "drift checks / bits at the end"]
     rows = []
     for r in res.rows:
@@ -243,6 +272,8 @@ def workload_section(res: Any) -> list[str]:
         cells = [r.method, f"{r.val_loss:.4f}{spread}", _pct(loss_change(res, r))]
         if base.accuracy is not None:
             cells.append(f"{r.accuracy:.1%}")
+        if early:
+            cells.append(_paired(r, res.seeds))
         speed = f"{r.train_seconds / base.train_seconds:.2f}x" if base.train_seconds else "-"
         cells += [f"{r.train_loss:.4f}", speed, r.training]
         rows.append(cells)

@@ -102,6 +102,9 @@ class Row:
     accuracy: float | None = None
     train_loss: float | None = None
     train_seconds: float | None = None
+    early_loss: float | None = None  # held-out loss after the workload's early_step, mean
+    early_paired: float | None = None  # mean over seeds of (loss / baseline's same seed - 1)
+    early_worse: int | None = None  # seeds on which the loss is above the baseline's
     training: str = "-"
     error: str | None = None
 
@@ -121,6 +124,7 @@ class WorkloadResult:
     train_shape: str = ""
     lr: float = 0.0
     seeds: int = 0
+    early_step: int | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -355,8 +359,10 @@ class TrainingRun:
     schedule: torch.optim.lr_scheduler.LRScheduler
     batches: list[Any]
     rng: tuple[torch.Tensor, torch.Tensor | None]
+    seed: int
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    early_loss: float | None = None
     error: str | None = None
 
 
@@ -386,6 +392,8 @@ def train_interleaved(runs: list[TrainingRun], workload: Workload, device: torch
                 run.patched.after_step()
                 run.losses.append(float(loss))
                 run.seconds += time.perf_counter() - start
+                if step + 1 == workload.early_step:  # eval mode, no grad: draws no randomness
+                    run.early_loss = evaluate(run.patched.model, workload)[0]
             except Exception as exc:
                 run.error = f"step {step}: {failure(exc)}"
             run.rng = rng_state(device)
@@ -420,15 +428,35 @@ def train(
                 break
             adamw = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.01)
             schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lr_factor(len(data)))
-            runs.append(TrainingRun(row, patched, adamw, schedule, data, rng_state(device)))
+            runs.append(TrainingRun(row, patched, adamw, schedule, data, rng_state(device), seed))
     train_interleaved(runs, workload, device)
     for row in [r for _, r, _ in plan]:
         summarize_runs(row, [run for run in runs if run.row is row], workload)
+    if workload.early_step is not None:
+        compare_early([run for run in runs if run.row.method != NOISE])
     rows.append(noise_row)
     result.train_steps = len(runs[0].batches)
     result.train_shape = shape_of(runs[0].batches[0])
     result.lr = workload.lr
     result.seeds = len(seeds)
+    result.early_step = workload.early_step
+
+
+def compare_early(runs: list[TrainingRun]) -> None:
+    """Each row's early held-out loss against the baseline's on the same seed (paired: the same
+    initial weights and batches, so seed-to-seed noise cancels)."""
+    baseline = {run.seed: run.early_loss for run in runs if run.row.method == BASELINE}
+    for row in {id(run.row): run.row for run in runs}.values():
+        pairs = [
+            (run.early_loss, baseline.get(run.seed))
+            for run in runs
+            if run.row is row and run.error is None and run.early_loss is not None
+        ]
+        pairs = [(loss, base) for loss, base in pairs if base]
+        if pairs:
+            row.early_loss = statistics.fmean(loss for loss, _ in pairs)
+            row.early_paired = statistics.fmean(loss / base - 1 for loss, base in pairs)
+            row.early_worse = sum(loss > base for loss, base in pairs)
 
 
 def summarize_runs(row: Row, runs: list[TrainingRun], workload: Workload) -> None:
