@@ -64,10 +64,10 @@ def loss_change(result: Any, row: Any) -> float | None:
 
 
 def _paired(row: Any, seeds: int) -> str:
-    """``+0.3% (4/10 higher)``: the early paired comparison of ``row``, or ``-``."""
-    if getattr(row, "early_paired", None) is None:
+    """``+0.3% (4/10 higher)``: the short run's paired comparison of ``row``, or ``-``."""
+    if getattr(row, "short_paired", None) is None:
         return "-"
-    return f"{row.early_paired:+.1%} ({row.early_worse}/{seeds} higher)"
+    return f"{row.short_paired:+.1%} ({row.short_worse}/{seeds} higher)"
 
 
 def _pct(x: float | None) -> str:
@@ -169,17 +169,17 @@ def bars(results: Sequence[Any]) -> list[str]:
         if name in (INT8, INT4_DRIFT):
             line += f" -- {verdict(all(c is not None and c <= 0.01 for _, c in changes))}"
         lines.append(line)
-        early = [
+        short = [
             (res, _row(res, name))
             for res in trained
-            if getattr(res, "early_step", None) and name in (INT8, INT4_DRIFT)
+            if getattr(res, "short_steps", None) and name in (INT8, INT4_DRIFT)
         ]
-        for res, row in early:
-            if getattr(row, "early_paired", None) is None:
+        for res, row in short:
+            if getattr(row, "short_paired", None) is None:
                 continue
             lines.append(
-                f"  - {res.label} after {res.early_step} steps, paired with the baseline seed by "
-                f"seed: {_paired(row, res.seeds)} -- {verdict(row.early_paired <= 0.01)}"
+                f"  - {res.label}, {res.short_steps}-step run, paired with the baseline seed by "
+                f"seed: {_paired(row, res.seeds)} -- {verdict(row.short_paired <= 0.01)}"
             )
         if name == NOISE:
             noisy = [(label, c) for label, c in changes if c is not None and abs(c) > 0.01]
@@ -243,10 +243,11 @@ def workload_section(res: Any) -> list[str]:
             else ""
         )
         + (
-            f"; after {res.early_step} steps, the held-out loss against the baseline's on the "
-            "same seed (same weights and batches, so seed-to-seed noise cancels): mean change "
-            "and the seeds on which it is higher"
-            if getattr(res, "early_step", None)
+            f"; {res.short_steps}-step run: every method trained again on a {res.short_steps}"
+            "-step schedule (the first batches, warm-up and decay fitted to it), its held-out "
+            "loss against the baseline's on the same seed (same weights and batches, so "
+            "seed-to-seed noise cancels): mean change and the seeds on which it is higher"
+            if getattr(res, "short_steps", None)
             else ""
         )
         + "; train loss: mean of the last 10% of steps; s/step: the whole training step "
@@ -258,9 +259,9 @@ def workload_section(res: Any) -> list[str]:
     header = ["method", "held-out loss", "vs baseline"]
     if base.accuracy is not None:
         header.append("accuracy")
-    early = getattr(res, "early_step", None)
-    if early:
-        header.append(f"after {early} steps, paired")
+    short = getattr(res, "short_steps", None)
+    if short:
+        header.append(f"{short}-step run, paired")
     header += ["train loss", "s/step vs baseline", "drift checks / bits at the end"]
     rows = []
     for r in res.rows:
@@ -272,7 +273,7 @@ def workload_section(res: Any) -> list[str]:
         cells = [r.method, f"{r.val_loss:.4f}{spread}", _pct(loss_change(res, r))]
         if base.accuracy is not None:
             cells.append(f"{r.accuracy:.1%}")
-        if early:
+        if short:
             cells.append(_paired(r, res.seeds))
         speed = f"{r.train_seconds / base.train_seconds:.2f}x" if base.train_seconds else "-"
         cells += [f"{r.train_loss:.4f}", speed, r.training]

@@ -102,9 +102,9 @@ class Row:
     accuracy: float | None = None
     train_loss: float | None = None
     train_seconds: float | None = None
-    early_loss: float | None = None  # held-out loss after the workload's early_step, mean
-    early_paired: float | None = None  # mean over seeds of (loss / baseline's same seed - 1)
-    early_worse: int | None = None  # seeds on which the loss is above the baseline's
+    short_loss: float | None = None  # held-out loss after the short schedule, mean over seeds
+    short_paired: float | None = None  # mean over seeds of (loss / baseline's same seed - 1)
+    short_worse: int | None = None  # seeds on which that loss is above the baseline's
     training: str = "-"
     error: str | None = None
 
@@ -124,7 +124,7 @@ class WorkloadResult:
     train_shape: str = ""
     lr: float = 0.0
     seeds: int = 0
-    early_step: int | None = None
+    short_steps: int | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -362,7 +362,6 @@ class TrainingRun:
     seed: int
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
-    early_loss: float | None = None
     error: str | None = None
 
 
@@ -392,8 +391,6 @@ def train_interleaved(runs: list[TrainingRun], workload: Workload, device: torch
                 run.patched.after_step()
                 run.losses.append(float(loss))
                 run.seconds += time.perf_counter() - start
-                if step + 1 == workload.early_step:  # eval mode, no grad: draws no randomness
-                    run.early_loss = evaluate(run.patched.model, workload)[0]
             except Exception as exc:
                 run.error = f"step {step}: {failure(exc)}"
             run.rng = rng_state(device)
@@ -415,10 +412,35 @@ def train(
     noise_row = Row(NOISE, baseline.family, f"seeds {others}: other data order, dropout masks")
     plan = [(m, r, seeds) for m, r in zip(methods, rows, strict=True) if r.error is None]
     plan.append((baseline, noise_row, others))
+    runs = start_runs(plan, workload, pristine, device)
+    train_interleaved(runs, workload, device)
+    for row in [r for _, r, _ in plan]:
+        summarize_runs(row, [run for run in runs if run.row is row], workload)
+    if workload.short_steps is not None:
+        short = start_runs(plan[:-1], workload, pristine, device, workload.short_steps)
+        train_interleaved(short, workload, device)
+        compare_short(short, workload)
+    rows.append(noise_row)
+    result.train_steps = len(runs[0].batches)
+    result.train_shape = shape_of(runs[0].batches[0])
+    result.lr = workload.lr
+    result.seeds = len(seeds)
+    result.short_steps = workload.short_steps
+
+
+def start_runs(
+    plan: list[tuple[Method, Row, list[int]]],
+    workload: Workload,
+    pristine: nn.Module,
+    device: torch.device,
+    steps: int | None = None,
+) -> list[TrainingRun]:
+    """A training run per (method, seed) of ``plan``, each on a copy of ``pristine``, over the
+    seed's batches (the first ``steps`` of them, with the schedule fitted to that length)."""
     runs = []
     for method, row, row_seeds in plan:
         for seed in row_seeds:
-            data = workload.train_batches(seed)
+            data = workload.train_batches(seed)[:steps]
             model = copy.deepcopy(pristine)
             torch.manual_seed(seed)
             try:
@@ -429,34 +451,27 @@ def train(
             adamw = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.01)
             schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lr_factor(len(data)))
             runs.append(TrainingRun(row, patched, adamw, schedule, data, rng_state(device), seed))
-    train_interleaved(runs, workload, device)
-    for row in [r for _, r, _ in plan]:
-        summarize_runs(row, [run for run in runs if run.row is row], workload)
-    if workload.early_step is not None:
-        compare_early([run for run in runs if run.row.method != NOISE])
-    rows.append(noise_row)
-    result.train_steps = len(runs[0].batches)
-    result.train_shape = shape_of(runs[0].batches[0])
-    result.lr = workload.lr
-    result.seeds = len(seeds)
-    result.early_step = workload.early_step
+    return runs
 
 
-def compare_early(runs: list[TrainingRun]) -> None:
-    """Each row's early held-out loss against the baseline's on the same seed (paired: the same
-    initial weights and batches, so seed-to-seed noise cancels)."""
-    baseline = {run.seed: run.early_loss for run in runs if run.row.method == BASELINE}
+def compare_short(runs: list[TrainingRun], workload: Workload) -> None:
+    """Each row's held-out loss after the short schedule against the baseline's on the same
+    seed (same initial weights and batches, so seed-to-seed noise cancels)."""
+    losses = {id(run): evaluate(run.patched.model, workload)[0] for run in runs if not run.error}
+    baseline = {run.seed: losses.get(id(run)) for run in runs if run.row.method == BASELINE}
     for row in {id(run.row): run.row for run in runs}.values():
         pairs = [
-            (run.early_loss, baseline.get(run.seed))
+            (losses[id(run)], baseline[run.seed])
             for run in runs
-            if run.row is row and run.error is None and run.early_loss is not None
+            if run.row is row and id(run) in losses and baseline.get(run.seed)
         ]
-        pairs = [(loss, base) for loss, base in pairs if base]
         if pairs:
-            row.early_loss = statistics.fmean(loss for loss, _ in pairs)
-            row.early_paired = statistics.fmean(loss / base - 1 for loss, base in pairs)
-            row.early_worse = sum(loss > base for loss, base in pairs)
+            row.short_loss = statistics.fmean(loss for loss, _ in pairs)
+            row.short_paired = statistics.fmean(loss / base - 1 for loss, base in pairs)
+            row.short_worse = sum(loss > base for loss, base in pairs)
+    for run in runs:
+        if run.patched.optimizer is not None:
+            run.patched.optimizer.remove()
 
 
 def summarize_runs(row: Row, runs: list[TrainingRun], workload: Workload) -> None:

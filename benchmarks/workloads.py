@@ -49,8 +49,9 @@ class Workload:
         val: held-out batches for the final loss.
         lr: AdamW learning rate of the training runs.
         seeds: the seeds every method trains with (data order, dropout); results are means.
-        early_step: a step after which the held-out loss is also taken (``None``: only at the
-            end); compared with the baseline's seed by seed.
+        short_steps: length of a second, short training schedule (its first batches, the
+            learning-rate schedule fitted to it), whose final held-out loss is compared with the
+            baseline's seed by seed; ``None``: no short schedule.
         data: a line saying what the data is.
         accuracy: whether the final evaluation also reports classification accuracy.
     """
@@ -69,7 +70,7 @@ class Workload:
     data: str
     accuracy: bool = False
     seeds: tuple[int, ...] = (0,)
-    early_step: int | None = None
+    short_steps: int | None = None
 
     def to(self, device: torch.device) -> Workload:
         """Move the batches to ``device`` (models are moved where they are built)."""
@@ -104,7 +105,7 @@ class Sizes:
     cnn_train_batch: int
     cnn_steps: int
     cnn_seeds: int
-    cnn_early_step: int  # also evaluated here, where seed-to-seed noise is small
+    cnn_short_steps: int  # a second, short schedule, compared seed by seed
     val_batches: int
     text_chars: int
 
@@ -122,7 +123,7 @@ FULL = Sizes(
     cnn_train_batch=32,
     cnn_steps=150,
     cnn_seeds=10,  # the held-out loss (~0.03) moves ~20% between seeds: average many
-    cnn_early_step=40,
+    cnn_short_steps=40,
     val_batches=16,
     text_chars=2_000_000,
 )
@@ -139,7 +140,7 @@ QUICK = Sizes(
     cnn_train_batch=16,
     cnn_steps=4,
     cnn_seeds=2,
-    cnn_early_step=2,
+    cnn_short_steps=2,
     val_batches=2,
     text_chars=100_000,
 )
@@ -287,7 +288,7 @@ def cnn_workload(sizes: Sizes) -> Workload:
         data=f"scikit-learn's load_digits, 8x8 images ({len(labels)} train, {len(val_y)} held out)",
         accuracy=True,
         seeds=tuple(range(sizes.cnn_seeds)),
-        early_step=sizes.cnn_early_step,
+        short_steps=sizes.cnn_short_steps,
     )
 
 

@@ -97,6 +97,18 @@ def test_convergence_tables_cover_every_method_and_the_seed_spread(quick):
     assert steps == {"gpt": 4, "hf-gpt2": 0, "cnn": 4}
 
 
+def test_the_cnn_short_run_is_compared_seed_by_seed_with_the_baseline(quick):
+    _, markdown, data, rows = quick
+    cnn = next(w for w in data["workloads"] if w["key"] == "cnn")
+    assert cnn["short_steps"] == 2
+    base = rows["cnn"]["baseline"]
+    assert base["short_paired"] == 0.0 and base["short_worse"] == 0
+    for name in method_names():
+        row = rows["cnn"][name]
+        assert row["short_loss"] is not None and 0 <= row["short_worse"] <= cnn["seeds"], name
+    assert "2-step run, paired" in markdown
+
+
 def test_every_table_names_its_device(quick):
     _, markdown, data, _ = quick
     device = data["meta"]["device"]
