@@ -32,6 +32,7 @@ def patched_by(model: nn.Module) -> MemoryOptimizer | None:
     """The :class:`MemoryOptimizer` applied to ``model`` now, or ``None``."""
     return _PATCHED.get(model)
 
+
 COMPRESS = "compress"
 KEEP = "keep"
 
