@@ -469,6 +469,11 @@ def compare_short(runs: list[TrainingRun], workload: Workload) -> None:
             row.short_loss = statistics.fmean(loss for loss, _ in pairs)
             row.short_paired = statistics.fmean(loss / base - 1 for loss, base in pairs)
             row.short_worse = sum(loss > base for loss, base in pairs)
+    unpatch(runs)
+
+
+def unpatch(runs: list[TrainingRun]) -> None:
+    """Remove the memopt patches of finished runs."""
     for run in runs:
         if run.patched.optimizer is not None:
             run.patched.optimizer.remove()
@@ -489,9 +494,7 @@ def summarize_runs(row: Row, runs: list[TrainingRun], workload: Workload) -> Non
         row.train_loss = statistics.fmean(sum(run.losses[-tail:]) / tail for run in runs)
         row.train_seconds = sum(run.seconds for run in runs) / sum(len(r.losses) for r in runs)
         row.training = runs[0].patched.training_summary()  # the first seed's
-    for run in runs:
-        if run.patched.optimizer is not None:
-            run.patched.optimizer.remove()
+    unpatch(runs)
 
 
 # --------------------------------------------------------------------------- one workload

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import resource
 from collections.abc import Callable
@@ -30,20 +31,19 @@ from .compress.hooks import SavedStats
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_libc: dict[str, ctypes.CDLL | None] = {}
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    """The C library when it is glibc (it has ``mallopt`` and ``malloc_trim``), else ``None``."""
-    if "libc" not in _libc:
-        name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(name) if name else None
-        ok = libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")
-        _libc["libc"] = libc if ok else None
-        if ok:
-            libc.mallopt(_M_MMAP_THRESHOLD, 4096)
-            libc.mallopt(_M_TRIM_THRESHOLD, 0)
-    return _libc["libc"]
+    """glibc (``None`` under another C library), told once to serve blocks of 4 KiB and more with
+    mmap and to return freed memory at once."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None
+    libc.mallopt(_M_MMAP_THRESHOLD, 4096)
+    libc.mallopt(_M_TRIM_THRESHOLD, 0)
+    return libc
 
 
 def _release_free_heap() -> None:
@@ -106,7 +106,7 @@ class MemoryMeter:
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            _glibc()
+            _glibc()  # tune malloc before the first reading
 
     def current(self) -> int:
         if self.device.type == "cuda":
