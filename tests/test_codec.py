@@ -12,6 +12,7 @@ import torch
 
 from memopt_plugins.compress import codec, native
 from memopt_plugins.compress.codec import (
+    FIRST_LEVEL,
     NarrowedInt,
     PackedTensor,
     _bf16_round_up,
@@ -64,21 +65,23 @@ def test_stochastic_error_is_below_one_step(bits: int) -> None:
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_nearest_error_is_half_a_step_except_sign_kept_tiny_values(bits: int) -> None:
+def test_nearest_error_is_half_a_step_except_below_the_first_level(bits: int) -> None:
     x = torch.randn(50, 301, generator=_generator(1)) * 3
     p = quantize(x, bits, group_size=256, stochastic=False)
     err, step = _errors(x, p)
-    tiny = x.reshape(-1).double().abs() < step / 2  # rounded away from 0 to keep the sign
+    first = step * FIRST_LEVEL[bits]
+    tiny = x.reshape(-1).double().abs() < first  # rounded up to the first level: sign kept
     assert (err[~tiny] <= step[~tiny] * (0.5 + 1e-6)).all()
-    assert (err < step).all()
-    assert (~tiny).sum() > 2000  # the half-step bound was exercised
+    assert (err[tiny] < first[tiny]).all()
+    assert (~tiny).sum() > 100  # the half-step bound was exercised
 
 
 def test_codes_never_pass_the_top_level_at_the_range_end() -> None:
-    # x / step == 255 exactly: noise just below 1 rounds 255 + u up to 256 in float32, a code
-    # that must be clamped (uint8 would wrap it to 0). ~2**20 draws hit it about 16 times.
-    x = torch.full((4096, 256), 255.0)
-    x[:, 0] = 0.0  # range [0, 255] at 8 bits: step exactly 1
+    # The top level is 254 + 1/16 steps: noise just below 1 rounds 254 + u up to 255 in float32,
+    # a code of 256 that must be clamped (uint8 would wrap it to 0). ~2**20 draws hit it about
+    # 16 times.
+    x = torch.full((4096, 256), 254.0625)
+    x[:, 0] = 0.0  # range [0, 254.0625] at 8 bits: step exactly 1
     p = quantize(x, 8, generator=_generator(4))
     assert torch.equal(p.scale, torch.ones(4096, dtype=torch.bfloat16))
     err, step = _errors(x, p)
@@ -88,12 +91,15 @@ def test_codes_never_pass_the_top_level_at_the_range_end() -> None:
 @pytest.mark.parametrize("bits", BITS)
 def test_lopsided_mixed_sign_group_is_quantized_not_kept_exact(bits: int) -> None:
     x = torch.rand(4, 256, generator=_generator(15)) + 0.5
-    x[:2, 0] = -1e-3  # one tiny negative among positives: zero point 1, not 0
+    x[:2, 0] = -1e-3  # one tiny negative among positives: a zero point near 0, not 0
     x[2:] *= -1
-    x[2:, 0] = 1e-3  # one tiny positive among negatives: zero point top - 1
+    x[2:, 0] = 1e-3  # one tiny positive among negatives: a zero point near the top
     p = quantize(x, bits, generator=_generator(16))
     assert p.exact_index is None and p.const_index is None
-    assert p.zero_point.tolist() == [1, 1, 2**bits - 2, 2**bits - 2]
+    # Zero point 1 would fit the negative within the first level (1/16 step at 8 and 4 bits):
+    # at 8 bits a second code down needs the smaller step.
+    zp = 2 if bits == 8 else 1
+    assert p.zero_point.tolist() == [zp, zp, 2**bits - 1 - zp, 2**bits - 1 - zp]
     err, step = _errors(x, p)
     assert (err < step).all()
     assert torch.equal(dequantize(p).sign(), x.sign())
@@ -101,14 +107,18 @@ def test_lopsided_mixed_sign_group_is_quantized_not_kept_exact(bits: int) -> Non
 
 @pytest.mark.parametrize("bits", BITS)
 def test_nearest_codes_match_reference_rounding(bits: int) -> None:
-    x = torch.randn(4096, generator=_generator(3))
+    x = torch.randn(4096, generator=_generator(3)).double()
+    x[::7] = 0.0
     p = quantize(x, bits, group_size=128, stochastic=False)
-    step = _step_per_element(p)
-    zp = p.zero_point.double().repeat_interleave(128)
-    reference = ((x.double() / step + zp + 0.5).floor().clamp(0, 2**bits - 1) - zp) * step
-    decoded = dequantize(p).double()
-    normal = x.double().abs() >= step / 2
-    assert torch.equal(decoded[normal], reference[normal])
+    # Each group's levels: 0 and (k - 1 + c) steps for k = 1, 2, ... codes from the zero point.
+    offset = torch.arange(2**bits).double() - p.zero_point.double()[:, None]
+    pull = offset.sign() * (1 - FIRST_LEVEL[bits])
+    levels = ((offset - pull) * p.scale.double()[:, None]).repeat_interleave(128, dim=0)
+    # The nearest level of the value's own sign (0 for 0 only).
+    distance = (levels - x[:, None]).abs()
+    distance[levels.sign() != x.sign()[:, None]] = math.inf
+    reference = levels.gather(1, distance.argmin(1, keepdim=True)).view(-1)
+    assert torch.equal(dequantize(p), reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -259,9 +269,10 @@ def test_fp16_group_near_the_dtype_limit_never_decodes_to_inf() -> None:
         assert (err <= step + 32).all()  # fp16 spacing is 32 near the limit
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("bits", BITS)
-def test_zero_stays_zero_and_sign_survives(bits: int, stochastic: bool) -> None:
+def test_zero_stays_zero_and_sign_survives(bits: int, stochastic: bool, dtype: torch.dtype) -> None:
     g = _generator(9)
     big = torch.randn(4096, generator=g) * 100
     tiny = torch.randn(4096, generator=g) * 1e-6
@@ -272,6 +283,8 @@ def test_zero_stays_zero_and_sign_survives(bits: int, stochastic: bool) -> None:
     x[256:512] = subnormal[256:512]  # a group of subnormals only: a subnormal bf16 step
     x[512:768] = 1e-45 * subnormal[512:768].sign()  # step underflows to 0: group kept exact
     x[512:768:3] = 0.0
+    x[768:1024] = 1e-7 * x[768:1024].sign()  # float16 subnormals: a first level under its least
+    x = x.to(dtype)
     assert (x == 0).sum() > 500 and (x.abs() < 1e-5).sum() > 1500
     y = dequantize(quantize(x, bits, stochastic=stochastic, generator=_generator(10)))
     assert torch.equal(y == 0, x == 0)
@@ -281,9 +294,12 @@ def test_zero_stays_zero_and_sign_survives(bits: int, stochastic: bool) -> None:
 @pytest.mark.parametrize(("bits", "signed"), [(2, False), (4, True), (8, True)])
 def test_stochastic_rounding_is_unbiased_and_nearest_is_not(bits: int, signed: bool) -> None:
     g = _generator(11)
-    # |x| in [1, 3): at least one step away from zero, where the sign fix never applies
-    # (2 bits with both signs would have a single negative level, so only positives there).
-    base = torch.rand(512, generator=g) * 2 + 1
+    # At 8 and 4 bits |x| in [0.05, 3): values under one step too, but none under the first
+    # level (1/16 of a step of about 0.2 or 0.02), which they would round up to. At 2 bits the
+    # first level is a whole step, so |x| in [1, 3); and 2 bits with both signs would have a
+    # single negative level, so only positives there.
+    low = 1.0 if bits == 2 else 0.05
+    base = torch.rand(512, generator=g) * (3 - low) + low
     if signed:
         base[torch.rand(512, generator=g) < 0.5] *= -1
         base[1], base[257] = -3.0, -3.0

@@ -8,10 +8,19 @@ Guarantees the rest of the engine builds on:
 
 * an exact zero decodes to exactly zero, and a nonzero value decodes to a nonzero value of the
   same sign (backward formulas read the sign pattern of saved outputs, e.g. ReLU);
-* stochastic rounding is unbiased (the expected decoded value is the input, for values at least
-  one step away from zero) and draws from a private generator, never from the global RNG;
+* stochastic rounding is unbiased: the expected decoded value is the input, except for values
+  closer to zero than the first level (below), and it draws from a private generator, never from
+  the global RNG;
 * a constant group decodes exactly, and a group holding NaN/Inf (or a range the bfloat16 scale
   cannot express) is stored exactly, without affecting its neighbours.
+
+The levels of a group are ``0`` and ``±(k - 1 + c)·step`` for ``k = 1, 2, ...`` codes away from
+the zero point: uniformly spaced one step apart, except that the first level on each side of zero
+sits at ``c·step`` (:data:`FIRST_LEVEL`). A value between 0 and the first level rounds to it, so
+that the sign survives; with ``c = 1/16`` that biases only values within a sixteenth of a step of
+zero, by less than that, where a first level of a whole step would bias every value within one
+step (measured in ``benchmarks/gradient_bias.md``). At 2 bits four levels cannot spare the room,
+and the first level is a whole step.
 
 ``narrow_int`` stores integer tensors (e.g. max-pool indices) in the smallest integer type that
 holds their range, losslessly.
@@ -26,6 +35,9 @@ import torch
 from . import native
 
 _SUPPORTED_BITS = (2, 4, 8)
+# The first level on each side of zero, in steps, per code width (a power of two, so that a
+# constant group's value is exactly one first level of a bfloat16 step).
+FIRST_LEVEL = {2: 1.0, 4: 2.0**-4, 8: 2.0**-4}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Candidate integer types for narrowing, smallest first.
 _NARROW_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
@@ -186,10 +198,13 @@ def _group_params(
 ) -> _GroupParams:
     """Per-group scale and integer zero point from the group minimum ``mn`` and maximum ``mx``.
 
-    The zero point is an integer code so that 0 is exactly representable. The scale is rounded up
-    to bfloat16, so the codes ``[0, 2**bits - 1]`` still cover ``[mn, mx]``.
+    The zero point is an integer code so that 0 is exactly representable. ``k`` codes above it
+    reach ``(k - 1 + c)`` steps (``c``: :data:`FIRST_LEVEL`), and as many below it: a mixed-sign
+    group takes whichever of the two zero points nearest the balance point needs the smaller step.
+    The scale is rounded up to bfloat16, so the codes ``[0, 2**bits - 1]`` still cover
+    ``[mn, mx]``.
     """
-    top = 2**bits - 1
+    top, c = 2**bits - 1, FIRST_LEVEL[bits]
     finite = torch.isfinite(mn) & torch.isfinite(mx)
     constant = mn == mx
     mn = torch.where(finite, mn, 0.0)
@@ -197,21 +212,33 @@ def _group_params(
     nonneg = mn >= 0
     nonpos = mx <= 0
     span = torch.where(constant, 1.0, mx - mn)
-    zp_mixed = (-mn / span * top).round_().clamp_(1, top - 1)
+
+    def mixed_step(zp: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(-mn / (zp - 1 + c), mx / (top - zp - 1 + c))
+
+    low_zp = ((-mn / span) * (top - 2 + 2 * c) + (1 - c)).floor_().clamp_(1, top - 1)
+    high_zp = (low_zp + 1).clamp_(max=top - 1)
+    low_step, high_step = mixed_step(low_zp), mixed_step(high_zp)
+    higher = high_step < low_step
+    zp_mixed = torch.where(higher, high_zp, low_zp)
+    mixed_scale = torch.where(higher, high_step, low_step)
     zero_point = torch.where(nonneg, 0.0, torch.where(nonpos, float(top), zp_mixed))
-    mixed_scale = torch.maximum(-mn / zp_mixed, mx / (top - zp_mixed))
-    scale = torch.where(nonneg, mx / top, torch.where(nonpos, -mn / top, mixed_scale))
-    # A constant c: one step of |c| and the code zp ± 1 decode to c exactly when |c| is a bfloat16.
-    scale = torch.where(constant, mx.abs(), scale)
+    one_sided = top - 1 + c
+    scale = torch.where(nonneg, mx / one_sided, torch.where(nonpos, -mn / one_sided, mixed_scale))
+    # A constant v: the step |v| / c, and the code zp ± 1 decodes to v exactly when |v| / c is a
+    # bfloat16.
+    scale = torch.where(constant, mx.abs() / c, scale)
     stored = _bf16_round_up(scale)
     step = stored.to(mn.dtype)
 
-    # A nonconstant group is encoded when its decoded extremes (-zp·step, (top-zp)·step) are finite
-    # in the output dtype; NaN/Inf, a step that underflowed to 0 or overflow keep it exact instead.
-    reach = torch.maximum(zero_point, top - zero_point) * step
-    encodable = ~constant & finite & (step > 0) & (reach <= torch.finfo(dtype).max)
-    # A constant group decodes exactly from its codes when its step is |c| (c = 0: step 0).
-    const_by_codes = constant & finite & (step == mx.abs())
+    # A nonconstant group is encoded when its decoded extremes are finite and its first level is
+    # not 0 in the output dtype; NaN/Inf, a step that underflows or overflows keep it exact instead.
+    info = torch.finfo(dtype)
+    reach = (torch.maximum(zero_point, top - zero_point) - 1 + c) * step
+    first_nonzero = step * c > info.smallest_normal * info.eps / 2  # half the least subnormal
+    encodable = ~constant & finite & first_nonzero & (reach <= info.max)
+    # A constant group decodes exactly from its codes when its first level is |v| (v = 0: step 0).
+    const_by_codes = constant & finite & (step * c == mx.abs())
     usable = (step > 0) & (encodable | const_by_codes)
     exact = ~constant & ~encodable
     return _GroupParams(
@@ -279,22 +306,24 @@ def _round_to_codes(
 ) -> torch.Tensor:
     """Codes of a chunk of groups (work dtype, integer-valued in ``[0, 2**bits - 1]``).
 
-    ``offset = floor(x / step + u)`` with ``u ~ U(0, 1)`` from ``generator`` (unbiased) or
-    ``u = 0.5`` without one (nearest), then forced to the sign of ``x`` with magnitude at least
-    1, or 0 where ``x == 0``; ``code = zp + offset``. ``divisor`` and ``zero_point`` are
-    ``(rows, 1)``. Returns a view of ``scratch.codes``.
+    ``code = zp + sign(x) · (floor(max(|x| / step - c, 0) + u) + 1)``, so 0 for ``x == 0``:
+    ``u ~ U(0, 1)`` from ``generator`` rounds ``|x|`` between the levels above and below it
+    without bias, or ``u = 0.5`` without one rounds to the nearest, and ``|x|`` below the first
+    level ``c·step`` rounds up to it (``c``: :data:`FIRST_LEVEL`). ``divisor`` and
+    ``zero_point`` are ``(rows, 1)``. Returns a view of ``scratch.codes``.
     """
     rows = values.shape[0]
     if scratch.values is not None:
         values = scratch.values[:rows].copy_(values)
     codes = scratch.codes[:rows]
+    sign = scratch.sign[:rows]
+    torch.div(values, divisor, out=codes).abs_().sub_(FIRST_LEVEL[bits]).clamp_min_(0)
     if generator is not None:
-        _fill_uniform(codes, scratch.draws, generator)
-        codes.addcdiv_(values, divisor)
+        _fill_uniform(sign, scratch.draws, generator)  # the sign buffer holds the noise first
+        codes.add_(sign)
     else:
-        torch.div(values, divisor, out=codes).add_(0.5)
-    # Sign fix: a nonzero value keeps its sign and never rounds to zero; zero stays zero.
-    codes.floor_().abs_().clamp_min_(1).mul_(torch.sign(values, out=scratch.sign[:rows]))
+        codes.add_(0.5)
+    codes.floor_().add_(1).mul_(torch.sign(values, out=sign))
     return codes.add_(zero_point).clamp_(0, 2**bits - 1)
 
 
@@ -389,9 +418,10 @@ def _encode(
 
 
 def _decode(p: PackedTensor) -> torch.Tensor:
-    """``(code - zp)·step`` of all groups as ``(groups, group_size)`` in ``p.dtype``, by chunks.
+    """The levels of all groups' codes as ``(groups, group_size)`` in ``p.dtype``, by chunks:
+    ``(o - sign(o)·(1 - c))·step`` for the offset ``o = code - zp`` (``c``: :data:`FIRST_LEVEL`).
 
-    Each product is exact in the work dtype (an integer of at most 8 bits times a bfloat16), so a
+    Each product is exact in the work dtype (a multiple of 1/16 below 256 times a bfloat16), so a
     code equal to the zero point decodes to exactly 0.
     """
     n_groups, size, per_byte = p.scale.numel(), p.group_size, 8 // p.bits
@@ -400,6 +430,8 @@ def _decode(p: PackedTensor) -> torch.Tensor:
     rows = max(1, min(_chunk_rows(size, per_byte, device), n_groups))
     out = torch.empty(n_groups, size, dtype=p.dtype, device=device)
     work = None if p.dtype == work_dtype else out.new_empty(rows, size, dtype=work_dtype)
+    shift = out.new_empty(rows, size, dtype=work_dtype)
+    pull = 1 - FIRST_LEVEL[p.bits]
     step = p.scale.to(work_dtype)[:, None]
     zero_point = p.zero_point.to(work_dtype)[:, None]
     for start in range(0, n_groups, rows):
@@ -409,7 +441,9 @@ def _decode(p: PackedTensor) -> torch.Tensor:
         codes = unpack_bits(p.codes[first : first + -(-count // per_byte)], p.bits, count)
         target = out[start:stop] if work is None else work[: stop - start]
         target.copy_(codes.view(stop - start, size))
-        target.sub_(zero_point[start:stop]).mul_(step[start:stop])
+        target.sub_(zero_point[start:stop])
+        target.sub_(torch.sign(target, out=shift[: stop - start]).mul_(pull))
+        target.mul_(step[start:stop])
         if work is not None:
             out[start:stop] = target
     return out
@@ -480,7 +514,7 @@ def _quantize_native(
     seed = None
     if generator is not None:  # one draw from the generator seeds the kernels' noise
         seed = int(torch.randint(2**62, (), generator=generator))
-    q = native.quantize(x.view(-1), group_size, bits, seed)
+    q = native.quantize(x.view(-1), group_size, bits, FIRST_LEVEL[bits], seed)
     exact = q.exact if q.exact is not None and q.exact.any() else None
     const = q.const if q.const is not None and q.const.any() else None
     groups = _Groups.of(x, group_size) if exact is not None or const is not None else None
@@ -527,7 +561,9 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     """Decode ``p`` to a contiguous tensor of its original shape and dtype."""
     with torch.no_grad():
         if native.supports(p.codes.device, p.dtype):
-            out = native.decode(p.codes, p.bits, p.group_size, p.scale, p.zero_point, p.dtype)
+            out = native.decode(
+                p.codes, p.bits, FIRST_LEVEL[p.bits], p.group_size, p.scale, p.zero_point, p.dtype
+            )
         else:
             out = _decode(p)
         if p.const_index is not None:

@@ -88,6 +88,17 @@ static inline uint16_t bf16_round_up(float f) {
 
 enum { EXACT = 1, CONSTANT = 2 };
 
+/* Whether f (finite, >= 0) stays nonzero when rounded to the element type. */
+static inline int nonzero_in(int dtype, float f) {
+    return dtype == F32 ? f != 0.0f : dtype == BF16 ? to_bf16(f) != 0 : (_Float16)f != 0;
+}
+
+/* The step of a mixed-sign group with zero point zp: k codes reach (k - 1 + first) steps. */
+static inline float mixed_step(float mn, float mx, float zp, float top, float first) {
+    const float below = -mn / (zp - 1.0f + first), above = mx / (top - zp - 1.0f + first);
+    return below >= above ? below : above;
+}
+
 /* A group's parameters from its minimum and maximum: codec._group_params, operation for
  * operation in float32, so both give the same bits. */
 typedef struct {
@@ -97,24 +108,34 @@ typedef struct {
     uint8_t flags;    /* EXACT: kept exactly; CONSTANT: its value goes in the side table */
 } params_t;
 
-static params_t group_params(float mn, float mx, int bits, float dtype_max) {
+static params_t group_params(float mn, float mx, int bits, float first, int dtype,
+                             float dtype_max) {
     const float top = (float)((1 << bits) - 1);
     const int finite = __builtin_isfinite(mn) && __builtin_isfinite(mx);
     const int constant = mn == mx;
     if (!finite) mn = mx = 0.0f;
     const int nonneg = mn >= 0.0f, nonpos = mx <= 0.0f;
     const float span = constant ? 1.0f : mx - mn;
-    float zp_mixed = __builtin_rintf(-mn / span * top);
-    zp_mixed = zp_mixed < 1.0f ? 1.0f : zp_mixed > top - 1.0f ? top - 1.0f : zp_mixed;
-    const float zero_point = nonneg ? 0.0f : nonpos ? top : zp_mixed;
-    const float below = -mn / zp_mixed, above = mx / (top - zp_mixed);
-    float scale = nonneg ? mx / top : nonpos ? -mn / top : (below >= above ? below : above);
-    if (constant) scale = __builtin_fabsf(mx);
+    float low_zp = __builtin_floorf((-mn / span) * (top - 2.0f + 2.0f * first) + (1.0f - first));
+    low_zp = low_zp < 1.0f ? 1.0f : low_zp > top - 1.0f ? top - 1.0f : low_zp;
+    const float high_zp = low_zp + 1.0f > top - 1.0f ? top - 1.0f : low_zp + 1.0f;
+    const float low_step = mixed_step(mn, mx, low_zp, top, first);
+    const float high_step = mixed_step(mn, mx, high_zp, top, first);
+    const int higher = high_step < low_step;
+    const float zero_point = nonneg ? 0.0f : nonpos ? top : higher ? high_zp : low_zp;
+    const float one_sided = top - 1.0f + first;
+    float scale = nonneg   ? mx / one_sided
+                  : nonpos ? -mn / one_sided
+                  : higher ? high_step
+                           : low_step;
+    if (constant) scale = __builtin_fabsf(mx) / first;
     const uint16_t stored = bf16_round_up(scale);
     const float step = from_bf16(stored);
-    const float reach = (zero_point > top - zero_point ? zero_point : top - zero_point) * step;
-    const int encodable = !constant && finite && step > 0.0f && reach <= dtype_max;
-    const int const_by_codes = constant && finite && step == __builtin_fabsf(mx);
+    const float reach =
+        ((zero_point > top - zero_point ? zero_point : top - zero_point) - 1.0f + first) * step;
+    const int encodable =
+        !constant && finite && nonzero_in(dtype, step * first) && reach <= dtype_max;
+    const int const_by_codes = constant && finite && step * first == __builtin_fabsf(mx);
     const int usable = step > 0.0f && (encodable || const_by_codes);
     const int exact = !constant && !encodable;
     params_t p;
@@ -161,20 +182,18 @@ static void fill_noise(uint64_t first, uint64_t seed, int64_t n, float *u) {
     if (i + 2 * pairs < n) u[n - 1] = noise_of(mix32((pair0 + (uint32_t)pairs) ^ key), 0);
 }
 
-/* codes[i] = clamp(zp + sign(v) * max(|floor(v / d + u)|, 1), 0, top), 0 where v == 0 (zp then),
- * and zp where v is NaN (only groups kept exactly hold NaN; their codes go unused); u[i] is the
- * rounding noise. */
-static void round_group(const float *v, const float *u, int64_t n, float d, int32_t zp,
-                        int32_t top, uint8_t *codes) {
+/* codes[i] = clamp(zp + sign(v) * (floor(max(|v / d| - first, 0) + u) + 1), 0, top): zp where
+ * v == 0, and where v is NaN (only groups kept exactly hold NaN; their codes go unused); u[i] is
+ * the rounding noise. */
+static void round_group(const float *v, const float *u, int64_t n, float d, float first,
+                        int32_t zp, int32_t top, uint8_t *codes) {
     for (int64_t i = 0; i < n; i++) {
         float e = v[i];
-        float q = e / d + u[i];
-        q = q == q ? q : 0.0f;
-        q = q < -1024.0f ? -1024.0f : q; /* codes clamp anyway; keeps the int conversion defined */
-        q = q > 1024.0f ? 1024.0f : q;
-        int32_t f = (int32_t)__builtin_floorf(q);
-        int32_t mag = f < 0 ? -f : f;
-        mag = mag < 1 ? 1 : mag;
+        float q = __builtin_fabsf(e / d) - first;
+        q = q > 0.0f ? q : 0.0f; /* NaN too */
+        q += u[i];
+        q = q > 1024.0f ? 1024.0f : q; /* codes clamp anyway; keeps the int conversion defined */
+        int32_t mag = (int32_t)__builtin_floorf(q) + 1;
         int32_t sign = (e > 0.0f) - (e < 0.0f);
         int32_t code = zp + sign * mag;
         code = code < 0 ? 0 : code;
@@ -200,13 +219,15 @@ static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
 /* Quantize groups [g0, g1): parameters (codec._group_params) and codes packed into out (the
  * whole tensor's packed bytes), one group at a time while it is in cache. g0 * group_size must be
  * a multiple of 8 / bits, so the range starts on a byte. Rounding: nearest (stochastic == 0,
- * u = 1/2) or stochastic with fill_noise's u. dtype_max: the largest finite value of the input
- * type. Writes scale (bfloat16 bits), zero_point and flags per group; returns the number of
- * groups flagged. Scratch: buf and noise, group_size floats each; codes, group_size + 4 bytes. */
+ * u = 1/2) or stochastic with fill_noise's u. first: the first level in steps
+ * (codec.FIRST_LEVEL); dtype_max: the largest finite value of the input type. Writes scale
+ * (bfloat16 bits), zero_point and flags per group; returns the number of groups flagged.
+ * Scratch: buf and noise, group_size floats each; codes, group_size + 4 bytes. */
 static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t group_size,
-                              int64_t g0, int64_t g1, int bits, int stochastic, uint64_t seed,
-                              float dtype_max, uint8_t *out, uint16_t *scale, uint8_t *zero_point,
-                              uint8_t *flags, float *buf, float *noise, uint8_t *codes) {
+                              int64_t g0, int64_t g1, int bits, float first, int stochastic,
+                              uint64_t seed, float dtype_max, uint8_t *out, uint16_t *scale,
+                              uint8_t *zero_point, uint8_t *flags, float *buf, float *noise,
+                              uint8_t *codes) {
     const int per_byte = 8 / bits;
     const int32_t top = (1 << bits) - 1;
     int64_t flagged = 0;
@@ -218,13 +239,14 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
         const float *v = load_group(x, dtype, numel, group_size, g, buf);
         float mn, mx;
         minmax(v, group_size, &mn, &mx);
-        const params_t p = group_params(mn, mx, bits, dtype_max);
+        const params_t p = group_params(mn, mx, bits, first, dtype, dtype_max);
         scale[g] = p.scale;
         zero_point[g] = (uint8_t)p.zero_point;
         flags[g] = p.flags;
         flagged += p.flags != 0;
         if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
-        round_group(v, noise, group_size, p.divisor, (int32_t)p.zero_point, top, codes + pending);
+        round_group(v, noise, group_size, p.divisor, first, (int32_t)p.zero_point, top,
+                    codes + pending);
         int64_t have = pending + group_size;
         int64_t whole = have / per_byte * per_byte;
         pack(codes, whole, per_byte, next);
@@ -261,7 +283,7 @@ static int thread_count(int64_t n_groups, int threads) {
  * runtime torch runs on). Returns the number of groups flagged, or -1 when scratch memory could
  * not be allocated. */
 int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_size,
-                        int64_t n_groups, int bits, int stochastic, uint64_t seed,
+                        int64_t n_groups, int bits, float first, int stochastic, uint64_t seed,
                         float dtype_max, uint8_t *out, uint16_t *scale, uint8_t *zero_point,
                         uint8_t *flags, int threads) {
     const int parts = thread_count(n_groups, threads);
@@ -276,8 +298,8 @@ int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_s
         float *buf = malloc((size_t)group_size * 2 * sizeof(float));
         uint8_t *codes = malloc((size_t)group_size + 4);
         if (buf && codes)
-            flagged += quantize_range(x, dtype, numel, group_size, g0, g1, bits, stochastic, seed,
-                                      dtype_max, out, scale, zero_point, flags, buf,
+            flagged += quantize_range(x, dtype, numel, group_size, g0, g1, bits, first, stochastic,
+                                      seed, dtype_max, out, scale, zero_point, flags, buf,
                                       buf + group_size, codes);
         else
             failed = 1;
@@ -314,28 +336,35 @@ static void unpack(const uint8_t *packed, int bits, int64_t first, int64_t n, ui
     }
 }
 
-/* (code - zero_point) * scale of groups [g0, g1) into out, which holds (groups, group_size)
- * elements of dtype. scale: bfloat16 bits per group; the product is exact in float32 and rounded
+/* The level of offset o = code - zero_point: (o - sign(o) * pull) * step, pull = 1 - first. */
+static inline float level(uint8_t code, float zp, float pull, float step) {
+    const float o = (float)code - zp;
+    return (o > 0.0f ? o - pull : o < 0.0f ? o + pull : 0.0f) * step;
+}
+
+/* The levels (codec._decode) of groups [g0, g1) into out, which holds (groups, group_size)
+ * elements of dtype. scale: bfloat16 bits per group; each level is exact in float32 and rounded
  * once to the output type. buf: group_size floats; codes: group_size bytes. */
-static void decode_range(const uint8_t *packed, int bits, int64_t group_size, int64_t g0,
-                         int64_t g1, const uint16_t *scale, const uint8_t *zero_point, int dtype,
-                         void *out, float *buf, uint8_t *codes) {
+static void decode_range(const uint8_t *packed, int bits, float first, int64_t group_size,
+                         int64_t g0, int64_t g1, const uint16_t *scale, const uint8_t *zero_point,
+                         int dtype, void *out, float *buf, uint8_t *codes) {
+    const float pull = 1.0f - first;
     for (int64_t g = g0; g < g1; g++) {
         const float step = from_bf16(scale[g]);
         const float zp = (float)zero_point[g];
-        const int64_t first = g * group_size;
-        unpack(packed, bits, first, group_size, codes);
+        const int64_t start = g * group_size;
+        unpack(packed, bits, start, group_size, codes);
         if (dtype == F32) {
-            float *o = (float *)out + first;
-            for (int64_t i = 0; i < group_size; i++) o[i] = ((float)codes[i] - zp) * step;
+            float *o = (float *)out + start;
+            for (int64_t i = 0; i < group_size; i++) o[i] = level(codes[i], zp, pull, step);
             continue;
         }
-        for (int64_t i = 0; i < group_size; i++) buf[i] = ((float)codes[i] - zp) * step;
+        for (int64_t i = 0; i < group_size; i++) buf[i] = level(codes[i], zp, pull, step);
         if (dtype == BF16) {
-            uint16_t *o = (uint16_t *)out + first;
+            uint16_t *o = (uint16_t *)out + start;
             for (int64_t i = 0; i < group_size; i++) o[i] = to_bf16(buf[i]);
         } else {
-            _Float16 *o = (_Float16 *)out + first;
+            _Float16 *o = (_Float16 *)out + start;
             for (int64_t i = 0; i < group_size; i++) o[i] = (_Float16)buf[i];
         }
     }
@@ -343,9 +372,9 @@ static void decode_range(const uint8_t *packed, int bits, int64_t group_size, in
 
 /* decode_range over all n_groups groups, split between `threads` threads. Returns 0, or -1 when
  * scratch memory could not be allocated. */
-int memopt_decode(const uint8_t *packed, int bits, int64_t group_size, int64_t n_groups,
-                   const uint16_t *scale, const uint8_t *zero_point, int dtype, void *out,
-                   int threads) {
+int memopt_decode(const uint8_t *packed, int bits, float first, int64_t group_size,
+                  int64_t n_groups, const uint16_t *scale, const uint8_t *zero_point, int dtype,
+                  void *out, int threads) {
     const int parts = thread_count(n_groups, threads);
     int failed = 0;
 #pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
@@ -356,8 +385,8 @@ int memopt_decode(const uint8_t *packed, int bits, int64_t group_size, int64_t n
         float *buf = malloc((size_t)group_size * sizeof(float));
         uint8_t *codes = malloc((size_t)group_size);
         if (buf && codes)
-            decode_range(packed, bits, group_size, g0, g1, scale, zero_point, dtype, out, buf,
-                         codes);
+            decode_range(packed, bits, first, group_size, g0, g1, scale, zero_point, dtype, out,
+                         buf, codes);
         else
             failed = 1;
         free(buf);

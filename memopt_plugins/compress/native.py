@@ -36,14 +36,13 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-e
 _FLAGS += ("-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "memopt_quantize": (
-        (_P, _INT, _I64, _I64, _I64, _INT, _INT, ctypes.c_uint64, ctypes.c_float, _P, _P, _P, _P)
-        + (_INT,),
+        (_P, _INT, _I64, _I64, _I64, _INT, _F, _INT, ctypes.c_uint64, _F, _P, _P, _P, _P, _INT),
         ctypes.c_int64,
     ),
-    "memopt_decode": ((_P, _INT, _I64, _I64, _P, _P, _INT, _P, _INT), _INT),
+    "memopt_decode": ((_P, _INT, _F, _I64, _I64, _P, _P, _INT, _P, _INT), _INT),
 }
 
 # Group flags written by memopt_quantize.
@@ -138,10 +137,13 @@ class Quantized:
     const: torch.Tensor | None  # bool per group (constant, value in the side table), or None
 
 
-def quantize(flat: torch.Tensor, group_size: int, bits: int, seed: int | None) -> Quantized:
+def quantize(
+    flat: torch.Tensor, group_size: int, bits: int, first: float, seed: int | None
+) -> Quantized:
     """``codec.quantize``'s codes and group parameters for contiguous 1-D ``flat``.
 
-    ``seed``: stochastic rounding with noise from this seed; round-to-nearest when ``None``.
+    ``first``: the first level in steps (``codec.FIRST_LEVEL``); ``seed``: stochastic rounding
+    with noise from this seed, round-to-nearest when ``None``.
     """
     lib = library()
     per_byte = 8 // bits
@@ -151,7 +153,7 @@ def quantize(flat: torch.Tensor, group_size: int, bits: int, seed: int | None) -
     zero_point = torch.empty(n_groups, dtype=torch.uint8)
     flags = torch.empty(n_groups, dtype=torch.uint8)
     flagged = lib.memopt_quantize(
-        flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(), group_size, n_groups, bits,
+        flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(), group_size, n_groups, bits, first,
         seed is not None, seed or 0, torch.finfo(flat.dtype).max, packed.data_ptr(),
         scale.data_ptr(), zero_point.data_ptr(), flags.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
@@ -170,20 +172,23 @@ def quantize(flat: torch.Tensor, group_size: int, bits: int, seed: int | None) -
 def decode(
     packed: torch.Tensor,
     bits: int,
+    first: float,
     group_size: int,
     scale: torch.Tensor,
     zero_point: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``(code - zero_point) * scale`` of every group, as ``(groups, group_size)`` of ``dtype``.
+    """The levels of every group's codes (``codec._decode``), as ``(groups, group_size)`` of
+    ``dtype``.
 
-    ``scale``: bfloat16 per group; ``zero_point``: uint8 per group.
+    ``first``: the first level in steps; ``scale``: bfloat16 per group; ``zero_point``: uint8 per
+    group.
     """
     lib = library()
     n_groups = scale.numel()
     out = torch.empty(n_groups, group_size, dtype=dtype)
     failed = lib.memopt_decode(
-        packed.data_ptr(), bits, group_size, n_groups, scale.contiguous().data_ptr(),
+        packed.data_ptr(), bits, first, group_size, n_groups, scale.contiguous().data_ptr(),
         zero_point.contiguous().data_ptr(), _DTYPE_CODES[dtype], out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
