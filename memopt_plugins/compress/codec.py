@@ -188,7 +188,7 @@ def _bf16_round_up(x: torch.Tensor) -> torch.Tensor:
 class _GroupParams:
     scale: torch.Tensor  # stored bfloat16 step, 0 for groups stored another way
     zero_point: torch.Tensor  # zero point in the work dtype (integer-valued)
-    divisor: torch.Tensor  # stored step in the work dtype, 1 where the step is 0 (no 0/0)
+    inverse: torch.Tensor  # 1 / stored step in the work dtype, 1 where the codes need none
     exact: torch.Tensor  # bool: group kept exactly
     const: torch.Tensor  # bool: constant group whose value goes in the side table
 
@@ -231,20 +231,23 @@ def _group_params(
     stored = _bf16_round_up(scale)
     step = stored.to(mn.dtype)
 
-    # A nonconstant group is encoded when its decoded extremes are finite and its first level is
-    # not 0 in the output dtype; NaN/Inf, a step that underflows or overflows keep it exact instead.
+    # A nonconstant group is encoded when its step has a finite inverse (values are scaled by
+    # it), its decoded extremes are finite and its first level is not 0 in the output dtype;
+    # NaN/Inf, a step that underflows or overflows keep it exact instead.
     info = torch.finfo(dtype)
+    inverse = 1 / step
+    invertible = torch.isfinite(inverse)
     reach = (torch.maximum(zero_point, top - zero_point) - 1 + c) * step
     first_nonzero = step * c > info.smallest_normal * info.eps / 2  # half the least subnormal
-    encodable = ~constant & finite & first_nonzero & (reach <= info.max)
+    encodable = ~constant & finite & invertible & first_nonzero & (reach <= info.max)
     # A constant group decodes exactly from its codes when its first level is |v| (v = 0: step 0).
+    # Any scaling below the first level gives the code zp ± 1, so an inverse of 1 serves too.
     const_by_codes = constant & finite & (step * c == mx.abs())
-    usable = (step > 0) & (encodable | const_by_codes)
     exact = ~constant & ~encodable
     return _GroupParams(
         scale=torch.where(exact, 0.0, stored.to(mn.dtype)).to(torch.bfloat16),
         zero_point=torch.where(exact, 0.0, zero_point),
-        divisor=torch.where(usable, step, 1.0),
+        inverse=torch.where(invertible & (encodable | const_by_codes), inverse, 1.0),
         exact=exact,
         const=constant & ~const_by_codes,
     )
@@ -298,7 +301,7 @@ class _Scratch:
 
 def _round_to_codes(
     values: torch.Tensor,
-    divisor: torch.Tensor,
+    inverse: torch.Tensor,
     zero_point: torch.Tensor,
     bits: int,
     generator: torch.Generator | None,
@@ -306,10 +309,11 @@ def _round_to_codes(
 ) -> torch.Tensor:
     """Codes of a chunk of groups (work dtype, integer-valued in ``[0, 2**bits - 1]``).
 
-    ``code = zp + sign(x) · (floor(max(|x| / step - c, 0) + u) + 1)``, so 0 for ``x == 0``:
+    ``code = zp + sign(x) · (floor(max(|x · inverse| - c, 0) + u) + 1)``, so 0 for ``x == 0``
+    (``inverse``: of the step):
     ``u ~ U(0, 1)`` from ``generator`` rounds ``|x|`` between the levels above and below it
     without bias, or ``u = 0.5`` without one rounds to the nearest, and ``|x|`` below the first
-    level ``c·step`` rounds up to it (``c``: :data:`FIRST_LEVEL`). ``divisor`` and
+    level ``c·step`` rounds up to it (``c``: :data:`FIRST_LEVEL`). ``inverse`` and
     ``zero_point`` are ``(rows, 1)``. Returns a view of ``scratch.codes``.
     """
     rows = values.shape[0]
@@ -317,7 +321,7 @@ def _round_to_codes(
         values = scratch.values[:rows].copy_(values)
     codes = scratch.codes[:rows]
     sign = scratch.sign[:rows]
-    torch.div(values, divisor, out=codes).abs_().sub_(FIRST_LEVEL[bits]).clamp_min_(0)
+    torch.mul(values, inverse, out=codes).abs_().sub_(FIRST_LEVEL[bits]).clamp_min_(0)
     if generator is not None:
         _fill_uniform(sign, scratch.draws, generator)  # the sign buffer holds the noise first
         codes.add_(sign)
@@ -397,13 +401,13 @@ def _encode(
     rows = max(1, min(_chunk_rows(size, per_byte, like.device), n_groups))
     scratch = _Scratch.allocate(like, rows, stochastic=generator is not None)
     packed = like.new_empty(-(-n_groups * size // per_byte), dtype=torch.uint8)
-    divisor = params.divisor[:, None]
+    inverse = params.inverse[:, None]
     zero_point = params.zero_point[:, None]
     for start in range(0, n_groups, rows):
         stop = min(start + rows, n_groups)
         codes = _round_to_codes(
             groups.rows(start, stop),
-            divisor[start:stop],
+            inverse[start:stop],
             zero_point[start:stop],
             bits,
             generator,
@@ -482,12 +486,10 @@ def quantize(
     _check_args(x, bits, group_size)
     if stochastic and generator is None:
         generator = codec_generator(x.device)
+    x = x.detach()
+    if native.supports(x.device, x.dtype):
+        return _quantize_native(x.contiguous(), bits, group_size, generator if stochastic else None)
     with torch.no_grad():
-        x = x.detach()
-        if native.supports(x.device, x.dtype):
-            return _quantize_native(
-                x.contiguous(), bits, group_size, generator if stochastic else None
-            )
         groups = _Groups.of(x, group_size)
         work = _work_dtype(x.dtype)
         mins, maxs = groups.stats()
@@ -558,19 +560,23 @@ def _packed(
 
 
 def dequantize(p: PackedTensor) -> torch.Tensor:
-    """Decode ``p`` to a contiguous tensor of its original shape and dtype."""
-    with torch.no_grad():
-        if native.supports(p.codes.device, p.dtype):
-            out = native.decode(
-                p.codes, p.bits, FIRST_LEVEL[p.bits], p.group_size, p.scale, p.zero_point, p.dtype
-            )
-        else:
-            out = _decode(p)
-        if p.const_index is not None:
-            out[p.const_index] = p.const_values[:, None]
-        if p.exact_index is not None:
-            out[p.exact_index] = p.exact_values
-    return out.view(-1)[: p.numel].view(p.shape)
+    """Decode ``p`` to a contiguous tensor of its original shape and dtype.
+
+    Nothing in ``p`` requires gradients, so neither does the result (no ``no_grad`` needed).
+    """
+    if native.supports(p.codes.device, p.dtype):
+        out = native.decode(
+            p.codes, p.bits, FIRST_LEVEL[p.bits], p.group_size, p.scale, p.zero_point, p.dtype
+        )
+    else:
+        out = _decode(p)
+    if p.const_index is not None:
+        out[p.const_index] = p.const_values[:, None]
+    if p.exact_index is not None:
+        out[p.exact_index] = p.exact_values
+    if out.numel() != p.numel:  # padding after the last element
+        out = out.view(-1)[: p.numel]
+    return out.view(p.shape)
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,14 +237,12 @@ class CompressionHooks:
             return t if narrowed is t else _Saved(narrowed, widen_int, t.shape)
         if bits >= OFF_BITS:
             return t
-        with torch.no_grad():
-            if bits == HALF_BITS:
-                if t.element_size() <= 2:
-                    return t
-                return _Saved(t.detach().to(torch.bfloat16), _from_half(t.dtype), t.shape)
-            packed = quantize(
-                t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic
-            )
+        # Detached, so that nothing below records autograd history.
+        if bits == HALF_BITS:
+            if t.element_size() <= 2:
+                return t
+            return _Saved(t.detach().to(torch.bfloat16), _from_half(t.dtype), t.shape)
+        packed = quantize(t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic)
         return _Saved(packed, dequantize, t.shape)
 
     @staticmethod

@@ -102,7 +102,7 @@ static inline float mixed_step(float mn, float mx, float zp, float top, float fi
 /* A group's parameters from its minimum and maximum: codec._group_params, operation for
  * operation in float32, so both give the same bits. */
 typedef struct {
-    float divisor;    /* the step, 1 where it is not used */
+    float inverse;    /* 1 / the step, 1 where the codes need none */
     float zero_point; /* integer-valued */
     uint16_t scale;   /* bfloat16 bits of the stored step; 0 for a group kept exactly */
     uint8_t flags;    /* EXACT: kept exactly; CONSTANT: its value goes in the side table */
@@ -114,32 +114,39 @@ static params_t group_params(float mn, float mx, int bits, float first, int dtyp
     const int finite = __builtin_isfinite(mn) && __builtin_isfinite(mx);
     const int constant = mn == mx;
     if (!finite) mn = mx = 0.0f;
-    const int nonneg = mn >= 0.0f, nonpos = mx <= 0.0f;
-    const float span = constant ? 1.0f : mx - mn;
-    float low_zp = __builtin_floorf((-mn / span) * (top - 2.0f + 2.0f * first) + (1.0f - first));
-    low_zp = low_zp < 1.0f ? 1.0f : low_zp > top - 1.0f ? top - 1.0f : low_zp;
-    const float high_zp = low_zp + 1.0f > top - 1.0f ? top - 1.0f : low_zp + 1.0f;
-    const float low_step = mixed_step(mn, mx, low_zp, top, first);
-    const float high_step = mixed_step(mn, mx, high_zp, top, first);
-    const int higher = high_step < low_step;
-    const float zero_point = nonneg ? 0.0f : nonpos ? top : higher ? high_zp : low_zp;
-    const float one_sided = top - 1.0f + first;
-    float scale = nonneg   ? mx / one_sided
-                  : nonpos ? -mn / one_sided
-                  : higher ? high_step
-                           : low_step;
-    if (constant) scale = __builtin_fabsf(mx) / first;
+    float zero_point, scale;
+    if (constant) { /* v >= 0 or v < 0: one-sided */
+        zero_point = mn >= 0.0f ? 0.0f : top;
+        scale = __builtin_fabsf(mx) / first;
+    } else if (mn >= 0.0f) {
+        zero_point = 0.0f;
+        scale = mx / (top - 1.0f + first);
+    } else if (mx <= 0.0f) {
+        zero_point = top;
+        scale = -mn / (top - 1.0f + first);
+    } else { /* mixed signs: the better of the two zero points beside the balance point */
+        const float balance = (-mn / (mx - mn)) * (top - 2.0f + 2.0f * first) + (1.0f - first);
+        float low_zp = __builtin_floorf(balance);
+        low_zp = low_zp < 1.0f ? 1.0f : low_zp > top - 1.0f ? top - 1.0f : low_zp;
+        const float high_zp = low_zp + 1.0f > top - 1.0f ? top - 1.0f : low_zp + 1.0f;
+        const float low_step = mixed_step(mn, mx, low_zp, top, first);
+        const float high_step = mixed_step(mn, mx, high_zp, top, first);
+        const int higher = high_step < low_step;
+        zero_point = higher ? high_zp : low_zp;
+        scale = higher ? high_step : low_step;
+    }
     const uint16_t stored = bf16_round_up(scale);
     const float step = from_bf16(stored);
+    const float inverse = 1.0f / step;
+    const int invertible = __builtin_isfinite(inverse);
     const float reach =
         ((zero_point > top - zero_point ? zero_point : top - zero_point) - 1.0f + first) * step;
-    const int encodable =
-        !constant && finite && nonzero_in(dtype, step * first) && reach <= dtype_max;
+    const int encodable = !constant && finite && invertible && nonzero_in(dtype, step * first) &&
+                          reach <= dtype_max;
     const int const_by_codes = constant && finite && step * first == __builtin_fabsf(mx);
-    const int usable = step > 0.0f && (encodable || const_by_codes);
     const int exact = !constant && !encodable;
     params_t p;
-    p.divisor = usable ? step : 1.0f;
+    p.inverse = invertible && (encodable || const_by_codes) ? inverse : 1.0f;
     p.zero_point = exact ? 0.0f : zero_point;
     p.scale = exact ? 0 : stored;
     p.flags = (uint8_t)((exact ? EXACT : 0) | (constant && !const_by_codes ? CONSTANT : 0));
@@ -182,20 +189,19 @@ static void fill_noise(uint64_t first, uint64_t seed, int64_t n, float *u) {
     if (i + 2 * pairs < n) u[n - 1] = noise_of(mix32((pair0 + (uint32_t)pairs) ^ key), 0);
 }
 
-/* codes[i] = clamp(zp + sign(v) * (floor(max(|v / d| - first, 0) + u) + 1), 0, top): zp where
- * v == 0, and where v is NaN (only groups kept exactly hold NaN; their codes go unused); u[i] is
- * the rounding noise. */
-static void round_group(const float *v, const float *u, int64_t n, float d, float first,
+/* codes[i] = clamp(zp + sign(v) * (floor(max(|v * inverse| - first, 0) + u) + 1), 0, top): zp
+ * where v == 0, and where v is NaN (only groups kept exactly hold NaN; their codes go unused);
+ * u[i] is the rounding noise. */
+static void round_group(const float *v, const float *u, int64_t n, float inverse, float first,
                         int32_t zp, int32_t top, uint8_t *codes) {
     for (int64_t i = 0; i < n; i++) {
         float e = v[i];
-        float q = __builtin_fabsf(e / d) - first;
+        float q = __builtin_fabsf(e * inverse) - first;
         q = q > 0.0f ? q : 0.0f; /* NaN too */
         q += u[i];
         q = q > 1024.0f ? 1024.0f : q; /* codes clamp anyway; keeps the int conversion defined */
         int32_t mag = (int32_t)__builtin_floorf(q) + 1;
-        int32_t sign = (e > 0.0f) - (e < 0.0f);
-        int32_t code = zp + sign * mag;
+        int32_t code = e > 0.0f ? zp + mag : e < 0.0f ? zp - mag : zp;
         code = code < 0 ? 0 : code;
         code = code > top ? top : code;
         codes[i] = (uint8_t)code;
@@ -245,7 +251,7 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
         flags[g] = p.flags;
         flagged += p.flags != 0;
         if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
-        round_group(v, noise, group_size, p.divisor, first, (int32_t)p.zero_point, top,
+        round_group(v, noise, group_size, p.inverse, first, (int32_t)p.zero_point, top,
                     codes + pending);
         int64_t have = pending + group_size;
         int64_t whole = have / per_byte * per_byte;
