@@ -63,11 +63,27 @@ def loss_change(result: Any, row: Any) -> float | None:
     return row.val_loss / base.val_loss - 1
 
 
-def _paired(row: Any, seeds: int) -> str:
-    """``+0.3% (4/10 higher)``: the short run's paired comparison of ``row``, or ``-``."""
-    if getattr(row, "short_paired", None) is None:
+def _paired(paired: Any) -> str:
+    """``+0.3% ± 1.2% (4/10 higher)``: a paired comparison with the baseline, or ``-``."""
+    if paired is None:
         return "-"
-    return f"{row.short_paired:+.1%} ({row.short_worse}/{seeds} higher)"
+    return f"{paired.change:+.1%} ± {paired.ci:.1%} ({paired.worse}/{paired.seeds} higher)"
+
+
+def loss_verdict(change: float | None, paired: Any = None) -> str:
+    """The verdict on "at most 1% above the baseline's loss".
+
+    With a paired comparison over seeds: met when its whole 95% interval lies at or below +1%,
+    not met when it lies above, and unresolved when it spans +1% (the measurement is too noisy
+    to tell). Without one (a single seed): the point estimate decides.
+    """
+    if paired is not None:
+        if paired.change + paired.ci <= 0.01:
+            return "met"
+        if paired.change - paired.ci > 0.01:
+            return "**not met**"
+        return "unresolved: the 95% interval spans +1%"
+    return "met" if change is not None and change <= 0.01 else "**not met**"
 
 
 def _pct(x: float | None) -> str:
@@ -165,22 +181,25 @@ def bars(results: Sequence[Any]) -> list[str]:
         if not trained or any(_row(res, name) is None for res in trained):
             continue
         changes = [(res.label, loss_change(res, _row(res, name))) for res in trained]
-        line = f"{bar}: " + ", ".join(f"{label} {_pct(c)}" for label, c in changes)
-        if name in (INT8, INT4_DRIFT):
-            line += f" -- {verdict(all(c is not None and c <= 0.01 for _, c in changes))}"
-        lines.append(line)
-        short = [
-            (res, _row(res, name))
-            for res in trained
-            if getattr(res, "short_steps", None) and name in (INT8, INT4_DRIFT)
-        ]
-        for res, row in short:
-            if getattr(row, "short_paired", None) is None:
-                continue
-            lines.append(
-                f"  - {res.label}, {res.short_steps}-step run, paired with the baseline seed by "
-                f"seed: {_paired(row, res.seeds)} -- {verdict(row.short_paired <= 0.01)}"
-            )
+        if name not in (INT8, INT4_DRIFT):
+            lines.append(f"{bar}: " + ", ".join(f"{label} {_pct(c)}" for label, c in changes))
+        else:
+            lines.append(f"{bar}:")
+            for res in trained:
+                row = _row(res, name)
+                change = loss_change(res, row)
+                paired = getattr(row, "paired", None)
+                measured = _paired(paired) if paired is not None else _pct(change)
+                lines.append(
+                    f"  - {res.label}, {res.train_steps} steps: {measured} "
+                    f"-- {loss_verdict(change, paired)}"
+                )
+                short = getattr(row, "short_paired", None)
+                if getattr(res, "short_steps", None) and short is not None:
+                    lines.append(
+                        f"  - {res.label}, {res.short_steps}-step run: {_paired(short)} "
+                        f"-- {loss_verdict(None, short)}"
+                    )
         if name == NOISE:
             noisy = [(label, c) for label, c in changes if c is not None and abs(c) > 0.01]
             if noisy:
@@ -238,15 +257,17 @@ def workload_section(res: Any) -> list[str]:
         "steps, cosine decay to 10%), every method from the same initial weights on the same "
         "batches. Held-out loss after the last step (eval mode)"
         + (
-            f", mean of {res.seeds} seeds (data order, dropout masks) ± half their range"
+            f", mean of {res.seeds} seeds (data order, dropout masks) ± half their range; "
+            "*paired*: the loss against the baseline's on the same seed (same weights and "
+            "batches, so seed-to-seed noise cancels), the mean change ± its 95% confidence "
+            "interval and the seeds on which it is higher"
             if res.seeds > 1
             else ""
         )
         + (
             f"; {res.short_steps}-step run: every method trained again on a {res.short_steps}"
-            "-step schedule (the first batches, warm-up and decay fitted to it), its held-out "
-            "loss against the baseline's on the same seed (same weights and batches, so "
-            "seed-to-seed noise cancels): mean change and the seeds on which it is higher"
+            "-step schedule (the first batches, warm-up and decay fitted to it) on "
+            f"{res.short_seeds} seeds, paired the same way"
             if getattr(res, "short_steps", None)
             else ""
         )
@@ -259,6 +280,8 @@ def workload_section(res: Any) -> list[str]:
     header = ["method", "held-out loss", "vs baseline"]
     if base.accuracy is not None:
         header.append("accuracy")
+    if res.seeds > 1:
+        header.append("paired")
     short = getattr(res, "short_steps", None)
     if short:
         header.append(f"{short}-step run, paired")
@@ -273,8 +296,10 @@ def workload_section(res: Any) -> list[str]:
         cells = [r.method, f"{r.val_loss:.4f}{spread}", _pct(loss_change(res, r))]
         if base.accuracy is not None:
             cells.append(f"{r.accuracy:.1%}")
+        if res.seeds > 1:
+            cells.append(_paired(r.paired))
         if short:
-            cells.append(_paired(r, res.seeds))
+            cells.append(_paired(r.short_paired))
         speed = f"{r.train_seconds / base.train_seconds:.2f}x" if base.train_seconds else "-"
         cells += [f"{r.train_loss:.4f}", speed, r.training]
         rows.append(cells)

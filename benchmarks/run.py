@@ -17,8 +17,11 @@ every method of ``benchmarks/methods.py`` patches its own copy of the same initi
 4. convergence (the GPT on text, the CNN on digits): AdamW for a fixed number of steps from the
    same initial weights on the same batches, runs interleaved step by step (each with its own RNG
    stream, so every run equals a standalone seeded one), then the mean loss on held-out data.
-   Each method trains on the workload's seeds (the CNN's three: means are reported); the
-   baseline also trains on as many other seeds, which shows the run-to-run spread.
+   Each method trains on the workload's seeds (the CNN's ten: means are reported); the
+   baseline also trains on as many other seeds, which shows the run-to-run spread. With several
+   seeds, each final loss is also compared with the baseline's on the same seed (same weights
+   and batches), and the mean change is given with its 95% confidence interval; the CNN repeats
+   this on a short schedule with many more seeds.
 
 A method that raises is reported as failed, with its error, and the others carry on. Writes
 ``results.md`` (tables; each says which device produced it), ``results.json`` and ``pareto.png``
@@ -85,6 +88,31 @@ QUICK_SETTINGS = Settings(QUICK, memory_repeats=1, warmup_steps=1, timed_rounds=
 
 
 @dataclass
+class Paired:
+    """A method's held-out loss against the baseline's on the same seeds.
+
+    ``change``: mean over seeds of ``loss / baseline's loss - 1``; ``ci``: half-width of its 95%
+    confidence interval (Student's t over the seeds); ``worse``: seeds on which the method's
+    loss is higher; ``seeds``: how many seeds were compared.
+    """
+
+    change: float
+    ci: float
+    worse: int
+    seeds: int
+
+    @classmethod
+    def of(cls, pairs: list[tuple[float, float]]) -> Paired:
+        """From ``(loss, baseline's loss)`` per seed (at least two seeds)."""
+        from scipy.stats import t  # scikit-learn's dependency, there with the digits data
+
+        changes = [loss / base - 1 for loss, base in pairs]
+        n = len(changes)
+        ci = t.ppf(0.975, n - 1) * statistics.stdev(changes) / math.sqrt(n)
+        return cls(statistics.fmean(changes), float(ci), sum(c > 0 for c in changes), n)
+
+
+@dataclass
 class Row:
     """Everything measured for one method on one workload (bytes, seconds, plain numbers)."""
 
@@ -102,9 +130,9 @@ class Row:
     accuracy: float | None = None
     train_loss: float | None = None
     train_seconds: float | None = None
+    paired: Paired | None = None  # final loss against the baseline's, seed by seed
     short_loss: float | None = None  # held-out loss after the short schedule, mean over seeds
-    short_paired: float | None = None  # mean over seeds of (loss / baseline's same seed - 1)
-    short_worse: int | None = None  # seeds on which that loss is above the baseline's
+    short_paired: Paired | None = None  # the same comparison on the short schedule
     training: str = "-"
     error: str | None = None
 
@@ -125,6 +153,7 @@ class WorkloadResult:
     lr: float = 0.0
     seeds: int = 0
     short_steps: int | None = None
+    short_seeds: int = 0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -414,12 +443,22 @@ def train(
     plan.append((baseline, noise_row, others))
     runs = start_runs(plan, workload, pristine, device)
     train_interleaved(runs, workload, device)
+    losses = final_losses(runs, workload)
+    for row, pairs in paired_losses(runs, losses):
+        row.paired = Paired.of(pairs) if len(pairs) > 1 else None
     for row in [r for _, r, _ in plan]:
-        summarize_runs(row, [run for run in runs if run.row is row], workload)
+        summarize_runs(row, [run for run in runs if run.row is row], losses, workload)
     if workload.short_steps is not None:
-        short = start_runs(plan[:-1], workload, pristine, device, workload.short_steps)
+        short_seeds = list(workload.short_seeds)
+        short_plan = [(method, row, short_seeds) for method, row, _ in plan[:-1]]
+        short = start_runs(short_plan, workload, pristine, device, workload.short_steps)
         train_interleaved(short, workload, device)
-        compare_short(short, workload)
+        losses = final_losses(short, workload)
+        for row, pairs in paired_losses(short, losses):
+            row.short_loss = statistics.fmean(loss for loss, _ in pairs)
+            row.short_paired = Paired.of(pairs) if len(pairs) > 1 else None
+        unpatch(short)
+        result.short_seeds = len(short_seeds)
     rows.append(noise_row)
     result.train_steps = len(runs[0].batches)
     result.train_shape = shape_of(runs[0].batches[0])
@@ -454,22 +493,23 @@ def start_runs(
     return runs
 
 
-def compare_short(runs: list[TrainingRun], workload: Workload) -> None:
-    """Each row's held-out loss after the short schedule against the baseline's on the same
-    seed (same initial weights and batches, so seed-to-seed noise cancels)."""
-    losses = {id(run): evaluate(run.patched.model, workload)[0] for run in runs if not run.error}
+def final_losses(runs: list[TrainingRun], workload: Workload) -> dict[int, tuple]:
+    """``evaluate``'s (held-out loss, accuracy) of every run that finished, by ``id(run)``."""
+    return {id(run): evaluate(run.patched.model, workload) for run in runs if not run.error}
+
+
+def paired_losses(
+    runs: list[TrainingRun], losses: dict[int, tuple]
+) -> list[tuple[Row, list[tuple[float, float]]]]:
+    """Per row, ``(loss, baseline's loss)`` on each seed both finished: the same initial
+    weights and batches, so seed-to-seed noise cancels in the comparison."""
     baseline = {run.seed: losses.get(id(run)) for run in runs if run.row.method == BASELINE}
-    for row in {id(run.row): run.row for run in runs}.values():
-        pairs = [
-            (losses[id(run)], baseline[run.seed])
-            for run in runs
-            if run.row is row and id(run) in losses and baseline.get(run.seed)
-        ]
-        if pairs:
-            row.short_loss = statistics.fmean(loss for loss, _ in pairs)
-            row.short_paired = statistics.fmean(loss / base - 1 for loss, base in pairs)
-            row.short_worse = sum(loss > base for loss, base in pairs)
-    unpatch(runs)
+    rows: dict[int, tuple[Row, list]] = {}
+    for run in runs:
+        base = baseline.get(run.seed)
+        if id(run) in losses and base is not None:
+            rows.setdefault(id(run.row), (run.row, []))[1].append((losses[id(run)][0], base[0]))
+    return list(rows.values())
 
 
 def unpatch(runs: list[TrainingRun]) -> None:
@@ -479,14 +519,17 @@ def unpatch(runs: list[TrainingRun]) -> None:
             run.patched.optimizer.remove()
 
 
-def summarize_runs(row: Row, runs: list[TrainingRun], workload: Workload) -> None:
+def summarize_runs(
+    row: Row, runs: list[TrainingRun], losses: dict[int, tuple], workload: Workload
+) -> None:
     """Means over the seeds of one method (loss, accuracy, speed); any failure fails the row."""
     errors = [run.error for run in runs if run.error is not None]
     if errors:
         row.training = f"failed at {errors[0]}"
+        row.paired = None
     elif runs and not row.training.startswith("failed"):
         tail = max(1, len(runs[0].losses) // 10)
-        finals = [evaluate(run.patched.model, workload) for run in runs]
+        finals = [losses[id(run)] for run in runs]
         losses = [loss for loss, _ in finals]
         row.val_loss = statistics.fmean(losses)
         row.val_spread = (max(losses) - min(losses)) / 2 if len(losses) > 1 else None

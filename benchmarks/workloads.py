@@ -52,6 +52,7 @@ class Workload:
         short_steps: length of a second, short training schedule (its first batches, the
             learning-rate schedule fitted to it), whose final held-out loss is compared with the
             baseline's seed by seed; ``None``: no short schedule.
+        short_seeds: the seeds of the short schedule.
         data: a line saying what the data is.
         accuracy: whether the final evaluation also reports classification accuracy.
     """
@@ -71,6 +72,7 @@ class Workload:
     accuracy: bool = False
     seeds: tuple[int, ...] = (0,)
     short_steps: int | None = None
+    short_seeds: tuple[int, ...] = ()
 
     def to(self, device: torch.device) -> Workload:
         """Move the batches to ``device`` (models are moved where they are built)."""
@@ -106,6 +108,7 @@ class Sizes:
     cnn_steps: int
     cnn_seeds: int
     cnn_short_steps: int  # a second, short schedule, compared seed by seed
+    cnn_short_seeds: int
     val_batches: int
     text_chars: int
 
@@ -124,6 +127,7 @@ FULL = Sizes(
     cnn_steps=150,
     cnn_seeds=10,  # the held-out loss (~0.03) moves ~20% between seeds: average many
     cnn_short_steps=40,
+    cnn_short_seeds=30,  # paired changes move ~5% between seeds: 30 give a ~2% 95% interval
     val_batches=16,
     text_chars=2_000_000,
 )
@@ -141,6 +145,7 @@ QUICK = Sizes(
     cnn_steps=4,
     cnn_seeds=2,
     cnn_short_steps=2,
+    cnn_short_seeds=3,
     val_batches=2,
     text_chars=100_000,
 )
@@ -289,6 +294,7 @@ def cnn_workload(sizes: Sizes) -> Workload:
         accuracy=True,
         seeds=tuple(range(sizes.cnn_seeds)),
         short_steps=sizes.cnn_short_steps,
+        short_seeds=tuple(range(sizes.cnn_short_seeds)),
     )
 
 

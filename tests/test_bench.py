@@ -7,6 +7,7 @@ Timings are never asserted; memory, gradient and loss figures are, where they ar
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from methods import METHODS, method_names  # noqa: E402
-from report import MEASURE_COLUMNS  # noqa: E402
+from report import MEASURE_COLUMNS, loss_verdict  # noqa: E402
+from run import Paired  # noqa: E402
 
 WORKLOADS = ("gpt", "hf-gpt2", "cnn")
 
@@ -100,12 +102,16 @@ def test_convergence_tables_cover_every_method_and_the_seed_spread(quick):
 def test_the_cnn_short_run_is_compared_seed_by_seed_with_the_baseline(quick):
     _, markdown, data, rows = quick
     cnn = next(w for w in data["workloads"] if w["key"] == "cnn")
-    assert cnn["short_steps"] == 2
+    assert cnn["short_steps"] == 2 and cnn["short_seeds"] == 3
     base = rows["cnn"]["baseline"]
-    assert base["short_paired"] == 0.0 and base["short_worse"] == 0
+    assert base["short_paired"] == {"change": 0.0, "ci": 0.0, "worse": 0, "seeds": 3}
+    assert base["paired"] == {"change": 0.0, "ci": 0.0, "worse": 0, "seeds": 2}
     for name in method_names():
         row = rows["cnn"][name]
-        assert row["short_loss"] is not None and 0 <= row["short_worse"] <= cnn["seeds"], name
+        for paired, seeds in ((row["short_paired"], 3), (row["paired"], 2)):
+            assert paired["seeds"] == seeds and 0 <= paired["worse"] <= seeds, name
+            assert paired["ci"] >= 0 and math.isfinite(paired["change"]), name
+        assert row["short_loss"] is not None
     assert "2-step run, paired" in markdown
 
 
@@ -178,3 +184,26 @@ def test_pareto_png_is_written(quick):
     width = int.from_bytes(png[16:20], "big")
     assert width >= 1500  # three panels side by side
     assert "![memory vs step time](pareto.png)" in markdown
+
+
+def test_paired_change_has_a_student_t_interval():
+    # changes +10%, -10%, +30%: mean +10%, stdev 20%, t(0.975, 2) = 4.303
+    paired = Paired.of([(1.1, 1.0), (0.9, 1.0), (2.6, 2.0)])
+    assert paired.change == pytest.approx(0.10)
+    assert paired.ci == pytest.approx(4.3027 * 0.20 / math.sqrt(3), rel=1e-4)
+    assert (paired.worse, paired.seeds) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "ci", "expected"),
+    [
+        (0.0, 0.005, "met"),
+        (0.005, 0.005, "met"),
+        (0.03, 0.01, "**not met**"),
+        (0.0, 0.02, "unresolved"),
+    ],
+)
+def test_loss_verdict_says_when_the_interval_cannot_tell(change, ci, expected):
+    verdict = loss_verdict(None, Paired(change, ci, 0, 10))
+    assert verdict.startswith(expected)
+    assert loss_verdict(0.009) == "met" and loss_verdict(0.011) == "**not met**"  # one seed
