@@ -83,7 +83,7 @@ class Settings:
     timed_rounds: int
 
 
-FULL_SETTINGS = Settings(FULL, memory_repeats=2, warmup_steps=2, timed_rounds=10)
+FULL_SETTINGS = Settings(FULL, memory_repeats=2, warmup_steps=2, timed_rounds=20)
 QUICK_SETTINGS = Settings(QUICK, memory_repeats=1, warmup_steps=1, timed_rounds=3)
 
 
