@@ -269,6 +269,18 @@ def test_fp16_group_near_the_dtype_limit_never_decodes_to_inf() -> None:
         assert (err <= step + 32).all()  # fp16 spacing is 32 near the limit
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_a_step_without_a_finite_inverse_keeps_its_group_exact(bits: int) -> None:
+    # Values are scaled by 1 / step: a step under 2**-128 (subnormal groups) has none in float32.
+    x = torch.randn(1024, generator=_generator(21))
+    x[256:512] *= 1e-39  # float32 subnormals: step about 1e-41
+    p = quantize(x, bits, stochastic=False)
+    assert p.exact_index.tolist() == [1]
+    y = dequantize(p)
+    assert torch.equal(y[256:512], x[256:512])
+    assert (y[:256] - x[:256]).abs().max() < p.scale[0].float()  # the neighbours: quantized
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("bits", BITS)
