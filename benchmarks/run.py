@@ -447,7 +447,7 @@ def train(
     for row, pairs in paired_losses(runs, losses):
         row.paired = Paired.of(pairs) if len(pairs) > 1 else None
     for row in [r for _, r, _ in plan]:
-        summarize_runs(row, [run for run in runs if run.row is row], losses, workload)
+        summarize_runs(row, [run for run in runs if run.row is row], losses)
     if workload.short_steps is not None:
         short_seeds = list(workload.short_seeds)
         short_plan = [(method, row, short_seeds) for method, row, _ in plan[:-1]]
@@ -519,10 +519,9 @@ def unpatch(runs: list[TrainingRun]) -> None:
             run.patched.optimizer.remove()
 
 
-def summarize_runs(
-    row: Row, runs: list[TrainingRun], losses: dict[int, tuple], workload: Workload
-) -> None:
-    """Means over the seeds of one method (loss, accuracy, speed); any failure fails the row."""
+def summarize_runs(row: Row, runs: list[TrainingRun], losses: dict[int, tuple]) -> None:
+    """Means over the seeds of one method (loss, accuracy, speed) from its runs and their
+    :func:`final_losses`; any failure fails the row."""
     errors = [run.error for run in runs if run.error is not None]
     if errors:
         row.training = f"failed at {errors[0]}"
@@ -530,9 +529,9 @@ def summarize_runs(
     elif runs and not row.training.startswith("failed"):
         tail = max(1, len(runs[0].losses) // 10)
         finals = [losses[id(run)] for run in runs]
-        losses = [loss for loss, _ in finals]
-        row.val_loss = statistics.fmean(losses)
-        row.val_spread = (max(losses) - min(losses)) / 2 if len(losses) > 1 else None
+        held_out = [loss for loss, _ in finals]
+        row.val_loss = statistics.fmean(held_out)
+        row.val_spread = (max(held_out) - min(held_out)) / 2 if len(held_out) > 1 else None
         row.accuracy = None if finals[0][1] is None else statistics.fmean(a for _, a in finals)
         row.train_loss = statistics.fmean(sum(run.losses[-tail:]) / tail for run in runs)
         row.train_seconds = sum(run.seconds for run in runs) / sum(len(r.losses) for r in runs)

@@ -238,7 +238,7 @@ def _group_params(
     inverse = 1 / step
     invertible = torch.isfinite(inverse)
     reach = (torch.maximum(zero_point, top - zero_point) - 1 + c) * step
-    first_nonzero = step * c > info.smallest_normal * info.eps / 2  # half the least subnormal
+    first_nonzero = (step * c).to(dtype) != 0
     encodable = ~constant & finite & invertible & first_nonzero & (reach <= info.max)
     # A constant group decodes exactly from its codes when its first level is |v| (v = 0: step 0).
     # Any scaling below the first level gives the code zp ± 1, so an inverse of 1 serves too.
