@@ -1,6 +1,8 @@
 """The codec's fused CPU kernels: the same bytes as the torch path, thread-count independence,
 the build cache, and the fallback to torch ops when they cannot be built."""
 
+import platform
+
 import pytest
 import torch
 
@@ -93,6 +95,27 @@ def test_kernels_give_the_same_result_on_any_number_of_threads(stochastic: bool)
     for codes, decoded in results[1:]:
         assert torch.equal(codes, results[0][0])
         assert torch.equal(decoded, results[0][1])
+
+
+def test_the_portable_rounding_loop_writes_the_same_bytes(tmp_path, monkeypatch) -> None:
+    # Where the CPU has AVX-512, rounding runs in intrinsics; built without it, the plain C loop
+    # does. Both must give the same codes, nearest and stochastic (the noise is the same).
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-mno-avx512f is an x86 flag")
+    x = _adversarial(40_000, 256, torch.float32, seed=33)
+    built = {}
+    for flags in ("", "-mno-avx512f"):
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / (flags or "native")))
+        monkeypatch.setenv("CC", f"cc {flags}")
+        monkeypatch.setattr(native, "_state", {})
+        assert native.library() is not None
+        built[flags] = [
+            quantize(x, bits, stochastic=stochastic, generator=_generator(34)).codes
+            for bits in BITS
+            for stochastic in (False, True)
+        ]
+    for simd, portable in zip(built[""], built["-mno-avx512f"], strict=True):
+        assert torch.equal(simd, portable)
 
 
 def test_kernels_are_built_once_into_the_cache(tmp_path, monkeypatch) -> None:

@@ -8,10 +8,12 @@ between ``torch.get_num_threads()`` OpenMP threads, on the OpenMP runtime torch 
 its torch path (tests check it). Stochastic rounding draws its noise from a hash of each element's
 index and a seed drawn from the codec's private generator.
 
-The library is compiled once per source, compiler and CPU with the system C compiler (``CC`` or
-``cc``; ``-O3 -march=native -fopenmp``, about a second) into ``$XDG_CACHE_HOME/memopt_plugins``
-(default ``~/.cache``). Without a compiler, on another architecture, or with ``MEMOPT_NATIVE=0``
-in the environment, the codec uses its torch path; a failed build is logged once as a warning.
+The library is compiled once per source, compiler and CPU with the system C compiler (``CC``, a
+command with its arguments, or ``cc``; ``-O3 -march=native -fopenmp``, about a second) into
+``$XDG_CACHE_HOME/memopt_plugins`` (default ``~/.cache``). Where the CPU has AVX-512, rounding runs
+in hand-written 16-lane code; elsewhere the portable C loop computes the same bytes. Without a
+compiler, on another architecture, or with ``MEMOPT_NATIVE=0`` in the environment, the codec uses
+its torch path; a failed build is logged once as a warning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -51,9 +54,12 @@ _EXACT, _CONSTANT = 1, 2
 _state: dict[str, object] = {}
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC", "cc").split()
-    return shutil.which(cc[0]) if cc else None
+def _compiler() -> list[str] | None:
+    """The C compiler command: ``CC`` (a program and its arguments, as ``make`` takes it) or
+    ``cc``; ``None`` when the program is not found."""
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    path = shutil.which(cc[0]) if cc else None
+    return [path, *cc[1:]] if path else None
 
 
 def _cpu_identity() -> str:
@@ -71,12 +77,11 @@ def _cache_dir() -> Path:
     return Path(root) / "memopt_plugins"
 
 
-def _build(cc: str) -> Path:
+def _build(cc: list[str]) -> Path:
     """Compile ``kernels.c`` into the cache (once per source, compiler, flags and CPU)."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join((_SOURCE.read_text(), cc, version, " ".join(_FLAGS), _cpu_identity())).encode()
-    ).hexdigest()[:16]
+    version = subprocess.run([cc[0], "--version"], capture_output=True, text=True).stdout
+    identity = (_SOURCE.read_text(), " ".join(cc), version, " ".join(_FLAGS), _cpu_identity())
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kernels-{key}.so"
     if target.exists():
         return target
@@ -86,10 +91,10 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120
+            [*cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120
         )
         if done.returncode:
-            raise RuntimeError(done.stderr.strip() or f"{cc} exited with {done.returncode}")
+            raise RuntimeError(done.stderr.strip() or f"{cc[0]} exited with {done.returncode}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
