@@ -259,6 +259,8 @@ CHECKPOINT = "checkpoint every block"
 INT8, INT4, INT2 = "memopt int8", "memopt int4", "memopt int2"
 INT4_DRIFT = "memopt int4 + drift"
 PLANNER_05 = "memopt planner 0.5"
+#: The methods whose final loss the benchmark issue bounds (within 1% of the baseline's).
+LOSS_BARS = (INT8, INT4_DRIFT)
 
 METHODS: list[Method] = [
     Method(BASELINE, PYTORCH, _baseline, exact=True),

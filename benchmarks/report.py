@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from methods import BASELINE, CHECKPOINT, INT2, INT4_DRIFT, INT8, MEMOPT, PLANNER_05
+from methods import BASELINE, CHECKPOINT, INT2, INT4_DRIFT, INT8, LOSS_BARS, MEMOPT, PLANNER_05
 
 MIB = 1 << 20
 NOISE = "baseline, other seeds"
@@ -181,7 +181,7 @@ def bars(results: Sequence[Any]) -> list[str]:
         if not trained or any(_row(res, name) is None for res in trained):
             continue
         changes = [(res.label, loss_change(res, _row(res, name))) for res in trained]
-        if name not in (INT8, INT4_DRIFT):
+        if name not in LOSS_BARS:
             lines.append(f"{bar}: " + ", ".join(f"{label} {_pct(c)}" for label, c in changes))
         else:
             lines.append(f"{bar}:")
@@ -267,7 +267,8 @@ def workload_section(res: Any) -> list[str]:
         + (
             f"; {res.short_steps}-step run: every method trained again on a {res.short_steps}"
             "-step schedule (the first batches, warm-up and decay fitted to it) on "
-            f"{res.short_seeds} seeds, paired the same way"
+            f"{res.short_seeds} seeds ({getattr(res, 'bar_seeds', 0) or res.short_seeds} for the "
+            "baseline and the methods with a loss bar), paired the same way"
             if getattr(res, "short_steps", None)
             else ""
         )

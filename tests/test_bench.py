@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from methods import METHODS, method_names  # noqa: E402
+from methods import BASELINE, LOSS_BARS, METHODS, method_names  # noqa: E402
 from report import MEASURE_COLUMNS, loss_verdict  # noqa: E402
 from run import Paired  # noqa: E402
 
@@ -102,13 +102,14 @@ def test_convergence_tables_cover_every_method_and_the_seed_spread(quick):
 def test_the_cnn_short_run_is_compared_seed_by_seed_with_the_baseline(quick):
     _, markdown, data, rows = quick
     cnn = next(w for w in data["workloads"] if w["key"] == "cnn")
-    assert cnn["short_steps"] == 2 and cnn["short_seeds"] == 3
+    assert cnn["short_steps"] == 2 and cnn["short_seeds"] == 3 and cnn["bar_seeds"] == 4
     base = rows["cnn"]["baseline"]
-    assert base["short_paired"] == {"change": 0.0, "ci": 0.0, "worse": 0, "seeds": 3}
+    assert base["short_paired"] == {"change": 0.0, "ci": 0.0, "worse": 0, "seeds": 4}
     assert base["paired"] == {"change": 0.0, "ci": 0.0, "worse": 0, "seeds": 2}
     for name in method_names():
         row = rows["cnn"][name]
-        for paired, seeds in ((row["short_paired"], 3), (row["paired"], 2)):
+        short_seeds = 4 if name in (BASELINE, *LOSS_BARS) else 3  # more for the bars
+        for paired, seeds in ((row["short_paired"], short_seeds), (row["paired"], 2)):
             assert paired["seeds"] == seeds and 0 <= paired["worse"] <= seeds, name
             assert paired["ci"] >= 0 and math.isfinite(paired["change"]), name
         assert row["short_loss"] is not None
