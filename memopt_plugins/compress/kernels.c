@@ -1,9 +1,9 @@
 /* Fused CPU kernels of the activation codec, called through ctypes by native.py.
  *
  * codec.py holds the specification, and with round-to-nearest these kernels write the same bytes
- * as its torch path (tests/test_codec.py checks it). Quantizing makes one pass over memory
- * (group statistics, parameters, codes and packing while a group is in cache) instead of torch's
- * dozen, decoding one; both work on a range of groups, so callers can split a tensor.
+ * as its torch path (tests/test_native.py checks it). Quantizing makes one pass over memory
+ * (group statistics, parameters, codes and packing while a block of groups is in cache) instead
+ * of torch's dozen, decoding one; both work on a range of groups, so callers can split a tensor.
  *
  * Element types (dtype argument): 0 float32, 1 bfloat16, 2 float16. Codes are packed low bits
  * first, 8 / bits per byte, in the order of the flattened tensor.
@@ -167,9 +167,9 @@ static inline uint32_t mix32(uint32_t h) {
 }
 
 /* Rounding noise of elements [first, first + n) as 16-bit integers k, for u = (k + 1/2) / 2^16:
- * element e takes one half (on little-endian CPUs the low half for even e) of a hash of e / 2 and the seed, so one hash
+ * element e takes one half (the low half for even e) of a hash of e / 2 and the seed, so one hash
  * serves two elements and the noise depends only on the element's index, however a tensor is
- * split between threads. */
+ * split between threads. (The kernels are built for little-endian x86-64 and AArch64 only.) */
 static void fill_noise(uint64_t first, uint64_t seed, int64_t n, uint16_t *k) {
     const uint32_t key = (uint32_t)seed ^ mix32((uint32_t)(first >> 33) ^ (uint32_t)(seed >> 32));
     int64_t i = 0;
