@@ -91,6 +91,14 @@ static inline uint16_t bf16_round_up(float f) {
 
 enum { EXACT = 1, CONSTANT = 2, MAX_BLOCK = 16 };
 
+/* Groups quantized as one block: as many as fit in 16 KiB of float32 (L1), 1 to MAX_BLOCK. The
+ * statistics and parameters of a block are computed before its codes, so that the parameters'
+ * divisions and branches of neighbouring groups overlap. */
+static int64_t block_of(int64_t group_size) {
+    const int64_t block = 4096 / group_size;
+    return block < 1 ? 1 : block > MAX_BLOCK ? MAX_BLOCK : block;
+}
+
 /* Whether f (finite, >= 0) stays nonzero when rounded to the element type. */
 static inline int nonzero_in(int dtype, float f) {
     return dtype == F32 ? f != 0.0f : dtype == BF16 ? to_bf16(f) != 0 : (_Float16)f != 0;
@@ -260,13 +268,13 @@ static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
     }
 }
 
-/* Quantize groups [g0, g1): parameters (codec._group_params) and codes packed into out (the
- * whole tensor's packed bytes), one group at a time while it is in cache. g0 * group_size must be
- * a multiple of 8 / bits, so the range starts on a byte. Rounding: nearest (stochastic == 0,
- * u = 1/2) or stochastic with fill_noise's noise. first: the first level in steps
+/* Quantize groups [g0, g1): parameters (codec._group_params) and codes packed into out (the whole
+ * tensor's packed bytes), a block of groups at a time while it is in cache (block_of). The range
+ * must start on a byte: g0 * group_size a multiple of 8 / bits. Rounding: nearest (stochastic ==
+ * 0, u = 1/2) or stochastic with fill_noise's noise. first: the first level in steps
  * (codec.FIRST_LEVEL); dtype_max: the largest finite value of the input type. Writes scale
- * (bfloat16 bits), zero_point and flags per group; returns the number of groups flagged.
- * Scratch: buf, MAX_BLOCK * group_size floats; noise, group_size 16-bit integers; codes,
+ * (bfloat16 bits), zero_point and flags per group; returns the number of groups flagged. Scratch:
+ * buf, block_of(group_size) * group_size floats; noise, group_size 16-bit integers; codes,
  * group_size + 4 bytes. */
 static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t group_size,
                               int64_t g0, int64_t g1, int bits, float first, int stochastic,
@@ -278,10 +286,7 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
     int64_t flagged = 0;
     int64_t pending = 0; /* codes of the previous group not yet packed, fewer than per_byte */
     uint8_t *next = out + g0 * group_size / per_byte;
-    /* Blocks of groups that fit in L1 together: the statistics and parameters of a block are
-     * computed first, so the parameters' divisions and branches of neighbouring groups overlap. */
-    int64_t block = 4096 / group_size; /* 16 KiB of float32 */
-    block = block < 1 ? 1 : block > MAX_BLOCK ? MAX_BLOCK : block;
+    const int64_t block = block_of(group_size);
     float mn[MAX_BLOCK], mx[MAX_BLOCK];
     params_t p[MAX_BLOCK];
     const float *v[MAX_BLOCK];
@@ -351,12 +356,13 @@ int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_s
         int64_t g0, g1;
         range_of(n_groups, parts, part, 8 / bits, &g0, &g1);
         if (g0 == g1) continue;
-        float *buf = malloc((size_t)group_size * (MAX_BLOCK + 1) * sizeof(float));
+        const int64_t block = block_of(group_size);
+        float *buf = malloc((size_t)group_size * (size_t)(block + 1) * sizeof(float));
         uint8_t *codes = malloc((size_t)group_size + 4);
         if (buf && codes)
             flagged += quantize_range(x, dtype, numel, group_size, g0, g1, bits, first, stochastic,
                                       seed, dtype_max, out, scale, zero_point, flags, buf,
-                                      (uint16_t *)(buf + MAX_BLOCK * group_size), codes);
+                                      (uint16_t *)(buf + block * group_size), codes);
         else
             failed = 1;
         free(buf);
