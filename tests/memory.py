@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import torch
 
 from memopt_plugins import MemoryOptimizer
@@ -11,8 +13,20 @@ from memopt_plugins.profile import MemoryMeter, MemoryReading
 def measure(build, config=None, repeats: int = 2) -> MemoryReading:
     """Retained/peak memory of one step of a freshly built model (minimum over ``repeats``).
 
-    A warm-up step allocates the gradients first, so the reading covers activations only.
+    Measured in a fresh process (spawned, with this process's thread count), as DESIGN.md
+    prescribes for the CPU: in a process that has run other tests, what its heap went through
+    moved a compressed step's peak by ~5 MB from one run of the suite to the next. ``build``
+    must be importable (a module-level function). A warm-up step allocates the gradients first,
+    so the reading covers activations only.
     """
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(_measure_here, (build, config, repeats, torch.get_num_threads()))
+
+
+def _measure_here(build, config, repeats: int, threads: int) -> MemoryReading:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
     model, batch, loss_fn = build()
     opt = MemoryOptimizer(config) if config is not None else None
     if opt is not None:
