@@ -84,6 +84,14 @@ class Patched:
     drift_sample: int = 8
 
     @property
+    def batchnorm_frozen(self) -> bool:
+        """Whether memopt's BatchNorm running mode has frozen the statistics (warm-up over)."""
+        opt = self.optimizer
+        if opt is None or opt.config.batchnorm.mode != "running":
+            return False
+        return opt.steps >= opt.config.batchnorm.warmup_steps
+
+    @property
     def stats(self):
         """The compression hooks' ``SavedStats`` (packed bytes held), or ``None``."""
         return self.optimizer.hooks.stats if self.optimizer is not None else None

@@ -16,7 +16,8 @@ every method of ``benchmarks/methods.py`` patches its own copy of the same initi
    alternated round-robin (the order rotating every round) so that load drift hits all alike;
 4. convergence (the GPT on text, the CNN on digits): AdamW for a fixed number of steps from the
    same initial weights on the same batches, runs interleaved step by step (each with its own RNG
-   stream, so every run equals a standalone seeded one), then the mean loss on held-out data.
+   stream, so every run equals a standalone seeded one), then the mean loss on held-out data
+   (with BatchNorm statistics re-estimated for the final weights: ``precise_batchnorm``).
    Each method trains on the workload's seeds (the CNN's ten: means are reported); the
    baseline also trains on as many other seeds, which shows the run-to-run spread. With several
    seeds, each final loss is also compared with the baseline's on the same seed (same weights
@@ -66,7 +67,15 @@ for folder in (ROOT, HERE):
 
 from methods import BASELINE, LOSS_BARS, METHODS, Method, Patched  # noqa: E402
 from report import NOISE, write_plot, write_results  # noqa: E402
-from workloads import FULL, QUICK, Sizes, Workload, evaluate, workloads  # noqa: E402
+from workloads import (  # noqa: E402
+    FULL,
+    QUICK,
+    Sizes,
+    Workload,
+    evaluate,
+    precise_batchnorm,
+    workloads,
+)
 
 from memopt_plugins.profile import MemoryMeter  # noqa: E402
 
@@ -156,6 +165,7 @@ class WorkloadResult:
     short_steps: int | None = None
     short_seeds: int = 0
     bar_seeds: int = 0
+    precise_bn: bool = False  # BatchNorm statistics re-estimated before the held-out loss
 
 
 # --------------------------------------------------------------------------- helpers
@@ -471,6 +481,7 @@ def train(
     result.lr = workload.lr
     result.seeds = len(seeds)
     result.short_steps = workload.short_steps
+    result.precise_bn = bool(workload.calibration)
 
 
 def start_runs(
@@ -500,8 +511,20 @@ def start_runs(
 
 
 def final_losses(runs: list[TrainingRun], workload: Workload) -> dict[int, tuple]:
-    """``evaluate``'s (held-out loss, accuracy) of every run that finished, by ``id(run)``."""
-    return {id(run): evaluate(run.patched.model, workload) for run in runs if not run.error}
+    """``evaluate``'s (held-out loss, accuracy) of every run that finished, by ``id(run)``.
+
+    BatchNorm statistics are re-estimated for the final weights first (:func:`precise_batchnorm`),
+    except where the method froze them (memopt's running mode past its warm-up): those statistics
+    are part of the function it trained, as ``FrozenBatchNorm2d``'s are.
+    """
+    losses = {}
+    for run in runs:
+        if run.error:
+            continue
+        if not run.patched.batchnorm_frozen:
+            precise_batchnorm(run.patched.model, workload)
+        losses[id(run)] = evaluate(run.patched.model, workload)
+    return losses
 
 
 def paired_losses(
