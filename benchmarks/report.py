@@ -344,8 +344,8 @@ NOTES = """\
   of `mm`, `addmm`, `bmm`, `baddbmm`, `convolution` and the fused attention kernels; the rest is
   recomputed.
 - **BatchNorm at evaluation**: before the held-out loss, every CNN run's BatchNorm statistics
-  are re-estimated for its final weights ("precise BN": a cumulative average over the training
-  set in training-size batches, no grad, the same dropout seed for every run), except where a
+  are re-estimated for its final weights ("precise BN": a cumulative average over 512 training
+  images in training-size batches, no grad, the same dropout seed for every run), except where a
   method froze them (the conv-net preset's running mode past its warm-up, where they are part of
   the trained function). The running averages left by training lag the final weights, and
   anything that moves them moves the loss: PyTorch's checkpoint replays BatchNorm in training
