@@ -74,7 +74,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     finally:
         dist.destroy_process_group()
     # Leave without interpreter finalization, as a fork-started process does (``os._exit``): a
-    # spawned process that ran gloo aborted there about 1 run in 80, after its results were
+    # spawned process that ran gloo aborted there about 1 run in 100, after its results were
     # written and the group destroyed (atexit handlers had run; "terminate called without an
     # active exception", no Python frame: a C++ thread torn down at exit, in torch, not memopt).
     sys.stdout.flush()
