@@ -24,7 +24,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.profile import MemoryMeter
+from memopt_plugins.profiler.meter import MemoryMeter
 
 
 def digits(seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -33,7 +33,7 @@ from methods import checkpoint_blocks, summarize  # noqa: E402
 from models import cnn, gpt  # noqa: E402
 
 from memopt_plugins import MemoryOptimizer  # noqa: E402
-from memopt_plugins.profile import MemoryMeter, MemoryReading  # noqa: E402
+from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading  # noqa: E402
 
 MIB = 1 << 20
 

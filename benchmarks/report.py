@@ -319,7 +319,7 @@ NOTES = """\
 
 - **Retained**: bytes held for backward after the forward; **peak**: the most held during
   forward + backward; both above what was held before the step, with the gradients already
-  allocated by a warm-up step (`memopt_plugins.profile.MemoryMeter`; the smallest of a few
+  allocated by a warm-up step (`memopt_plugins.profiler.meter.MemoryMeter`; the smallest of a few
   readings, taken round-robin). CUDA: `memory_allocated` / `max_memory_allocated`. CPU: the
   process's RSS with glibc told to serve blocks of 4 KiB and more with mmap and to return freed
   memory at once, peak from the kernel's `VmHWM` reset before each step. RSS misses small heap

@@ -3,7 +3,7 @@
 For each workload (``benchmarks/workloads.py``: our GPT, Hugging Face GPT-2, a ResNet-style CNN)
 every method of ``benchmarks/methods.py`` patches its own copy of the same initial model, then
 
-1. memory of one training step with :class:`memopt_plugins.profile.MemoryMeter`, in a fresh
+1. memory of one training step with :class:`memopt_plugins.profiler.meter.MemoryMeter`, in a fresh
    child process (DESIGN.md: the meter tunes glibc's malloc process-wide, which would slow the
    timed steps) -- retained for backward after the forward and peak over the step, above what
    was held before (gradients are allocated by a warm-up step first), the smallest of a few
@@ -77,7 +77,7 @@ from workloads import (  # noqa: E402
     workloads,
 )
 
-from memopt_plugins.profile import MemoryMeter  # noqa: E402
+from memopt_plugins.profiler.meter import MemoryMeter  # noqa: E402
 
 #: What the memory child process sets before Python starts (DESIGN.md "Measuring memory").
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}

@@ -34,7 +34,7 @@ from models import lm_loss  # noqa: E402
 from train_gpt_lightning import CharGPT, PrintLoss, loaders  # noqa: E402
 
 from memopt_plugins import MemoryOptimizer  # noqa: E402
-from memopt_plugins.profile import MemoryMeter, MemoryReading  # noqa: E402
+from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024

@@ -7,7 +7,7 @@ import multiprocessing
 import torch
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.profile import MemoryMeter, MemoryReading
+from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading
 
 
 def measure(build, config=None, repeats: int = 2) -> MemoryReading:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress.hooks import SavedStats
+from ..compress.hooks import SavedStats
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
