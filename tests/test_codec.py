@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from memopt_plugins.compress import codec, native
+from memopt_plugins.compress.bitpack import pack_bits, unpack_bits
 from memopt_plugins.compress.codec import (
     FIRST_LEVEL,
     NarrowedInt,
@@ -19,10 +20,9 @@ from memopt_plugins.compress.codec import (
     codec_generator,
     dequantize,
     narrow_int,
-    pack_bits,
+    packed_nbytes,
     quantize,
     tensor_nbytes,
-    unpack_bits,
     widen_int,
 )
 
@@ -151,6 +151,27 @@ def test_packed_bytes_with_partial_last_group(bits: int) -> None:
     p = quantize(torch.randn(n), bits, group_size=group)
     groups = math.ceil(n / group)
     assert p.nbytes == math.ceil(groups * group * bits / 8) + 3 * groups
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(
+    ("numel", "group"),
+    [(256, 256), (4096, 256), (300, 256), (1001, 64), (999, 128), (37, 7), (0, 64)],
+)
+def test_packed_nbytes_states_what_quantize_holds(bits: int, numel: int, group: int) -> None:
+    # Finite random values, and every group (a partial last one too) holds 2 or more of them:
+    # no group is kept exactly or as one constant value.
+    x = torch.randn(numel, generator=_generator(19))
+    assert packed_nbytes(numel, bits, group) == quantize(x, bits, group_size=group).nbytes
+
+
+def test_packed_nbytes_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="bits"):
+        packed_nbytes(10, 3, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        packed_nbytes(10, 8, 0)
+    with pytest.raises(ValueError, match="numel"):
+        packed_nbytes(-1, 8, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

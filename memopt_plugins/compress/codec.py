@@ -1,8 +1,10 @@
-"""Activation codec: group-wise integer quantization with bit packing, and integer narrowing.
+"""Activation codec: group-wise integer quantization of floating tensors.
 
 ``quantize`` turns a floating tensor into a :class:`PackedTensor` that holds only compact tensors:
-codes of 8, 4 or 2 bits packed into ``uint8``, plus a bfloat16 scale and a ``uint8`` zero point per
-group of ``group_size`` consecutive elements. ``dequantize`` restores shape and dtype.
+codes of 8, 4 or 2 bits packed into ``uint8`` (:mod:`.bitpack`), plus a bfloat16 scale and a
+``uint8`` zero point per group of ``group_size`` consecutive elements; :func:`packed_nbytes` states
+that cost. ``dequantize`` restores shape and dtype. Where the fused CPU kernels of :mod:`.native`
+are available they do the work; the torch path here is their specification.
 
 Guarantees the rest of the engine builds on:
 
@@ -22,8 +24,8 @@ zero, by less than that, where a first level of a whole step would bias every va
 step (measured in ``benchmarks/gradient_bias.md``). At 2 bits four levels cannot spare the room,
 and the first level is a whole step.
 
-``narrow_int`` stores integer tensors (e.g. max-pool indices) in the smallest integer type that
-holds their range, losslessly.
+Integer tensors are not quantized: ``narrow_int`` / ``widen_int`` (:mod:`.narrow`, exported here
+too) store them losslessly in the smallest integer type that holds their range.
 """
 
 from __future__ import annotations
@@ -33,14 +35,28 @@ from dataclasses import dataclass
 import torch
 
 from . import native
+from .bitpack import pack_bits, unpack_bits
+from .narrow import NarrowedInt, narrow_int, widen_int
+
+# The integer narrowing of :mod:`.narrow` is exported here with the codec.
+__all__ = [
+    "FIRST_LEVEL",
+    "NarrowedInt",
+    "PackedTensor",
+    "codec_generator",
+    "dequantize",
+    "narrow_int",
+    "packed_nbytes",
+    "quantize",
+    "tensor_nbytes",
+    "widen_int",
+]
 
 _SUPPORTED_BITS = (2, 4, 8)
 # The first level on each side of zero, in steps, per code width (a power of two, so that a
 # constant group's value is exactly one first level of a bfloat16 step).
 FIRST_LEVEL = {2: 1.0, 4: 2.0**-4, 8: 2.0**-4}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# Candidate integer types for narrowing, smallest first.
-_NARROW_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 _GENERATOR_SEED = 0x6D656D6F  # fixed, so runs are reproducible; "memo" in ASCII
 _GENERATORS: dict[torch.device, torch.Generator] = {}
 # Elements encoded or decoded per chunk: a few MB of temporaries, in cache on the CPU.
@@ -101,6 +117,22 @@ class PackedTensor:
             self.const_index,
             self.const_values,
         )
+
+
+def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
+    """Bytes that :func:`quantize` stores for ``numel`` elements at ``bits`` per element.
+
+    The codes of whole groups (a partial last group is padded to ``group_size``), ``8 // bits`` per
+    byte, plus 3 bytes per group: the bfloat16 scale and the ``uint8`` zero point. This is
+    ``quantize(x, bits, group_size).nbytes`` for any ``x`` of ``numel`` elements without groups
+    kept exactly (NaN/Inf or an unrepresentable range) or constant groups kept as one value; the
+    single source of truth for estimates of the codec's cost.
+    """
+    _check_settings(bits, group_size)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel!r}")
+    groups = -(-numel // group_size)
+    return -(-groups * group_size * bits // 8) + 3 * groups
 
 
 def codec_generator(device: torch.device | str) -> torch.Generator:
@@ -331,57 +363,6 @@ def _round_to_codes(
     return codes.add_(zero_point).clamp_(0, 2**bits - 1)
 
 
-# Integer type holding the ``8 // bits`` codes of one packed byte as one byte each.
-_LANES_DTYPE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _to_uint8(codes: torch.Tensor) -> torch.Tensor:
-    """Integer-valued ``codes`` in ``[0, 255]`` as ``uint8``.
-
-    A floating tensor goes through ``int16``: on the CPU both of those conversions are vectorized,
-    about 3× faster than the direct float-to-``uint8`` one.
-    """
-    if codes.is_floating_point():
-        codes = codes.to(torch.int16)
-    return codes.to(torch.uint8)
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack 1-D integer-valued codes (any dtype) of ``bits`` bits into ``uint8``, low bits first.
-
-    ``bits`` is 1, 2, 4 or 8 (1: dropout masks). The codes of one packed byte, one byte each, are
-    read as one wider integer and shifted together (``x | x >> (8 - bits) | ...``; the low byte is
-    the packed byte): a few whole-tensor integer ops instead of strided per-lane ones. Tensor
-    views follow the machine's byte order, taken to be little-endian (as on every platform
-    PyTorch ships wheels for).
-    """
-    codes = _to_uint8(codes)
-    if bits == 8:
-        return codes
-    per_byte = 8 // bits
-    pad = -codes.numel() % per_byte
-    if pad:
-        codes = torch.cat((codes, codes.new_zeros(pad)))
-    lanes = codes.view(_LANES_DTYPE[per_byte])  # codes < 2**bits: no sign bit set
-    packed = lanes.clone()
-    for lane in range(1, per_byte):
-        packed.bitwise_or_(lanes >> (lane * (8 - bits)))
-    return packed.to(torch.uint8)  # the low byte (conversion wraps modulo 256)
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``count`` codes as 1-D ``uint8``."""
-    if bits == 8:
-        return packed[:count]
-    per_byte = 8 // bits
-    wide = packed.to(_LANES_DTYPE[per_byte])
-    lanes = wide.clone()
-    for lane in range(1, per_byte):
-        lanes.bitwise_or_(wide << (lane * (8 - bits)))  # code ``lane`` to byte ``lane``
-    lanes.bitwise_and_(sum((2**bits - 1) << (8 * lane) for lane in range(per_byte)))
-    return lanes.view(torch.uint8)[:count]
-
-
 def _encode(
     groups: _Groups,
     params: _GroupParams,
@@ -453,11 +434,15 @@ def _decode(p: PackedTensor) -> torch.Tensor:
     return out
 
 
-def _check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
+def _check_settings(bits: int, group_size: int) -> None:
     if bits not in _SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {_SUPPORTED_BITS}, got {bits!r}")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+
+
+def _check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
+    _check_settings(bits, group_size)
     if x.dtype not in _FLOAT_DTYPES:
         allowed = ", ".join(str(d) for d in _FLOAT_DTYPES)
         raise TypeError(f"quantize takes a floating tensor ({allowed}), got {x.dtype}")
@@ -577,48 +562,3 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     if out.numel() != p.numel:  # padding after the last element
         out = out.view(-1)[: p.numel]
     return out.view(p.shape)
-
-
-@dataclass(frozen=True, slots=True)
-class NarrowedInt:
-    """An integer tensor stored in a smaller integer dtype, restored exactly by :func:`widen_int`.
-
-    Attributes:
-        values: the elements in the narrow dtype (contiguous, same shape).
-        dtype: the original dtype.
-    """
-
-    values: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the narrowed values."""
-        return tensor_nbytes(self.values)
-
-
-def narrow_int(x: torch.Tensor) -> NarrowedInt | torch.Tensor:
-    """Store integer ``x`` in the smallest of uint8/int8/int16/int32 that holds ``[min, max]``.
-
-    Returns ``x`` itself when it is empty, or when no candidate would take fewer bytes than ``x``
-    holds now (its storage, so an expanded view is not blown up to full size).
-    """
-    if x.is_floating_point() or x.is_complex():
-        raise TypeError(f"narrow_int takes an integer tensor, got {x.dtype}")
-    if x.numel() == 0 or x.dtype == torch.bool:
-        return x
-    lo, hi = (int(v) for v in torch.aminmax(x))
-    held = min(tensor_nbytes(x), x.untyped_storage().nbytes())
-    for dtype in _NARROW_DTYPES:
-        info = torch.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            if x.numel() * dtype.itemsize >= held:
-                return x
-            values = x.to(dtype, memory_format=torch.contiguous_format)
-            return NarrowedInt(values=values, dtype=x.dtype)
-    return x
-
-
-def widen_int(n: NarrowedInt) -> torch.Tensor:
-    """Restore the tensor that :func:`narrow_int` narrowed, in its original dtype."""
-    return n.values.to(n.dtype)
