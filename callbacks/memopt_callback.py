@@ -26,9 +26,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..config import MemOptConfig
-from ..drift import DriftReport, slice_batch
-from ..engine import MemoryOptimizer
-from ..report import profile_model
+from ..engine import COMPRESS, KEEP, DriftReport, MemoryOptimizer, slice_batch
+from ..profiler import profile_model
 
 log = logging.getLogger("memopt")
 
@@ -161,6 +160,8 @@ class MemOptCallback(Callback):
                 "itself, so the drift check cannot call it. Pass "
                 "MemOptCallback(loss_fn=lambda module, batch: <loss>), or set drift.enabled: false."
             )
+        strategy = trainer.strategy
+        self.optimizer.reduce_max = lambda t: strategy.reduce(t, reduce_op="max")
         if self.optimizer.model is pl_module:
             return  # setup("fit") again on the same model: already patched
         if is_overridden("configure_model", pl_module):
@@ -328,9 +329,9 @@ class MemOptCallback(Callback):
         plan = self.optimizer.plan
         actions: dict[str, int] = {}
         for entry in plan.values():
-            if entry.action == "compress":
-                key = f"compress@{entry.bits}"
-            elif entry.action == "keep":
+            if entry.action == COMPRESS:
+                key = f"{COMPRESS}@{entry.bits}"
+            elif entry.action == KEEP:
                 continue
             else:
                 key = entry.action
@@ -355,7 +356,7 @@ class MemOptCallback(Callback):
     ) -> None:
         """Per-module memory of the first batch, unpatched and under the plan; table and chart.
 
-        :func:`~memopt_plugins.report.profile_model` measures the model as it is and then under
+        :func:`~memopt_plugins.profiler.profile_model` measures the model as it is and then under
         the config, so the patch is lifted for the measurement and put back with its state.
         """
         if not trainer.is_global_zero or self.optimizer.model is None:

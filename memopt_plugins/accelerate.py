@@ -28,8 +28,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from .config import MemOptConfig
-from .drift import DriftReport, slice_batch
-from .engine import MemoryOptimizer
+from .engine import DriftReport, MemoryOptimizer, slice_batch
 
 __all__ = ["MemOptPlugin"]
 
@@ -89,12 +88,14 @@ class MemOptPlugin:
         """Register for ``save_state``/``load_state`` and log through ``accelerator.log``.
 
         Also makes :meth:`after_backward` skip micro-batches that end no optimizer step
-        (``accelerator.sync_gradients`` is False while gradients accumulate).
+        (``accelerator.sync_gradients`` is False while gradients accumulate), and the drift check
+        agree over processes through ``accelerator.reduce``.
         """
         if self.accelerator is accelerator:
             return
         accelerator.register_for_checkpointing(self)
         self.accelerator = accelerator
+        self.optimizer.reduce_max = lambda t: accelerator.reduce(t, reduction="max")
 
     def sample(self, batch: Any) -> Any:
         """The first ``drift.sample_size`` samples of ``batch``, for the drift check's loss_fn."""

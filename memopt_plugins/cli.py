@@ -2,8 +2,10 @@
 
 ``memopt profile --model FILE.py:factory [--config YAML] [--out DIR] [--top N]`` prints the
 per-module memory table of one training step and writes ``DIR/report.md``, ``DIR/memory.png`` and
-``DIR/report.json``. ``memopt plan --model FILE.py:factory --budget 0.4`` prints a config (YAML)
-that keeps at most that fraction of the saved-activation bytes. The factory takes no arguments
+``DIR/report.json``. ``memopt plan --model FILE.py:factory --budget 0.4 [--bits N]`` prints a
+config (YAML) that keeps at most that fraction of the saved-activation bytes: the modules the
+recompute planner picks (the same as ``recompute.auto``), plus compression at ``N`` bits, or at
+the bits needed when recompute alone cannot reach the budget. The factory takes no arguments
 and returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
 """
 
@@ -22,7 +24,8 @@ import torch
 from torch import nn
 
 from .config import ConfigError, MemOptConfig, closest, load_config
-from .report import ProfileReport, profile_model, suggest_config
+from .profiler import ProfileReport, profile_model, suggest_config
+from .tree import map_tensors
 
 EXPECTED = (
     "a factory taking no arguments and returning (model, batch, loss_fn): model a "
@@ -159,7 +162,7 @@ def _profile(
     model, batch, loss_fn = build(spec)
     if device is not None:
         model.to(device)
-        batch = _to(batch, torch.device(device))
+        batch = map_tensors(lambda t: t.to(device), batch)
     opt = OPTIMIZERS[optimizer](model.parameters()) if optimizer else None
     path = Path(spec.rpartition(":")[0]).expanduser().resolve()
     try:
@@ -173,16 +176,6 @@ def _profile(
             f"one training step of {spec} failed: {type(err).__name__}: {err}{_where(err, path)}; "
             f"expected loss_fn(model, batch) to return a scalar loss"
         ) from None
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple | list):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -221,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """``memopt plan``: print (and optionally write) a config for the budget."""
     base = _config(args.config)
     report = _profile(args.model, None, None, args.device)
-    suggestion = suggest_config(report, args.budget, base=base)
+    suggestion = suggest_config(report, args.budget, base=base, bits=args.bits)
     text = suggestion.to_yaml()
     print(text, end="")
     if args.output:
@@ -256,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="FILE.py:factory", help=model_help)
     p.add_argument(
         "--budget", type=_budget, required=True, help="fraction of saved bytes to keep, (0, 1]"
+    )
+    p.add_argument(
+        "--bits",
+        type=int,
+        choices=(2, 4, 8, 16),
+        help="also compress at these bits (default: only when recompute cannot reach the budget)",
     )
     p.add_argument("--config", metavar="YAML", help="start from this config (its other keys stay)")
     p.add_argument("--output", "-o", metavar="FILE", help="also write the YAML to FILE")

@@ -81,6 +81,10 @@ def _glob_list(value: Any) -> Any:
 
 
 Bits = Literal[2, 4, 8, 16, 32]
+#: Bits at which nothing is compressed: the top of every ladder, "off".
+OFF_BITS = 32
+#: Bits of a plain half-precision (bfloat16) copy.
+HALF_BITS = 16
 BITS_CHOICES: tuple[int, ...] = typing.get_args(Bits)
 _BITS_TEXT = "2, 4, 8, 16 (half cast) or 32 (off)"
 

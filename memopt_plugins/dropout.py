@@ -52,10 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
-from .compress.codec import pack_bits, unpack_bits
-from .patching import forward_hook, forward_pre_hook
+from .compress.bitpack import pack_bits, unpack_bits
+from .measure import ScopeTracker, Watch
 
 log = logging.getLogger("memopt")
 
@@ -389,7 +388,7 @@ class DropoutPatch:
         self.mode = mode
         # (parent, child name, original, replacement), in the order applied
         self._swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
-        self._handles: list[RemovableHandle] = []
+        self._watch: Watch | None = None
         self._local = threading.local()
 
     @property
@@ -398,7 +397,7 @@ class DropoutPatch:
         return [swap[3] for swap in self._swaps]
 
     def apply(self, model: nn.Module) -> None:
-        """Swap the dropout modules of ``model`` and hook every module to enter the mode."""
+        """Swap the dropout modules of ``model``; every module's scope enters the mode."""
         made: dict[int, nn.Module] = {}  # a module registered under several parents: one swap
         for parent in list(model.modules()):
             for name, child in list(parent._modules.items()):
@@ -410,9 +409,7 @@ class DropoutPatch:
                     setattr(replacement, _SWAPPED_FROM, type(child))
                 parent._modules[name] = replacement
                 self._swaps.append((parent, name, child, replacement))
-        for module in model.modules():
-            self._handles.append(forward_pre_hook(module, self._enter))
-            self._handles.append(forward_hook(module, self._exit, always_call=True))
+        self._watch = ScopeTracker.of(model).watch(self)
         log.info(
             "memopt: dropout mode %s: %d dropout modules swapped, functional dropout routed",
             self.mode,
@@ -421,9 +418,9 @@ class DropoutPatch:
 
     def remove(self) -> None:
         """Put the original modules back (with the ``p`` and train/eval state they have now)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         for parent, name, original, replacement in reversed(self._swaps):
             if parent._modules.get(name) is not replacement:
                 log.warning(
@@ -445,11 +442,11 @@ class DropoutPatch:
         For code that runs parts of the model without calling its modules, e.g. a recompute
         replay that calls a module's ``forward`` directly.
         """
-        self._enter(None, ())
+        self.enter("", None, (), {})
         try:
             yield
         finally:
-            self._exit(None, (), None)
+            self.exit("", None, (), None)
 
     # The mode is entered by the outermost module call on this thread and left by the same call.
     @property
@@ -459,7 +456,7 @@ class DropoutPatch:
             stack = self._local.stack = []
         return stack
 
-    def _enter(self, module: nn.Module | None, args: object) -> None:
+    def enter(self, fqn: str, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
         stack = self._entered
         mode = None
         if not stack:  # the outermost call enters; the calls inside it find the mode active
@@ -467,7 +464,7 @@ class DropoutPatch:
             mode.__enter__()
         stack.append(mode)
 
-    def _exit(self, module: nn.Module | None, args: object, output: object) -> None:
+    def exit(self, fqn: str, module: nn.Module | None, args: tuple, output: object) -> None:
         stack = self._entered
         if stack:
             mode = stack.pop()

@@ -1,4 +1,9 @@
-"""MemoryOptimizer: turns a config and a model into a plan, applies it, removes it, owns state."""
+"""MemoryOptimizer: turns a config and a model into a plan, applies it, removes it, owns state.
+
+Integrations (Lightning, Accelerate, the CLI and profiler) use the names exported here and
+nothing below it: besides the optimizer, the plan's action names, :class:`DriftReport` and
+:func:`slice_batch`.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +19,38 @@ import torch
 from torch import nn
 
 from .batchnorm import BatchNormPatch
+from .compress.bits import BitTable
 from .compress.codec import codec_generator
-from .compress.hooks import OFF_BITS, CompressionHooks
-from .config import ConfigError, MemOptConfig, load_config
+from .compress.hooks import CompressionHooks, PackObserver
+from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
+from .distributed import max_over_ranks
 from .drift import DriftMonitor, DriftReport
 from .dropout import DropoutPatch
-from .recompute import Recompute, RecomputePlan, RecomputePlanner, recompute_targets, region_actions
+from .recompute import (
+    IN_RECOMPUTE,
+    RECOMPUTE,
+    Recompute,
+    RecomputePlan,
+    RecomputePlanner,
+    recompute_targets,
+    region_actions,
+)
 from .select import check_globs, fqn_matches, layer_kind, parent_fqns
+from .tree import slice_batch
+
+__all__ = [
+    "COMPRESS",
+    "IN_RECOMPUTE",
+    "KEEP",
+    "RECOMPUTE",
+    "DriftReport",
+    "MemoryOptimizer",
+    "ModulePlan",
+    "PackObserver",
+    "Plan",
+    "patched_by",
+    "slice_batch",
+]
 
 log = logging.getLogger("memopt")
 
@@ -33,6 +63,7 @@ def patched_by(model: nn.Module) -> MemoryOptimizer | None:
     return _PATCHED.get(model)
 
 
+#: Plan actions: compressed, left as it is (and RECOMPUTE, IN_RECOMPUTE from the recompute package).
 COMPRESS = "compress"
 KEEP = "keep"
 
@@ -70,19 +101,23 @@ class MemoryOptimizer:
     Args:
         config: a :class:`MemOptConfig`, a dict in the YAML schema, a path to a YAML file, or
             ``None`` for the defaults (which change nothing).
+
+    Attributes:
+        reduce_max: ``reduce_max(t) -> t`` element-wise max of a tensor over all ranks, which the
+            drift check uses so that every rank decides the same bits. Integrations set their
+            framework's reduce; the default all-reduces over torch.distributed when it is
+            initialized (and is the identity otherwise).
     """
 
     def __init__(self, config: MemOptConfig | Mapping[str, Any] | str | os.PathLike | None = None):
         self.config = load_config(config)
+        self.reduce_max: Callable[[torch.Tensor], torch.Tensor] = max_over_ranks
         self._model: nn.Module | None = None
-        self._bits: dict[str, int] = {}
-        self._scoped: dict[str, int] = {}
+        self._table = BitTable()
         self._hooks: CompressionHooks | None = None
-        self._pending_bits: dict[str, int] = {}  # loaded before apply
         self._drift = DriftMonitor(self.config.drift)
         self._recompute: Recompute | None = None
         self._planner: RecomputePlanner | None = None
-        self._parked_bits: dict[str, int] = {}  # compressed modules now inside a recompute region
         self._pending_recompute: list[str] | None = None  # planner choice loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
@@ -95,7 +130,7 @@ class MemoryOptimizer:
     @property
     def bits(self) -> dict[str, int]:
         """``{fqn: current bits}`` of every compressed module (a copy)."""
-        return dict(self._bits)
+        return self._table.compressed
 
     @property
     def hooks(self) -> CompressionHooks | None:
@@ -108,8 +143,9 @@ class MemoryOptimizer:
         model = self._require_model()
         plan = Plan()
         regions = self._region_fqns()
+        compressed = self._table.compressed
         for fqn, module in model.named_modules():
-            bits = self._bits.get(fqn)
+            bits = compressed.get(fqn)
             if fqn in regions:
                 plan[fqn] = ModulePlan(layer_kind(module), regions[fqn], OFF_BITS)
             elif bits is not None:
@@ -128,10 +164,9 @@ class MemoryOptimizer:
                 "call remove() on that one before applying another"
             )
         targets = recompute_targets(model, self.config.recompute)  # validates before patching
-        restored = set(self._pending_bits)  # escalated to 32 before a save: still listed
-        self._scoped = self._resolve_bits(model)
-        in_regions = region_actions(self._scoped, targets)  # recompute wins: no scope inside
-        self._scoped = {f: b for f, b in self._scoped.items() if f not in in_regions}
+        scopes = self._resolve_bits(model)
+        in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
+        self._table.install({f: b for f, b in scopes.items() if f not in in_regions})
         # Dropout/BN patches go in before the hooks and recompute wrappers (removed after them).
         if self.config.dropout.mode != "keep":
             self._dropout = DropoutPatch(self.config.dropout.mode)
@@ -140,13 +175,12 @@ class MemoryOptimizer:
             self._batchnorm = BatchNormPatch(self.config.batchnorm.warmup_steps, lambda: self.steps)
             self._batchnorm.apply(model)
         hooks = CompressionHooks(
-            self._scoped.__getitem__,
+            self._table,
             group_size=self.config.quantize.group_size,
             stochastic=self.config.quantize.rounding == "stochastic",
             min_numel=self.config.quantize.min_numel,
         )
-        hooks.install(model, list(self._scoped))
-        self._bits = {fqn: b for fqn, b in self._scoped.items() if b < OFF_BITS or fqn in restored}
+        hooks.install(model, list(self._table.scopes))
         self._hooks = hooks
         self._model = model
         _PATCHED[model] = self
@@ -168,11 +202,12 @@ class MemoryOptimizer:
             except ConfigError:
                 self.remove()
                 raise
-        if self._bits:
+        compressed = self._table.compressed
+        if compressed:
             log.info(
                 "memopt: compressing saved activations of %d modules (%s bits)",
-                len(self._bits),
-                "/".join(str(b) for b in sorted(set(self._bits.values()))),
+                len(compressed),
+                "/".join(str(b) for b in sorted(set(compressed.values()))),
             )
         return model
 
@@ -185,7 +220,6 @@ class MemoryOptimizer:
         if self._recompute is not None:
             self._recompute.remove()
         self._planner = self._recompute = None
-        self._parked_bits.clear()
         if self._hooks is not None:
             self._hooks.remove()
         if self._batchnorm is not None:
@@ -196,15 +230,11 @@ class MemoryOptimizer:
         _PATCHED.pop(self._model, None)
         self._model = None
         self._hooks = None
-        self._bits = {}
-        self._scoped.clear()
+        self._table.clear()
 
     def set_bits(self, fqn: str, bits: int) -> None:
         """Change the bits of one compressed module; takes effect at its next forward."""
-        if fqn not in self._bits:
-            raise KeyError(f"{fqn!r} is not a compressed module; compressed: {sorted(self._bits)}")
-        self._bits[fqn] = bits
-        self._scoped[fqn] = bits
+        self._table.set(fqn, bits)
 
     # ----------------------------------------------------------------- recompute
     @property
@@ -243,11 +273,7 @@ class MemoryOptimizer:
 
     def _recompute_changed(self, plan: RecomputePlan | None = None) -> None:
         """Modules inside a recompute region are not compressed: park their bits meanwhile."""
-        inside = self._region_fqns()
-        for fqn in [f for f in self._bits if f in inside]:
-            self._parked_bits[fqn] = self._bits.pop(fqn)
-        for fqn in [f for f in self._parked_bits if f not in inside]:
-            self._bits[fqn] = self._parked_bits.pop(fqn)
+        self._table.park(self._region_fqns())
 
     @contextmanager
     def _region_context(self) -> Iterator[None]:
@@ -276,7 +302,8 @@ class MemoryOptimizer:
         Due at step 0 and every ``drift.check_every`` steps, when ``drift.enabled`` and some
         module is compressed below 32 bits.
         """
-        return any(b < OFF_BITS for b in self._bits.values()) and self._drift.should_check(step)
+        compressed = self._table.compressed.values()
+        return any(b < OFF_BITS for b in compressed) and self._drift.should_check(step)
 
     def check_drift(
         self,
@@ -287,7 +314,7 @@ class MemoryOptimizer:
     ) -> DriftReport:
         """Compare compressed and exact gradients of ``loss_fn()`` and escalate drifting modules.
 
-        ``loss_fn()`` returns a scalar loss on a small batch (see :func:`drift.slice_batch`) and
+        ``loss_fn()`` returns a scalar loss on a small batch (see :func:`slice_batch`) and
         calls the patched model itself (under DDP: ``ddp.module``). Training is unaffected:
         RNG streams, buffers, ``.grad`` and the saved-bytes statistics are as before the call.
         ``max_rounds=None`` re-checks until no module escalates (one compressed pass per round;
@@ -297,8 +324,7 @@ class MemoryOptimizer:
         """
         model = self._require_model()
         hooks = self._hooks
-        stats = hooks.stats
-        kept = (stats.forward_original, stats.forward_stored, stats.forward_tensors)
+        kept = hooks.stats.snapshot()
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
         # No drift-recorder hooks inside a planner-chosen recompute region (config-chosen ones
         # have no scope there): they would hide the region's saved tensors from the checkpoint.
@@ -307,17 +333,18 @@ class MemoryOptimizer:
             return self._drift.check(
                 model,
                 loss_fn,
-                self._bits,
+                self._table.compressed,
                 set_bits=self.set_bits,
                 suspend=hooks.suspend,
                 generators=[codec_generator(d) for d in devices],
-                scopes=[f for f in self._scoped if f not in regions],
+                scopes=[f for f in self._table.scopes if f not in regions],
                 min_numel=self.config.quantize.min_numel,
+                reduce_max=self.reduce_max,
                 step=step,
                 max_rounds=max_rounds,
             )
         finally:
-            stats.forward_original, stats.forward_stored, stats.forward_tensors = kept
+            hooks.stats.restore(kept)
 
     def maybe_check_drift(
         self, loss_fn: Callable[[], torch.Tensor], step: int | None = None
@@ -336,7 +363,7 @@ class MemoryOptimizer:
         The root module is named ``<root>``.
         """
         out = self._drift.metrics()
-        for fqn, b in self._bits.items():
+        for fqn, b in self._table.compressed.items():
             out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
         if self._hooks is not None:
             out["memopt/saved_bytes"] = float(self._hooks.stats.forward_stored)
@@ -345,7 +372,7 @@ class MemoryOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Bits of every compressed module, step counter and drift history (plain Python types)."""
-        state = {"bits": dict(self._bits), "drift": self._drift.state_dict()}
+        state = {"bits": self._table.compressed, "drift": self._drift.state_dict()}
         if self._planner is not None and (self._planner.plan is not None or self._planner.chosen):
             state["recompute"] = list(self._planner.chosen)  # the planner's choice, kept on resume
         return state
@@ -353,18 +380,19 @@ class MemoryOptimizer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore bits saved by :meth:`state_dict` (before or after :meth:`apply`)."""
         bits = dict(state.get("bits", {}))
-        unknown = sorted(set(bits) - set(self._bits)) if self._model is not None else []
+        compressed = self._table.compressed
+        unknown = sorted(set(bits) - set(compressed)) if self._model is not None else []
         if unknown:
             raise ConfigError(
                 f"state_dict names modules this model does not compress: {unknown[:5]}; "
-                f"compressed here: {sorted(self._bits)[:5]}"
+                f"compressed here: {sorted(compressed)[:5]}"
             )
         if "drift" in state:
             self._drift.load_state_dict(state["drift"])
         if "recompute" in state:
             self._load_recompute([str(f) for f in state["recompute"]])
         if self._model is None:
-            self._pending_bits = bits
+            self._table.pending = {f: int(b) for f, b in bits.items()}
             return
         for fqn, b in bits.items():
             self.set_bits(fqn, int(b))
@@ -391,7 +419,8 @@ class MemoryOptimizer:
         A module excluded by ``quantize.exclude`` (or inside one) is never compressed; otherwise the
         nearest ``overrides`` glob on the module or an ancestor wins, then the default ``bits`` when
         the module or an ancestor is in ``quantize.modules``. A scope at 32 bits is installed only
-        where it shields a module from a compressing ancestor.
+        where it shields a module from a compressing ancestor. Bits loaded before :meth:`apply`
+        are laid on top by the bit table.
         """
         q = self.config.quantize
         names = [fqn for fqn, _ in model.named_modules()]
@@ -432,8 +461,4 @@ class MemoryOptimizer:
             effective[fqn] = mine
             if mine[0] < OFF_BITS or compressing_parent:
                 scoped[fqn] = mine[0]
-        for fqn, b in self._pending_bits.items():
-            if fqn in scoped:
-                scoped[fqn] = int(b)
-        self._pending_bits = {}
         return scoped

@@ -110,10 +110,10 @@ def test_plan_prints_yaml_that_loads(factories, tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert stdout == target.read_text()
     config = MemOptConfig.from_yaml(target)
-    # the Linear-GELU-Linear block is the cheap, MLP-like one (recompute alone keeps ~28%);
-    # the rest is compressed to reach 20%
-    assert config.recompute.modules == ("2",)
-    assert config.quantize.bits in (16, 8, 4)
+    # only the Linear-GELU-Linear block "2" would free bytes, and it frees more than half of them
+    # on its own, which the planner never picks: compression alone reaches 20%, at 4 bits
+    assert config.recompute.modules == ()
+    assert config.quantize.bits == 4
     estimate = re.search(r"# estimated with this config: .* \((\d+)%\)", stdout)
     assert int(estimate.group(1)) <= 20
 

@@ -10,6 +10,7 @@ from torch import nn
 from zoo import hf_gpt2, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
+from memopt_plugins.compress.bits import BitTable
 from memopt_plugins.compress.codec import PackedTensor
 from memopt_plugins.compress.hooks import CompressionHooks
 
@@ -174,7 +175,7 @@ def test_reused_address_never_gets_another_tensors_pack(monkeypatch):
     cache key: the cache must prove the cached tensor alive before handing out its pack."""
     import memopt_plugins.compress.hooks as hooks_module
 
-    hooks = CompressionHooks(lambda fqn: 8, group_size=256, stochastic=False, min_numel=1)
+    hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1)
     a = torch.rand(64, 256)
     saved_a = hooks.pack(a, 8)
     assert hooks.pack(a, 8) is saved_a  # alive: a second save of the same tensor is a hit

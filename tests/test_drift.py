@@ -23,8 +23,8 @@ from memopt_plugins.drift import (
     SAVES_NOTHING,
     DriftMonitor,
     next_rung,
-    slice_batch,
 )
+from memopt_plugins.tree import slice_batch
 
 
 def patched(build, config: dict, **size):

@@ -15,13 +15,8 @@ from transformers import ResNetConfig, ResNetForImageClassification
 from zoo import hf_gpt2, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
-from memopt_plugins.recompute import (
-    Measurement,
-    ModuleCost,
-    RecomputeError,
-    choose,
-    existing_checkpointing,
-)
+from memopt_plugins.measure import Measurement, ModuleCost
+from memopt_plugins.recompute import RecomputeError, choose, existing_checkpointing
 from memopt_plugins.select import layer_kind, outermost, within
 
 

@@ -1,28 +1,28 @@
 """Saved-tensor hooks scoped per module: the innermost selected module decides the bits.
 
-A forward pre-hook enters the module's ``saved_tensors_hooks`` and a forward hook
-(``always_call=True``) leaves them, so every tensor autograd saves while the module runs — by an
-``nn.Module`` or a functional call — goes through :meth:`CompressionHooks.pack`.
+Entering a selected module (a :class:`~memopt_plugins.measure.ScopeTracker` scope) enters its
+``saved_tensors_hooks`` and leaving it leaves them, so every tensor autograd saves while the
+module runs — by an ``nn.Module`` or a functional call — goes through
+:meth:`CompressionHooks.pack` with the bits the :class:`~.bits.BitTable` gives that module.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.hooks import RemovableHandle
 
-from ..patching import forward_hook, forward_pre_hook
+from ..config import HALF_BITS, OFF_BITS
+from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
+from .bits import BitTable
 from .codec import dequantize, narrow_int, quantize, tensor_nbytes, widen_int
-
-HALF_BITS = 16
-OFF_BITS = 32
 
 
 class _Saved:
@@ -43,9 +43,12 @@ class _Saved:
         return tensor_nbytes(payload) if isinstance(payload, torch.Tensor) else payload.nbytes
 
 
-def _alias_key(t: torch.Tensor) -> tuple:
+def _alias_key(t: torch.Tensor) -> tuple | None:
     """Identity of the saved data: contiguous views of the same elements share one key."""
-    where = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t._version)
+    storage = storage_key(t)
+    if storage is None:
+        return None
+    where = (storage, t.storage_offset(), t.dtype, t._version)
     if t.is_contiguous():
         return (*where, t.numel())
     return (*where, tuple(t.shape), t.stride())
@@ -76,55 +79,73 @@ class SavedStats:
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
 
+    def snapshot(self) -> tuple[int, int, int]:
+        """The per-forward counts, for :meth:`restore` (``held_bytes`` is live and not kept)."""
+        return (self.forward_original, self.forward_stored, self.forward_tensors)
+
+    def restore(self, snapshot: tuple[int, int, int]) -> None:
+        """Put back per-forward counts taken by :meth:`snapshot` (after an extra pass)."""
+        self.forward_original, self.forward_stored, self.forward_tensors = snapshot
+
+    def start_forward(self) -> None:
+        """A new forward begins: its counts start from zero."""
+        self.restore((0, 0, 0))
+
     @property
     def forward_ratio(self) -> float:
         """Uncompressed ÷ stored bytes of the last forward pass (1.0 when nothing was saved)."""
         return self.forward_original / self.forward_stored if self.forward_stored else 1.0
 
 
+class PackObserver(Protocol):
+    """Told of every tensor the hooks handle (the profiler counts what they keep)."""
+
+    def packed(self, t: torch.Tensor, saved: object, added: int) -> None:
+        """``saved`` is what autograd keeps for ``t`` (``t`` itself, or a compact copy that added
+        ``added`` bytes; 0 for a copy made earlier in the forward)."""
+
+
 class CompressionHooks:
-    """Installs per-module saved-tensor hooks and packs what autograd saves inside them.
+    """Gives modules compression scopes and packs what autograd saves inside them.
 
     Args:
-        bits_of: current bits of a module fqn (read at every call, so escalation acts at once).
+        bits: the engine's bit table (read at every module entry, so escalation acts at once).
         group_size, stochastic, min_numel: codec settings (see ``quantize`` in the config).
     """
 
-    def __init__(
-        self,
-        bits_of: Callable[[str], int],
-        *,
-        group_size: int,
-        stochastic: bool,
-        min_numel: int,
-    ):
-        self.bits_of = bits_of
+    def __init__(self, bits: BitTable, *, group_size: int, stochastic: bool, min_numel: int):
+        self.bits = bits
         self.group_size = group_size
         self.stochastic = stochastic
         self.min_numel = min_numel
         self.stats = SavedStats()
-        self._handles: list[RemovableHandle] = []
+        self.observer: PackObserver | None = None
         self._local = threading.local()
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
-        self._skip_ptrs: frozenset[int] = frozenset()
-        self._root: nn.Module | None = None
+        self._storages: ModelStorages | None = None
+        self._watch: Watch | None = None
 
     # ----------------------------------------------------------------- installation
-    def install(self, root: nn.Module, fqns: list[str]) -> None:
+    def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
         """Give every module in ``fqns`` (names within ``root``) a compression scope."""
-        self._root = root
-        modules = dict(root.named_modules())
-        for fqn in fqns:
-            module = modules[fqn]
-            self._handles.append(forward_pre_hook(module, self._enter_hook(fqn)))
-            self._handles.append(forward_hook(module, self._exit_hook, always_call=True))
+        self._storages = ModelStorages(root)
+        self._watch = ScopeTracker.of(root).watch(self, fqns)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         self._cache.clear()
-        self._root = None
+        self._storages = None
+
+    @contextmanager
+    def observed(self, observer: PackObserver) -> Iterator[None]:
+        """``observer`` is told of every tensor packed inside."""
+        previous, self.observer = self.observer, observer
+        try:
+            yield
+        finally:
+            self.observer = previous
 
     # ----------------------------------------------------------------- suspension
     @property
@@ -147,36 +168,26 @@ class CompressionHooks:
         finally:
             self._local.suspended -= 1
 
-    # ----------------------------------------------------------------- module hooks
+    # ----------------------------------------------------------------- module scopes
     def _begin(self) -> None:
         """The outermost scope opens. Nothing held from an earlier forward means a new step:
-        restart the per-forward counts and refresh the parameters' addresses (they may have
+        restart the per-forward counts and refresh the parameters' storages (they may have
         moved to another device or dtype since apply)."""
-        if self.stats.held_bytes == 0 and self._root is not None:
-            root = self._root
-            self._skip_ptrs = frozenset(
-                t.untyped_storage().data_ptr()
-                for t in (*root.parameters(), *root.buffers())
-                if t.numel() > 0
-            )
-            self.stats.forward_original = 0
-            self.stats.forward_stored = 0
-            self.stats.forward_tensors = 0
+        if self.stats.held_bytes == 0 and self._storages is not None:
+            self._storages.refresh()
+            self.stats.start_forward()
 
-    def _enter_hook(self, fqn: str) -> Callable:
-        def enter(module: nn.Module, args: object) -> None:
-            if not self._scopes:
-                self._begin()
-            scope = None
-            if torch.is_grad_enabled() and not self.suspended:
-                bits = self.bits_of(fqn)
-                scope = saved_tensors_hooks(lambda t: self.pack(t, bits), self.unpack)
-                scope.__enter__()
-            self._scopes.append(scope)
+    def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._scopes:
+            self._begin()
+        scope = None
+        if torch.is_grad_enabled() and not self.suspended:
+            bits = self.bits.bits_of(fqn)
+            scope = saved_tensors_hooks(lambda t: self.pack(t, bits), self.unpack)
+            scope.__enter__()
+        self._scopes.append(scope)
 
-        return enter
-
-    def _exit_hook(self, module: nn.Module, args: object, output: object) -> None:
+    def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
         scopes = self._scopes
         if scopes:
             scope = scopes.pop()
@@ -187,12 +198,9 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- pack / unpack
     def _keep_as_is(self, t: torch.Tensor) -> bool:
-        if isinstance(t, nn.Parameter) or t.numel() < self.min_numel:
-            return True
-        storage = t.untyped_storage()
-        if storage.data_ptr() in self._skip_ptrs:
-            return True  # a parameter, a buffer, or a view of one
-        if storage.nbytes() < tensor_nbytes(t):
+        if t.numel() < self.min_numel or (self._storages is not None and t in self._storages):
+            return True  # small, or a parameter, a buffer, or a view of one
+        if t.untyped_storage().nbytes() < tensor_nbytes(t):
             return True  # a broadcast (expanded) view: smaller as it is than any copy
         grad_fn = t.grad_fn
         if grad_fn is not None and grad_fn.name() == "ToCopyBackward0":
@@ -203,17 +211,23 @@ class CompressionHooks:
 
     def pack(self, t: torch.Tensor, bits: int) -> object:
         """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself or a compact copy."""
+        saved, added = self._pack(t, bits)
+        if self.observer is not None:
+            self.observer.packed(t, saved, added)
+        return saved
+
+    def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
         if self._keep_as_is(t):
-            return t
+            return t, 0
         key = _alias_key(t)
-        hit = self._cache.get(key)
+        hit = self._cache.get(key) if key is not None else None
         # The cached tensor being alive proves its storage is, so the address is not a reused one.
         if hit is not None and hit[0]() is not None:
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
-                return (
-                    saved if saved.shape == t.shape else _Saved(saved, _reshaped(t.shape), t.shape)
-                )
+                if saved.shape != t.shape:
+                    saved = _Saved(saved, _reshaped(t.shape), t.shape)
+                return saved, 0
         saved = self._compress(t, bits)
         stats = self.stats
         original = tensor_nbytes(t)
@@ -221,13 +235,17 @@ class CompressionHooks:
         stats.forward_tensors += 1
         if saved is t:
             stats.forward_stored += original
-            return t
+            return t, 0
         nbytes = saved.nbytes
         stats.forward_stored += nbytes
         stats.held_bytes += nbytes
         weakref.finalize(saved, stats._release, nbytes)
-        self._cache[key] = (weakref.ref(t), weakref.ref(saved))
-        return saved
+        if key is not None:
+            # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its
+            # base lives as long as the storage does, and so proves the address is not reused.
+            base = t._base if t._base is not None else t
+            self._cache[key] = (weakref.ref(base), weakref.ref(saved))
+        return saved, nbytes
 
     def _compress(self, t: torch.Tensor, bits: int) -> object:
         if not t.is_floating_point():

@@ -1,0 +1,64 @@
+"""The bit table: how many bits each module's saved tensors get, owned by the engine.
+
+The compression hooks read it through :meth:`BitTable.bits_of` at every module entry, so a change
+(an escalation, a restored checkpoint) acts from the next forward of that module on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+
+from ..config import OFF_BITS
+
+
+class BitTable:
+    """Bits of every module with a compression scope.
+
+    * ``scopes``: every module with a scope and its bits (a scope at :data:`OFF_BITS` shields its
+      subtree from a compressing ancestor); the hooks read these.
+    * :attr:`compressed`: the modules the optimizer reports and escalates (``opt.bits``): scopes
+      below 32 bits and modules restored from a checkpoint at 32, less those *parked* because they
+      lie inside a recompute region now (recompute wins; they come back when it ends).
+    * ``pending``: bits loaded from a state dict before the model was patched, taken at
+      :meth:`install`.
+    """
+
+    def __init__(self) -> None:
+        self.scopes: dict[str, int] = {}
+        self.pending: dict[str, int] = {}
+        self._listed: list[str] = []
+        self._parked: frozenset[str] = frozenset()
+
+    def install(self, scopes: Mapping[str, int]) -> None:
+        """Take the scopes resolved from the config, with the pending bits on top."""
+        pending, self.pending = self.pending, {}
+        self.scopes = {f: int(pending.get(f, b)) for f, b in scopes.items()}
+        self._listed = [f for f, b in self.scopes.items() if b < OFF_BITS or f in pending]
+        self._parked = frozenset()
+
+    def clear(self) -> None:
+        """Forget everything but ``pending`` (the model was unpatched)."""
+        self.scopes = {}
+        self._listed = []
+        self._parked = frozenset()
+
+    def bits_of(self, fqn: str) -> int:
+        """The bits of the scope of module ``fqn``."""
+        return self.scopes[fqn]
+
+    @property
+    def compressed(self) -> dict[str, int]:
+        """``{fqn: bits}`` of the compressed modules (a copy)."""
+        return {f: self.scopes[f] for f in self._listed if f not in self._parked}
+
+    def set(self, fqn: str, bits: int) -> None:
+        """Change the bits of one compressed module."""
+        if fqn not in self._listed or fqn in self._parked:
+            raise KeyError(
+                f"{fqn!r} is not a compressed module; compressed: {sorted(self.compressed)}"
+            )
+        self.scopes[fqn] = int(bits)
+
+    def park(self, inside: Container[str]) -> None:
+        """Compressed modules ``inside`` recompute regions are parked; the others come back."""
+        self._parked = frozenset(f for f in self._listed if f in inside)

@@ -1,0 +1,73 @@
+"""Gradient drift: compare compressed and exact gradients on a small batch, escalate bit widths.
+
+One check runs the user's ``loss_fn`` exactly (compression suspended) and compressed, each pass
+under the same forked RNG state (dropout draws the same masks, and the global stream is left where
+it was), restores every buffer after each pass (BatchNorm running statistics) and the private
+generators it is given (stochastic rounding), and takes gradients with
+:func:`torch.autograd.grad`, so neither ``.grad``, the optimizer nor a DDP reducer sees anything.
+The exact gradients are computed once; every round of escalation costs one more compressed pass.
+
+What judges a module (the drift of which gradient):
+
+* a module with parameters of its own (``recurse=False``: ``Linear``, norms, embeddings) — those
+  parameters, all together, so a bias whose exact gradient is ~0 (the key bias of attention) cannot
+  blow up the ratio on its own;
+* a parameter-free module — the gradient of its inputs (every call), which is computed from what
+  it saved and from the gradient flowing into it. DESIGN.md's first plan judged such modules by
+  their parent's parameters; that counts the children's own compression error as the parent's (a
+  2-bit ``down_proj`` pushed its whole MLP block, the activation and every enclosing container up
+  the ladder with it), whereas a ``Linear``'s saved input only affects its own weight gradient,
+  never the input gradient. A parameter-free module whose inputs need no gradient (a model root
+  fed token ids) is judged by the gradient of its direct children's outputs, which its own ops
+  consume (the logits a root feeds to its loss); with neither, by the parameters of its nearest
+  ancestor that has any.
+
+A module has no measurable drift, and is never escalated, when its own scope saved nothing that
+compression touches (a ``ModuleList``, a decoder layer whose only ops are residual adds, a rotary
+table computed without grad, a dropout whose mask is a bool tensor), or when the exact gradient
+judging it is negligible: below :data:`NEGLIGIBLE` of the whole model's (parameter gradients for
+parameter judges, recorded activation gradients for the others).
+
+Drift by ``metric``: ``rel_l2`` = ‖g_q − g‖ / ‖g‖, ``cosine`` = 1 − cos(g_q, g). A gradient also
+carries the compression error of the nonlinear modules downstream of it, so a module whose drift
+is only inherited can climb a rung with the module it inherits from; each round escalates every
+module over the threshold by one rung, and by default the check re-runs the compressed pass until
+no module is over (or all are at 32). Cost: one exact and one compressed forward/backward on the
+sample when nothing escalates, plus one compressed pass per extra round (from 2 bits on a
+transformer: 2 -> 4 -> 8 and a settling round, i.e. 4 passes, once). ``max_rounds=1`` gives one
+rung per call instead.
+
+Under torch.distributed every rank measures its own sample, and the drifts are max-reduced over
+ranks (by the reduce the integration injects: Lightning's strategy, Accelerate's accelerator, or
+``all_reduce`` by default) before any decision, so all ranks escalate the same modules and always
+run the same bits; the check is then a collective, run by every rank at the same step. The INFO
+line of an escalation is written by rank 0 only. Under ``DistributedDataParallel`` let ``loss_fn``
+call the wrapped module (``ddp.module``). Going through the wrapper also works (no gradient
+reaches its reducer; checked with ``find_unused_parameters=True`` and an unused parameter too),
+but each of its forwards broadcasts buffers and prepares the reducer for a backward that never
+comes.
+"""
+
+from .monitor import DriftMonitor
+from .report import (
+    CALLS_DIFFER,
+    HISTORY_LIMIT,
+    NEGLIGIBLE,
+    NEGLIGIBLE_GRADIENT,
+    NOTHING_TO_JUDGE,
+    SAVES_NOTHING,
+    DriftReport,
+    next_rung,
+)
+
+__all__ = [
+    "CALLS_DIFFER",
+    "HISTORY_LIMIT",
+    "NEGLIGIBLE",
+    "NEGLIGIBLE_GRADIENT",
+    "NOTHING_TO_JUDGE",
+    "SAVES_NOTHING",
+    "DriftMonitor",
+    "DriftReport",
+    "next_rung",
+]

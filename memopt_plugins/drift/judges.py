@@ -1,0 +1,94 @@
+"""Which gradient judges each compressed module, and its drift from the two passes' gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .passes import PassRecorder, own_parameters, sq_norms
+from .report import CALLS_DIFFER, NEGLIGIBLE_GRADIENT, NOTHING_TO_JUDGE, SAVES_NOTHING
+
+#: Drift slot of a module without measurable drift (a max over ranks ignores it).
+UNMEASURED = -1.0
+#: What a judge's indices point at: parameters, or recorded activation tensors.
+PARAMS, TENSORS = "parameters", "tensors"
+
+
+@dataclass(frozen=True)
+class Judge:
+    """Which gradients judge a module: indices into a pass's target list."""
+
+    kind: str  # PARAMS or TENSORS
+    indices: tuple[int, ...]
+
+
+def find_judges(
+    modules: Mapping[str, nn.Module],
+    fqns: Sequence[str],
+    params: Sequence[nn.Parameter],
+    rec: PassRecorder,
+) -> tuple[dict[str, Judge], dict[str, str]]:
+    """What judges each module (see :mod:`memopt_plugins.drift`), from the exact pass's record."""
+    index = {id(p): i for i, p in enumerate(params)}
+    judges: dict[str, Judge] = {}
+    unmeasured: dict[str, str] = {}
+    for fqn in fqns:
+        if rec.saved.get(fqn, 0) == 0:
+            unmeasured[fqn] = SAVES_NOTHING
+            continue
+        own = own_parameters(modules[fqn])
+        tensors = rec.inputs.get(fqn) or rec.outputs.get(fqn)
+        if own:
+            judges[fqn] = Judge(PARAMS, tuple(index[id(p)] for p in own))
+        elif tensors:
+            judges[fqn] = Judge(TENSORS, tuple(dict.fromkeys(tensors)))
+        else:
+            name = fqn
+            while name and not own:
+                name = name.rpartition(".")[0]
+                own = own_parameters(modules[name], recurse=True)
+            if own:
+                judges[fqn] = Judge(PARAMS, tuple(index[id(p)] for p in own))
+            else:
+                unmeasured[fqn] = NOTHING_TO_JUDGE
+    return judges, unmeasured
+
+
+def module_drifts(
+    fqns: Sequence[str],
+    judges: Mapping[str, Judge],
+    floors: Mapping[str, float],
+    exact: Sequence[torch.Tensor],
+    exact_sq: torch.Tensor,
+    approx: Sequence[torch.Tensor],
+    metric: str,
+) -> tuple[list[float], dict[str, str]]:
+    """Per-module drift (``UNMEASURED`` where there is none) and why some have none."""
+    n = len(approx)  # recorded tensors are missing when the passes ran differently
+    diff_sq = sq_norms([q - g for q, g in zip(approx, exact[:n], strict=True)])
+    approx_sq = sq_norms(approx)
+    dots = [(q.double() * g.double()).sum() for q, g in zip(approx, exact[:n], strict=True)]
+    dot = torch.stack(dots).cpu() if dots else torch.zeros(0, dtype=torch.float64)
+    drift = [UNMEASURED] * len(fqns)
+    missing: dict[str, str] = {}
+    for i, fqn in enumerate(fqns):
+        judge = judges.get(fqn)
+        if judge is None:
+            continue
+        idx = list(judge.indices)
+        if any(k >= n for k in idx):
+            missing[fqn] = CALLS_DIFFER
+            continue
+        norm = float(exact_sq[idx].sum().sqrt())
+        if norm <= floors[judge.kind] or norm == 0.0:
+            missing[fqn] = NEGLIGIBLE_GRADIENT
+            continue
+        if metric == "cosine":
+            denom = norm * float(approx_sq[idx].sum().sqrt())
+            drift[i] = 1.0 - float(dot[idx].sum()) / denom if denom > 0 else 1.0
+        else:
+            drift[i] = float(diff_sq[idx].sum().sqrt()) / norm
+    return drift, missing

@@ -1,0 +1,257 @@
+"""The drift monitor: schedules checks, runs them, escalates bits, keeps counters and history."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import OFF_BITS, DriftConfig
+from ..distributed import is_rank_zero, max_over_ranks
+from .judges import PARAMS, TENSORS, Judge, find_judges, module_drifts
+from .passes import PassRecorder, gradients, own_parameters, preserved_state, scalar_loss, sq_norms
+from .report import HISTORY_LIMIT, NEGLIGIBLE, DriftReport, next_rung
+
+log = logging.getLogger("memopt")
+
+
+class DriftMonitor:
+    """Runs drift checks, escalates bits along the ladder, keeps the step counter and history.
+
+    The monitor does not know how compression works: it is given the compressed modules' bits, a
+    way to change them, and a context that suspends compression (the exact pass).
+
+    Args:
+        config: the ``drift`` section of the config.
+    """
+
+    def __init__(self, config: DriftConfig):
+        self.config = config
+        self.steps = 0
+        self.escalations = 0
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
+        self.last: DriftReport | None = None
+
+    # ----------------------------------------------------------------- scheduling
+    def should_check(self, step: int | None = None) -> bool:
+        """True when a check is due at ``step`` (default: the counted optimizer steps).
+
+        Checks run at step 0 and every ``check_every`` steps, when ``drift.enabled``.
+        """
+        step = self.steps if step is None else step
+        return self.config.enabled and step % self.config.check_every == 0
+
+    # ----------------------------------------------------------------- the check
+    def check(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[], torch.Tensor],
+        bits: Mapping[str, int],
+        *,
+        set_bits: Callable[[str, int], None],
+        suspend: Callable[[], AbstractContextManager],
+        generators: Sequence[torch.Generator] = (),
+        scopes: Sequence[str] | None = None,
+        min_numel: int = 0,
+        reduce_max: Callable[[torch.Tensor], torch.Tensor] = max_over_ranks,
+        step: int | None = None,
+        max_rounds: int | None = None,
+    ) -> DriftReport:
+        """Measure the drift of the modules in ``bits`` and escalate those over the threshold.
+
+        Args:
+            model: the patched model (the one ``loss_fn`` runs; see the module notes on DDP).
+            loss_fn: ``loss_fn() -> scalar loss`` on a small batch; called once exact and once per
+                round compressed.
+            bits: ``{fqn: bits}`` of the compressed modules.
+            set_bits: changes the bits of one module (takes effect at its next forward).
+            suspend: a context in which nothing is compressed.
+            generators: private generators the compressed pass draws from (stochastic rounding);
+                restored after the check so that training is unaffected.
+            scopes: every module with a compression scope (default: those in ``bits``), so that
+                a tensor saved inside a 32-bit scope is not counted for a compressed ancestor.
+            min_numel: saved tensors smaller than this are not compressed.
+            reduce_max: element-wise max over ranks of a float64 tensor (the integration's
+                reduce; identity without torch.distributed).
+            step: the step recorded in the report (default: the counted optimizer steps).
+            max_rounds: compressed passes at most; ``None`` re-checks until no module escalates,
+                ``1`` escalates at most one rung per call.
+        """
+        cfg = self.config
+        step = self.steps if step is None else step
+        current = dict(bits)
+        fqns = sorted(current)
+        limit = len(cfg.ladder) + 1 if max_rounds is None else max(1, max_rounds)
+        if not fqns:
+            return self._record(DriftReport(step, threshold=cfg.threshold, metric=cfg.metric))
+
+        modules = dict(model.named_modules())
+        params = own_parameters(model, recurse=True)
+        param_free = [f for f in fqns if not own_parameters(modules[f])]
+        escalated: dict[str, tuple[int, int]] = {}
+        round_max: list[float] = []
+        with preserved_state(model, generators) as one_pass:
+            with one_pass(), suspend():
+                rec = PassRecorder(model, param_free, fqns if scopes is None else scopes, min_numel)
+                with rec:
+                    loss = scalar_loss(loss_fn)
+                judges, unmeasured = find_judges(modules, fqns, params, rec)
+                wanted = sorted(
+                    {i for j in judges.values() if j.kind == TENSORS for i in j.indices}
+                )
+                layout = rec.layout()
+                exact = gradients(loss, params + [rec.tensors[i] for i in wanted])
+                del loss, rec
+            position = {i: len(params) + k for k, i in enumerate(wanted)}
+            judges = {
+                f: j if j.kind == PARAMS else Judge(j.kind, tuple(position[i] for i in j.indices))
+                for f, j in judges.items()
+            }
+            exact_sq = sq_norms(exact)
+            floors = {
+                PARAMS: NEGLIGIBLE * float(exact_sq[: len(params)].sum().sqrt()),
+                TENSORS: NEGLIGIBLE * float(exact_sq[len(params) :].sum().sqrt()),
+            }
+            while True:
+                with one_pass():
+                    rec = PassRecorder(model, param_free)
+                    with rec:
+                        loss = scalar_loss(loss_fn)
+                    aligned = rec.layout() == layout
+                    tensors = [rec.tensors[i] for i in wanted] if aligned else []
+                    approx = gradients(loss, params + tensors)
+                    del loss, rec, tensors
+                local, missing = module_drifts(
+                    fqns, judges, floors, exact, exact_sq, approx, cfg.metric
+                )
+                del approx
+                drift = _max_of(reduce_max, local, params[0].device if params else None)
+                per_module = {f: d for f, d in zip(fqns, drift, strict=True) if d >= 0}
+                unmeasured_now = {**unmeasured, **missing}
+                unmeasured_now = {f: r for f, r in unmeasured_now.items() if f not in per_module}
+                round_max.append(max(per_module.values(), default=0.0))
+                moved = self._escalate(per_module, current, set_bits, step)
+                for fqn, (old, new) in moved.items():
+                    escalated[fqn] = (escalated.get(fqn, (old, new))[0], new)
+                if not moved or len(round_max) >= limit:
+                    break
+        report = DriftReport(
+            step,
+            per_module,
+            unmeasured_now,
+            escalated,
+            tuple(round_max),
+            threshold=cfg.threshold,
+            metric=cfg.metric,
+        )
+        return self._record(report)
+
+    def _escalate(
+        self,
+        per_module: Mapping[str, float],
+        current: dict[str, int],
+        set_bits: Callable[[str, int], None],
+        step: int,
+    ) -> dict[str, tuple[int, int]]:
+        cfg = self.config
+        moved: dict[str, tuple[int, int]] = {}
+        for fqn, drift in per_module.items():
+            old = current[fqn]
+            if drift <= cfg.threshold or old >= OFF_BITS:
+                continue
+            new = next_rung(cfg.ladder, old)
+            set_bits(fqn, new)
+            current[fqn] = new
+            moved[fqn] = (old, new)
+            self.escalations += 1
+            if is_rank_zero():
+                log.info(
+                    "memopt: %s drift %.4f > threshold %.4f (%s) at step %d: bits %d -> %d",
+                    fqn or "<root>",
+                    drift,
+                    cfg.threshold,
+                    cfg.metric,
+                    step,
+                    old,
+                    new,
+                )
+        return moved
+
+    def _record(self, report: DriftReport) -> DriftReport:
+        self.last = report
+        self.history.append(
+            {
+                "step": report.step,
+                "max": report.max,
+                "round_max": list(report.round_max),
+                "escalated": {k: list(v) for k, v in report.escalated.items()},
+            }
+        )
+        return report
+
+    # ----------------------------------------------------------------- metrics and state
+    def metrics(self) -> dict[str, float]:
+        """``memopt/drift/max``, ``memopt/drift/<fqn>`` (last check) and ``memopt/escalations``."""
+        out: dict[str, float] = {"memopt/escalations": float(self.escalations)}
+        if self.last is not None:
+            out["memopt/drift/max"] = self.last.max
+            for fqn, drift in self.last.per_module.items():
+                out[f"memopt/drift/{fqn or '<root>'}"] = drift
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, escalation count, history and the last report (plain Python types)."""
+        last = self.last
+        return {
+            "steps": self.steps,
+            "escalations": self.escalations,
+            "history": [dict(h) for h in self.history],
+            "last": None
+            if last is None
+            else {
+                "step": last.step,
+                "per_module": dict(last.per_module),
+                "unmeasured": dict(last.unmeasured),
+                "escalated": {k: list(v) for k, v in last.escalated.items()},
+                "round_max": list(last.round_max),
+                "threshold": last.threshold,
+                "metric": last.metric,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.steps = int(state.get("steps", 0))
+        self.escalations = int(state.get("escalations", 0))
+        self.history = deque((dict(h) for h in state.get("history", ())), maxlen=HISTORY_LIMIT)
+        last = state.get("last")
+        self.last = (
+            None
+            if last is None
+            else DriftReport(
+                int(last["step"]),
+                {k: float(v) for k, v in last["per_module"].items()},
+                dict(last.get("unmeasured", {})),
+                {k: (int(a), int(b)) for k, (a, b) in last.get("escalated", {}).items()},
+                tuple(float(v) for v in last.get("round_max", ())),
+                threshold=float(last.get("threshold", self.config.threshold)),
+                metric=str(last.get("metric", self.config.metric)),
+            )
+        )
+
+
+def _max_of(
+    reduce_max: Callable[[torch.Tensor], torch.Tensor],
+    values: list[float],
+    device: torch.device | None,
+) -> list[float]:
+    """``values`` max-reduced over ranks by ``reduce_max`` (as a float64 tensor on ``device``)."""
+    if not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device or torch.device("cpu"))
+    return reduce_max(t).cpu().tolist()

@@ -1,0 +1,181 @@
+"""One pass of the drift check: what it records, and everything it must leave as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from ..measure import ModelStorages, ScopeTracker, Watch
+from ..tree import tensors_in
+
+
+def own_parameters(module: nn.Module, recurse: bool = False) -> list[nn.Parameter]:
+    """The parameters of ``module`` that train (its own only, unless ``recurse``)."""
+    return [p for p in module.parameters(recurse=recurse) if p.requires_grad]
+
+
+class PassRecorder:
+    """What one forward pass of the check records, through the model's scope tracker.
+
+    Records the tensors whose gradients judge parameter-free modules (their inputs, and their
+    direct children's outputs) and, when ``scopes`` is given, counts per scope the saved tensors
+    compression would touch (floating, ``min_numel`` or more, not a parameter or buffer) -- each
+    attributed to the innermost scope, as the compression hooks do.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        param_free: Sequence[str],
+        scopes: Sequence[str] = (),
+        min_numel: int = 0,
+    ):
+        self.model = model
+        self.param_free = sorted(param_free)
+        self.scopes = list(scopes)
+        self.min_numel = min_numel
+        self.tensors: list[torch.Tensor] = []
+        self.inputs: dict[str, list[int]] = {f: [] for f in self.param_free}
+        self.outputs: dict[str, list[int]] = {f: [] for f in self.param_free}
+        self.saved: dict[str, int] = dict.fromkeys(self.scopes, 0)
+        self._index: dict[int, int] = {}
+        self._stack: list[saved_tensors_hooks] = []
+        self._watch: Watch | None = None
+        self._storages: ModelStorages | None = None
+        self._scope_set = set(self.scopes)
+
+    def layout(self) -> tuple:
+        """Shapes of what was recorded per module: equal layouts line two passes up."""
+        shape = [tuple(t.shape) for t in self.tensors]
+        return tuple(
+            (f, tuple(shape[i] for i in self.inputs[f]), tuple(shape[i] for i in self.outputs[f]))
+            for f in self.param_free
+        )
+
+    def _add(self, into: list[int], value: Any) -> None:
+        for t in tensors_in(value):
+            if t.requires_grad and t.is_floating_point():
+                i = self._index.setdefault(id(t), len(self.tensors))
+                if i == len(self.tensors):
+                    self.tensors.append(t)
+                into.append(i)
+
+    def __enter__(self) -> PassRecorder:
+        self._storages = ModelStorages(self.model)
+        modules = dict(self.model.named_modules())
+        children = [
+            f"{fqn}.{name}" if fqn else name
+            for fqn in self.param_free
+            for name, _ in modules[fqn].named_children()
+        ]
+        watched = [*self.param_free, *(c for c in children if c in modules), *self.scopes]
+        self._watch = ScopeTracker.of(self.model).watch(self, watched)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+        while self._stack:  # only after an exception inside a forward
+            self._stack.pop().__exit__(None, None, None)
+
+    def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if fqn in self.inputs:
+            self._add(self.inputs[fqn], (args, kwargs))
+        if fqn in self._scope_set:
+            scope = saved_tensors_hooks(self._counter(fqn), _identity)
+            scope.__enter__()
+            self._stack.append(scope)
+
+    def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
+        if fqn in self._scope_set and self._stack:
+            self._stack.pop().__exit__(None, None, None)
+        parent = fqn.rpartition(".")[0]
+        if fqn and parent in self.outputs:
+            self._add(self.outputs[parent], output)
+
+    def _counter(self, fqn: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def count(t: torch.Tensor) -> torch.Tensor:
+            if t.is_floating_point() and t.numel() >= self.min_numel and t not in self._storages:
+                self.saved[fqn] += 1
+            return t
+
+        return count
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextmanager
+def preserved_state(
+    model: nn.Module, generators: Sequence[torch.Generator]
+) -> Iterator[Callable[[], AbstractContextManager]]:
+    """Everything a pass may change is put back on exit: buffers, global RNG, ``generators``.
+
+    Yields a factory of per-pass contexts: each pass starts from the same RNG states (global and
+    ``generators``) and buffers, so dropout draws the same masks in every pass.
+    """
+    buffers = list(model.buffers())
+    saved_buffers = [b.detach().clone() for b in buffers]
+    saved_generators = [g.get_state() for g in generators]
+    devices = {p.device for p in model.parameters()} | {b.device for b in buffers}
+    accel = sorted({d.type for d in devices} - {"cpu", "meta"})
+    device_type = accel[0] if accel else "cuda"
+    indices = sorted({d.index or 0 for d in devices if d.type == device_type})
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, saved in zip(buffers, saved_buffers, strict=True):
+                b.copy_(saved)
+        for g, state in zip(generators, saved_generators, strict=True):
+            g.set_state(state)
+
+    @contextmanager
+    def one_pass() -> Iterator[None]:
+        with torch.random.fork_rng(devices=indices, device_type=device_type), torch.enable_grad():
+            try:
+                yield
+            finally:
+                restore()
+
+    try:
+        yield one_pass
+    finally:
+        restore()
+
+
+def scalar_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    loss = loss_fn()
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+        raise TypeError(
+            f"the drift check's loss_fn must return a scalar tensor; got {type(loss).__name__}"
+            + shape
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the drift check's loss does not require grad: does loss_fn run the model "
+            "under torch.no_grad() or with frozen parameters only?"
+        )
+    return loss
+
+
+def gradients(loss: torch.Tensor, targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if not targets:
+        return []
+    grads = torch.autograd.grad(loss, list(targets), allow_unused=True)
+    pairs = zip(targets, grads, strict=True)
+    return [torch.zeros_like(t) if g is None else g.detach() for t, g in pairs]
+
+
+def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64)
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    return torch.stack(norms).cpu().square()

@@ -1,0 +1,65 @@
+"""What a drift check found (:class:`DriftReport`), why a module has no drift, the ladder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..config import OFF_BITS
+
+#: A judged gradient whose exact norm is below this fraction of the model's has no drift.
+NEGLIGIBLE = 1e-6
+#: Checks kept in the history (the oldest are dropped first).
+HISTORY_LIMIT = 100
+
+# Reasons in DriftReport.unmeasured.
+SAVES_NOTHING = "saves nothing compression touches"
+NEGLIGIBLE_GRADIENT = "negligible exact gradient"
+NOTHING_TO_JUDGE = "no gradient to judge it by"
+CALLS_DIFFER = "ran differently in the exact and compressed passes"
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    """The outcome of one drift check.
+
+    Attributes:
+        step: the optimizer step the check ran at.
+        per_module: ``{fqn: drift}`` of every compressed module with measurable drift, after the
+            last round (the max over ranks under torch.distributed).
+        unmeasured: ``{fqn: reason}`` of the compressed modules without measurable drift.
+        escalated: ``{fqn: (old bits, new bits)}`` over all rounds of this check.
+        round_max: the max drift of each round (one compressed pass each): the first is the drift
+            training had before this check, the last the drift it has after it.
+        threshold, metric: what the drifts were judged by.
+    """
+
+    step: int
+    per_module: dict[str, float] = field(default_factory=dict)
+    unmeasured: dict[str, str] = field(default_factory=dict)
+    escalated: dict[str, tuple[int, int]] = field(default_factory=dict)
+    round_max: tuple[float, ...] = ()
+    threshold: float = 0.05
+    metric: str = "rel_l2"
+
+    @property
+    def max(self) -> float:
+        """The largest drift after the last round (0.0 when nothing was measurable)."""
+        return max(self.per_module.values(), default=0.0)
+
+    @property
+    def rounds(self) -> int:
+        """Compressed passes this check ran."""
+        return len(self.round_max)
+
+    def __str__(self) -> str:
+        moved = ", ".join(f"{k or '<root>'} {a}->{b}" for k, (a, b) in self.escalated.items())
+        return (
+            f"DriftReport(step={self.step}, max={self.max:.4f} ({self.metric}, threshold "
+            f"{self.threshold}), rounds={self.rounds}, escalated: {moved or 'none'})"
+        )
+
+
+def next_rung(ladder: Sequence[int], bits: int) -> int:
+    """The first ladder rung above ``bits`` (32 when none is)."""
+    return next((b for b in ladder if b > bits), OFF_BITS)

@@ -1,0 +1,132 @@
+"""One forward pre-hook and one forward hook per module, shared by everything that needs scopes.
+
+Compression (the innermost selected module decides the bits), dropout routing, the drift check's
+recorders, the recompute planner and the profiler all need to know when a module's forward starts
+and ends. Each is a :class:`ScopeObserver` that :meth:`ScopeTracker.watch`-es the modules it needs;
+the tracker of a model (:meth:`ScopeTracker.of`) installs a hook pair on a module the first time it
+is watched and removes it when nobody watches it any more, so a module carries at most one pair of
+memopt's hooks, whoever is listening. Observers are told in the order they started watching when a
+module is entered and in the reverse order when it is left (``always_call``: also when the forward
+raised), so contexts they open nest properly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from torch import nn
+
+from ..patching import forward_hook, forward_pre_hook
+
+
+class ScopeObserver(Protocol):
+    """Told when a watched module's forward starts and ends."""
+
+    def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None: ...
+
+    def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None: ...
+
+
+class _Hooked:
+    """A module with memopt's hook pair and the observers watching it."""
+
+    __slots__ = ("fqn", "observers", "handles")
+
+    def __init__(self, fqn: str, module: nn.Module):
+        self.fqn = fqn
+        self.observers: list[ScopeObserver] = []
+        self.handles = (
+            forward_pre_hook(module, self._enter, with_kwargs=True),
+            forward_hook(module, self._exit, always_call=True),
+        )
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for observer in tuple(self.observers):
+            observer.enter(self.fqn, module, args, kwargs)
+
+    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        for observer in tuple(reversed(self.observers)):
+            observer.exit(self.fqn, module, args, output)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class Watch:
+    """What :meth:`ScopeTracker.watch` returns: :meth:`remove` stops the observer's watch."""
+
+    def __init__(self, tracker: ScopeTracker, observer: ScopeObserver, modules: list[nn.Module]):
+        self._tracker = tracker
+        self._observer = observer
+        self._modules = modules
+
+    def remove(self) -> None:
+        modules, self._modules = self._modules, []
+        self._tracker._unwatch(self._observer, modules)
+
+
+class ScopeTracker:
+    """The shared module hooks of one model (see the module docstring)."""
+
+    _of: weakref.WeakKeyDictionary[nn.Module, ScopeTracker] = weakref.WeakKeyDictionary()
+
+    def __init__(self, root: nn.Module):
+        self._root = weakref.ref(root)  # the registry's key: a strong reference would pin it
+        self._hooked: dict[nn.Module, _Hooked] = {}
+
+    @property
+    def root(self) -> nn.Module:
+        root = self._root()
+        if root is None:
+            raise RuntimeError("the model of this ScopeTracker no longer exists")
+        return root
+
+    @classmethod
+    def of(cls, root: nn.Module) -> ScopeTracker:
+        """The tracker of ``root`` (created on first use; fqns are names within ``root``)."""
+        tracker = cls._of.get(root)
+        if tracker is None:
+            tracker = cls._of[root] = cls(root)
+        return tracker
+
+    def watch(
+        self, observer: ScopeObserver, fqns: Iterable[str] | None = None, *, first: bool = False
+    ) -> Watch:
+        """Tell ``observer`` about the modules named ``fqns`` (default: every module).
+
+        ``first``: the observer is told before those already watching (and left after them).
+        """
+        named = dict(self.root.named_modules())
+        names = list(named) if fqns is None else list(dict.fromkeys(fqns))
+        modules = []
+        for fqn in names:
+            module = named[fqn]
+            hooked = self._hooked.get(module)
+            if hooked is None:
+                hooked = self._hooked[module] = _Hooked(fqn, module)
+            if first:
+                hooked.observers.insert(0, observer)
+            else:
+                hooked.observers.append(observer)
+            modules.append(module)
+        return Watch(self, observer, modules)
+
+    def _unwatch(self, observer: ScopeObserver, modules: list[nn.Module]) -> None:
+        for module in modules:
+            hooked = self._hooked.get(module)
+            if hooked is None:
+                continue
+            hooked.observers = [o for o in hooked.observers if o is not observer]
+            if not hooked.observers:
+                hooked.remove()
+                del self._hooked[module]
+        root = self._root()
+        if not self._hooked and root is not None and type(self)._of.get(root) is self:
+            del type(self)._of[root]
+
+    def hooked(self, module: nn.Module) -> bool:
+        """True while ``module`` carries the tracker's hooks."""
+        return module in self._hooked

@@ -1,0 +1,218 @@
+"""The per-module memory report of one training step, and its text forms (table, Markdown, JSON).
+
+:func:`~.run.profile_model` builds it; :meth:`ProfileReport.plot` draws it (:mod:`.plot`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import OFF_BITS, MemOptConfig
+from ..engine import COMPRESS, KEEP
+from ..measure import Measurement
+from .meter import MemoryReading
+
+ROOT = "<root>"  # how the whole model (fqn "") is shown
+LOSS_ROW = "<loss_fn>"  # saved outside every module: the loss computed by loss_fn itself
+
+#: Binary units of :func:`human_bytes`, smallest first.
+UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def human_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``: binary units with one decimal, whole bytes below 1 KiB."""
+    value = float(n)
+    if abs(value) < 1024:
+        return f"{value:.0f} B"
+    for unit in UNITS[1:]:
+        value /= 1024
+        if abs(round(value, 1)) < 1024 or unit == UNITS[-1]:
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class ModuleProfile:
+    """One row: a module and everything below it (inclusive), plus what it saves itself."""
+
+    fqn: str
+    kind: str
+    params: int = 0
+    grads: int = 0
+    optimizer_state: int = 0
+    saved: int = 0  # saved-activation bytes, the module and its children
+    self_saved: int = 0  # saved while the module itself was the innermost one running
+    tensors: int = 0
+    forward_s: float = 0.0  # inclusive forward time of the measured step
+    freeable: int = 0  # bytes recompute would free: saved inside, less the inputs it must keep
+    kept_inputs: int = 0  # input bytes a recompute region would keep that are freed otherwise
+    action: str = KEEP
+    bits: int = OFF_BITS
+    saved_after: int | None = None
+    self_saved_after: int | None = None
+
+    @property
+    def label(self) -> str:
+        return ROOT if self.fqn == "" else self.fqn
+
+    @property
+    def action_text(self) -> str:
+        return f"{self.action} {self.bits}" if self.action == COMPRESS else self.action
+
+
+@dataclass
+class ProfileReport:
+    """Per-module memory of one training step; see :func:`profile_model`.
+
+    ``modules`` lists every module in ``named_modules`` order (``""`` is the model), then
+    :data:`LOSS_ROW` when ``loss_fn`` saved tensors outside the model.
+    """
+
+    modules: list[ModuleProfile]
+    reading: MemoryReading  # measured without the plan
+    after: MemoryReading | None  # measured with the plan (None: no config given)
+    config: MemOptConfig
+    measurement: Measurement  # the step without the plan, which estimates and plans read
+    has_optimizer: bool = False
+
+    def __getitem__(self, fqn: str) -> ModuleProfile:
+        for row in self.modules:
+            if row.fqn == fqn:
+                return row
+        raise KeyError(fqn)
+
+    @property
+    def saved_total(self) -> int:
+        """All saved-activation bytes counted, inside and outside the model."""
+        return sum(row.self_saved for row in self.modules)
+
+    @property
+    def saved_after_total(self) -> int | None:
+        if self.after is None:
+            return None
+        return sum(row.self_saved_after or 0 for row in self.modules)
+
+    def top(self, n: int | None = None, by: str = "saved") -> list[ModuleProfile]:
+        """The ``n`` largest rows by ``by`` (``saved`` or ``self_saved``), in model order.
+
+        By inclusive bytes a parent is never below its child, so the cut keeps whole branches.
+        """
+        order = {id(row): i for i, row in enumerate(self.modules)}
+        depth = {id(row): row.fqn.count(".") + bool(row.fqn) for row in self.modules}
+        ranked = sorted(self.modules, key=lambda r: (-getattr(r, by), depth[id(r)], order[id(r)]))
+        chosen = ranked if n is None else ranked[:n]
+        return sorted(chosen, key=lambda r: order[id(r)])
+
+    # ----------------------------------------------------------------- text
+    def summary(self) -> str:
+        """A few lines of totals: counted vs measured, and what the plan does."""
+        r = self.reading
+        total = self.saved_total
+        lines = [
+            f"memopt profile: one training step on {r.device}",
+            f"saved activations: {human_bytes(total)} counted in "
+            f"{sum(row.tensors for row in self.modules if row.fqn in ('', LOSS_ROW))} tensors; "
+            f"measured retained {human_bytes(r.retained)}, peak {human_bytes(r.peak)}",
+            f"parameters {human_bytes(self.modules[0].params)}, "
+            f"gradients {human_bytes(self.modules[0].grads)}"
+            + (
+                f", optimizer state {human_bytes(self.modules[0].optimizer_state)}"
+                if self.has_optimizer
+                else ""
+            ),
+        ]
+        if self.after is not None:
+            after = self.saved_after_total or 0
+            ratio = f" ({total / after:.1f}x less)" if after else ""
+            lines.append(
+                f"with the plan: {human_bytes(after)} counted{ratio}; measured retained "
+                f"{human_bytes(self.after.retained)}, peak {human_bytes(self.after.peak)}, "
+                f"compressed payloads {human_bytes(self.after.packed)}"
+            )
+        return "\n".join(lines)
+
+    def _rows(self, top: int | None) -> tuple[list[str], list[list[str]], list[bool]]:
+        total = self.saved_total or 1
+        header = ["module", "kind", "params", "grads"]
+        header += ["optim"] if self.has_optimizer else []
+        header += ["saved", "share", "self", "tensors", "fwd ms", "action"]
+        header += ["after"] if self.after is not None else []
+        numeric = [False, False] + [True] * (len(header) - 2)
+        numeric[header.index("action")] = False
+        rows = []
+        for row in self.top(top):
+            cells = [row.label, row.kind, human_bytes(row.params), human_bytes(row.grads)]
+            cells += [human_bytes(row.optimizer_state)] if self.has_optimizer else []
+            cells += [
+                human_bytes(row.saved),
+                f"{100 * row.saved / total:.1f}%",
+                human_bytes(row.self_saved),
+                str(row.tensors),
+                f"{1000 * row.forward_s:.2f}",
+                row.action_text,
+            ]
+            if self.after is not None:
+                cells.append(human_bytes(row.saved_after or 0))
+            rows.append(cells)
+        return header, rows, numeric
+
+    def table(self, top: int | None = None) -> str:
+        """An aligned text table of the ``top`` largest holders (all modules by default)."""
+        header, rows, numeric = self._rows(top)
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(
+                c.rjust(w) if num else c.ljust(w)
+                for c, w, num in zip(cells, widths, numeric, strict=True)
+            ).rstrip()
+
+        return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+    def __str__(self) -> str:
+        return f"{self.summary()}\n\n{self.table()}"
+
+    def to_markdown(self, top: int | None = None, image: str | None = None) -> str:
+        """The summary and the table as Markdown (``image``: a PNG to link under the summary)."""
+        header, rows, numeric = self._rows(top)
+        out = ["# Memory profile", "", *(f"- {s}" for s in self.summary().splitlines()[1:]), ""]
+        if image:
+            out += [f"![saved activations by module]({image})", ""]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---:" if num else "---" for num in numeric) + "|")
+        out += ["| " + " | ".join([f"`{r[0]}`", *r[1:]]) + " |" for r in rows]
+        out += ["", "Bytes are saved-activation bytes unless named otherwise; `saved` includes the"]
+        out += [
+            "children, `self` is what the module saved itself; `after` is measured with the plan."
+        ]
+        return "\n".join(out) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (bytes as integers, seconds as floats) for JSON."""
+        return {
+            "device": self.reading.device,
+            "config": self.config.to_dict(),
+            "totals": {
+                "saved": self.saved_total,
+                "saved_after": self.saved_after_total,
+                "measured": asdict(self.reading),
+                "measured_after": asdict(self.after) if self.after is not None else None,
+            },
+            "modules": [asdict(row) for row in self.modules],
+        }
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def plot(self, path: str | Path, top: int = 15) -> Path:
+        """Write a PNG bar chart of the ``top`` largest holders (self bytes), before/after the plan.
+
+        Needs matplotlib (``pip install memopt-plugins[plot]``).
+        """
+        from .plot import plot_report
+
+        return plot_report(self, Path(path), top)

@@ -1,0 +1,180 @@
+"""``profile_model``: measure one training step of a model per module, as is and under a config.
+
+It runs one step of ``loss_fn(model, batch)`` and records it with the measurement layer's
+:class:`~memopt_plugins.measure.StepRecorder`: every storage autograd saves for backward belongs
+to the innermost module running when it is first saved (a storage saved several times counts
+once), and the bytes roll up to the parents, next to each module's parameters, gradients,
+optimizer state and forward time. With a config it runs the step again with
+:class:`~memopt_plugins.MemoryOptimizer` applied and counts once more (the compression hooks tell
+the recorder what they keep), so "after" is measured, not estimated. The model, its gradients,
+the optimizer state and the global RNG are left as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import MemOptConfig, load_config
+from ..engine import MemoryOptimizer, PackObserver, patched_by
+from ..measure import Measurement, SavedStorage, StepRecorder
+from ..select import layer_kind, parent_fqns
+from ..tree import tensors_in
+from .meter import MemoryMeter, MemoryReading
+from .report import LOSS_ROW, ModuleProfile, ProfileReport
+
+
+@contextmanager
+def _model_preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Parameters, buffers, gradients and optimizer state are restored on exit."""
+    grads = {p: p.grad for p in model.parameters()}
+    for p in grads:
+        p.grad = None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    params = [(p, p.detach().clone()) for p in grads] if optimizer is not None else []
+    state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in (*buffers, *params):
+                tensor.copy_(value)
+        for p, g in grads.items():
+            p.grad = g
+        if optimizer is not None:
+            optimizer.load_state_dict(state)
+
+
+def _add_up(rows: dict[str, ModuleProfile], owner: str, attr: str, nbytes: int) -> None:
+    for fqn in (owner, *parent_fqns(owner)):
+        row = rows[fqn]
+        setattr(row, attr, getattr(row, attr) + nbytes)
+
+
+def _roll_up_saved(
+    rows: dict[str, ModuleProfile], storages: Iterable[SavedStorage], after: bool
+) -> None:
+    total, own = ("saved_after", "self_saved_after") if after else ("saved", "self_saved")
+    for row in rows.values():
+        setattr(row, total, 0)
+        setattr(row, own, 0)
+    for s in storages:
+        owner = LOSS_ROW if s.owner is None else s.owner
+        setattr(rows[owner], own, getattr(rows[owner], own) + s.nbytes)
+        chain = [owner] if s.owner is None else [owner, *parent_fqns(owner)]
+        for fqn in chain:
+            row = rows[fqn]
+            setattr(row, total, getattr(row, total) + s.nbytes)
+            if not after:
+                row.tensors += 1
+
+
+def _measured_step(
+    meter: MemoryMeter,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer: MemoryOptimizer | None = None,
+) -> tuple[MemoryReading, Measurement]:
+    """One forward and backward, metered and recorded (under ``optimizer`` when given)."""
+    measured: list[Measurement] = []
+    hooks = optimizer.hooks if optimizer is not None else None
+
+    def forward() -> torch.Tensor:
+        recorder = StepRecorder(model, tensors_in(batch))
+        observer: PackObserver = recorder
+        with hooks.observed(observer) if hooks is not None else nullcontext():
+            with recorder:
+                loss = loss_fn(model, batch)
+                measured.append(recorder.stop())
+        return loss
+
+    reading = meter.measure(forward, hooks.stats if hooks is not None else None)
+    return reading, measured[0]
+
+
+def profile_model(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    config: MemOptConfig | Mapping[str, Any] | str | Path | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device: str | torch.device | None = None,
+) -> ProfileReport:
+    """Measure one training step of ``loss_fn(model, batch)`` per module.
+
+    Counts parameters, gradients, optimizer state (when ``optimizer`` is given; one ``step()`` is
+    taken to create it and then undone) and the bytes each module saves for backward, next to the
+    retained and peak memory of the :class:`MemoryMeter`. With ``config`` the step runs again
+    under :class:`MemoryOptimizer` and every module's bytes are counted again ("after"). The model
+    must not be patched already. Its parameters, buffers, gradients, the optimizer state and the
+    global RNG are as before when this returns.
+    """
+    if patched_by(model) is not None:
+        raise RuntimeError(
+            "profile_model measures the model as it is, then under the plan of `config`: call it "
+            "before MemoryOptimizer.apply(model) or after remove()"
+        )
+    cfg = load_config(config)
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    meter = MemoryMeter(device)
+    named = list(model.named_modules())
+    rows = {fqn: ModuleProfile(fqn, layer_kind(m)) for fqn, m in named}
+    rows[LOSS_ROW] = ModuleProfile(LOSS_ROW, "loss")
+    rng_devices = []
+    if device.type == "cuda":
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+
+    after = measured_after = None
+    plan = {}
+    with _model_preserved(model, optimizer), torch.random.fork_rng(devices=rng_devices):
+        loss_fn(model, batch).backward()  # warm-up: gradients and lazy state exist first
+        reading, measurement = _measured_step(meter, model, batch, loss_fn)
+        if config is not None:
+            opt = MemoryOptimizer(cfg)
+            opt.apply(model)
+            try:
+                plan = opt.plan
+                loss_fn(model, batch).backward()  # warm-up under the plan as well
+                after, measured_after = _measured_step(meter, model, batch, loss_fn, opt)
+            finally:
+                opt.remove()
+        for name, p in model.named_parameters():
+            owner = name.rpartition(".")[0]
+            _add_up(rows, owner, "params", p.nbytes)
+            if p.grad is not None:
+                _add_up(rows, owner, "grads", p.grad.nbytes)
+        if optimizer is not None:
+            optimizer.step()
+            for name, p in model.named_parameters():
+                state = optimizer.state.get(p, {})
+                nbytes = sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+                _add_up(rows, name.rpartition(".")[0], "optimizer_state", nbytes)
+
+    for fqn, cost in measurement.costs.items():
+        row = rows[fqn]
+        row.forward_s, row.freeable, row.kept_inputs = (
+            cost.seconds,
+            cost.saved_bytes,
+            cost.kept_inputs,
+        )
+    _roll_up_saved(rows, measurement.storages, after=False)
+    if measured_after is not None:
+        _roll_up_saved(rows, measured_after.storages, after=True)
+    for fqn, p in plan.items():
+        if fqn in rows:
+            rows[fqn].action, rows[fqn].bits = p.action, p.bits
+    modules = [rows[fqn] for fqn, _ in named]
+    if rows[LOSS_ROW].saved or rows[LOSS_ROW].saved_after:
+        modules.append(rows[LOSS_ROW])
+    return ProfileReport(modules, reading, after, cfg, measurement, optimizer is not None)

@@ -1,0 +1,298 @@
+"""The recompute planner: pick the modules to recompute under a memory budget.
+
+``recompute.auto: {budget: b}`` (and ``memopt plan``) read one :class:`~memopt_plugins.measure.
+Measurement` of a forward: the bytes each module's recompute would free (storages saved only
+inside it, less the inputs the checkpoint must then keep), where it sits in the order of saves,
+and its forward time. :func:`choose` then picks modules by bytes freed per second of recompute
+until at most ``b`` of the baseline saved bytes remain. Bytes freed count twice: off what is kept,
+and off the estimated backward peak -- a replay re-creates a module's activations on top of what
+is still held, so one big region can cost more peak than it saves. It never picks a module inside
+one already picked (a picked container replaces the picks inside it), nor one freeing more than
+half of the baseline by itself, nor the model itself.
+
+The measured forward is either the first training forward (:meth:`RecomputePlanner.install`;
+that step runs without recompute and compression, at baseline memory, and the plan applies
+from the next forward on) or one you run on a batch of your choice
+(:meth:`RecomputePlanner.plan_now`, ``MemoryOptimizer.plan_recompute``), with RNG streams and
+buffers left as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..measure import Measurement, ModuleCost, ScopeTracker, StepRecorder, Watch, measure
+from ..select import outermost, parent_fqns, within
+from ..tree import tensors_in
+from .wrap import IN_RECOMPUTE, RECOMPUTE, Recompute
+
+log = logging.getLogger("memopt")
+
+
+# --------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class RecomputePlan:
+    """The planner's choice; ``str(plan)`` is a table of the candidates, best first."""
+
+    budget: float
+    baseline_bytes: int  # saved for backward without any recompute
+    kept_bytes: int  # estimated to be saved with the plan
+    peak_bytes: int  # estimated most held in backward (kept, or a replay on top of what is held)
+    chosen: tuple[str, ...]  # picked by the planner
+    fixed: tuple[str, ...]  # recomputed by recompute.modules / types
+    candidates: tuple[ModuleCost, ...]  # every module with something to free, best rate first
+
+    @property
+    def met(self) -> bool:
+        """True when the kept bytes are within the budget."""
+        return self.kept_bytes <= self.budget * self.baseline_bytes
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.kept_bytes / self.baseline_bytes if self.baseline_bytes else 1.0
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def table(self, max_rows: int = 40) -> str:
+        """The summary line and up to ``max_rows`` candidates with their action."""
+        mib = 1 << 20
+        status = "" if self.met else " (budget not reachable with these modules)"
+        head = (
+            f"recompute plan: keeps {self.kept_bytes / mib:.2f} of {self.baseline_bytes / mib:.2f}"
+            f" MiB saved for backward ({self.kept_fraction:.0%}, budget {self.budget:.0%})"
+            f"{status}, estimated backward peak {self.peak_bytes / mib:.2f} MiB; recompute "
+            f"{len(self.chosen) + len(self.fixed)} modules"
+        )
+        regions = set(self.chosen) | set(self.fixed)
+        rows = [("module", "kind", "frees MiB", "forward ms", "MiB/s", "action")]
+        for c in self.candidates:
+            if c.fqn in regions:
+                action = RECOMPUTE if c.fqn in self.chosen else f"{RECOMPUTE} (config)"
+            elif any(p in regions for p in parent_fqns(c.fqn)):
+                action = IN_RECOMPUTE
+            else:
+                action = "-"
+            rows.append(
+                (
+                    c.fqn,
+                    c.kind,
+                    f"{c.saved_bytes / mib:.2f}",
+                    f"{c.seconds * 1e3:.2f}",
+                    f"{c.bytes_per_second / mib:.0f}",
+                    action,
+                )
+            )
+        hidden = max(0, len(rows) - 1 - max_rows)
+        rows = rows[: max_rows + 1]
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        lines = [head] + [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
+        if hidden:
+            lines.append(f"... {hidden} more candidates")
+        return "\n".join(lines)
+
+
+def estimated_peak(regions: Sequence[ModuleCost], kept: int) -> int:
+    """Most bytes held in backward: ``kept`` at its start, or a region's replay on top of what
+    is still held then -- what was saved before the region, less what earlier regions freed."""
+    peak = kept
+    for r in regions:
+        earlier = sum(a.saved_bytes for a in regions if a.end <= r.start and a is not r)
+        peak = max(peak, r.before_bytes - earlier + r.saved_bytes)
+    return peak
+
+
+def choose(measurement: Measurement, budget: float, fixed: Sequence[str] = ()) -> RecomputePlan:
+    """Pick modules to recompute until at most ``budget`` of the baseline saved bytes remain.
+
+    Greedy, best rate first: a candidate's benefit is what it removes from the kept bytes plus
+    what it removes from the estimated backward peak (:func:`estimated_peak`), per second of
+    its forward; near the end the cheapest single pick that meets the budget is taken instead
+    when it costs less than the best rate would need. A candidate that contains picked modules
+    is judged by what it adds over them, and replaces them when picked; one that would raise
+    kept + peak is not picked. Never picked: the model itself, modules overlapping ``fixed``
+    (recomputed by the config), modules that changed an input in place, and modules freeing more
+    than half of the baseline by themselves.
+    """
+    if not 0 < budget <= 1:
+        raise ConfigError(f"recompute.auto.budget: {budget!r} is not a number in (0, 1]")
+    costs = measurement.costs
+    baseline = measurement.baseline_bytes
+    fixed_costs = [costs[f] for f in fixed if f in costs]
+    kept = baseline - sum(c.saved_bytes for c in fixed_costs)
+    target = budget * baseline
+    pool = [
+        c
+        for c in costs.values()
+        if c.fqn
+        and 0 < c.saved_bytes <= baseline // 2
+        and c.fqn not in measurement.unsafe
+        and not any(c.fqn == f or within(c.fqn, f) or within(f, c.fqn) for f in fixed)
+    ]
+    picked: dict[str, ModuleCost] = {}
+    peak = estimated_peak(fixed_costs, kept)
+    while kept > target:
+        best: tuple[float, ModuleCost, list[str], int, int] | None = None
+        closer: tuple[float, ModuleCost, list[str], int, int] | None = None
+        for c in pool:
+            if c.fqn in picked or any(p in picked for p in parent_fqns(c.fqn)):
+                continue
+            inner = [p for p in picked if within(p, c.fqn)]
+            gain = c.saved_bytes - sum(picked[p].saved_bytes for p in inner)
+            if gain <= 0:
+                continue
+            trial = [*fixed_costs, *(v for k, v in picked.items() if k not in inner), c]
+            new_peak = estimated_peak(trial, kept - gain)
+            benefit = gain + peak - new_peak
+            if benefit <= 0:
+                continue
+            seconds = max(c.seconds - sum(picked[p].seconds for p in inner), 1e-9)
+            if best is None or benefit / seconds > best[0]:
+                best = (benefit / seconds, c, inner, gain, new_peak)
+            if kept - gain <= target and (closer is None or seconds < closer[0]):
+                closer = (seconds, c, inner, gain, new_peak)
+        if best is None:
+            break
+        # Do not overshoot: one pick that meets the budget wins when it costs no more than the
+        # best-rate pick (when that one meets it too), or than the best rate would need for
+        # the remaining bytes (when it does not).
+        best_seconds = max(best[1].seconds - sum(picked[p].seconds for p in best[2]), 1e-9)
+        gap = kept - target
+        needed = best_seconds if best[3] >= gap else gap * best_seconds / best[3]
+        if closer is not None and closer[0] <= needed:
+            best = closer
+        _, c, inner, gain, peak = best
+        for p in inner:
+            del picked[p]
+        picked[c.fqn] = c
+        kept -= gain
+    order = list(costs)
+    return RecomputePlan(
+        budget=budget,
+        baseline_bytes=baseline,
+        kept_bytes=kept,
+        peak_bytes=peak,
+        chosen=tuple(sorted(picked, key=order.index)),
+        fixed=tuple(fixed),
+        candidates=tuple(sorted(pool, key=lambda c: -c.bytes_per_second)),
+    )
+
+
+class RecomputePlanner:
+    """``recompute.auto``: measure one forward, pick modules under the budget, recompute them.
+
+    Args:
+        recompute: the model's :class:`Recompute` (its wrapped modules are the fixed ones).
+        budget: keep at most this fraction of the baseline saved bytes.
+        on_plan: called after every change of the chosen modules.
+    """
+
+    def __init__(
+        self,
+        recompute: Recompute,
+        budget: float,
+        on_plan: Callable[[RecomputePlan | None], None] | None = None,
+    ):
+        self.recompute = recompute
+        self.budget = budget
+        self.on_plan = on_plan
+        self.plan: RecomputePlan | None = None
+        self.chosen: tuple[str, ...] = ()
+        self._watch: Watch | None = None
+        self._recorder: StepRecorder | None = None
+        self._contexts = ExitStack()
+
+    @property
+    def fixed(self) -> tuple[str, ...]:
+        return tuple(f for f in self.recompute.wrapped if f not in self.chosen)
+
+    def install(self) -> None:
+        """Measure the first training forward of the model and apply the plan after it."""
+        root = self.recompute.model
+        self._watch = ScopeTracker.of(root).watch(self, [""], first=True)
+
+    def remove(self) -> None:
+        """Stop measuring (the recomputed modules stay until ``Recompute.remove``)."""
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+        self._stop()
+
+    def _contexts_of_the_pass(self) -> list[Callable[[], Any]]:
+        """Compression suspended and recomputed modules run plainly while measuring."""
+        suspend = self.recompute.suspend
+        return [*([suspend] if suspend is not None else []), self.recompute.bypassed]
+
+    def _stop(self) -> Measurement | None:
+        recorder, self._recorder = self._recorder, None
+        measurement = recorder.stop() if recorder is not None else None
+        self._contexts.close()
+        return measurement
+
+    def plan_now(self, run: Callable[[], Any], budget: float | None = None) -> RecomputePlan:
+        """Measure ``run()`` now (see :func:`measure`), replace the previous plan, apply it."""
+        self.remove()
+        self.recompute.unwrap(self.chosen)
+        self.chosen, self.plan = (), None
+        try:
+            measurement = measure(self.recompute.model, run, self._contexts_of_the_pass())
+        except BaseException:
+            if self.on_plan is not None:
+                self.on_plan(None)
+            raise
+        budget = self.budget if budget is None else budget
+        return self._apply(choose(measurement, budget, self.fixed))
+
+    def adopt(self, fqns: Sequence[str]) -> None:
+        """Recompute exactly these modules (a plan restored from a state dict), no measuring."""
+        names = {f for f, _ in self.recompute.model.named_modules()}
+        bad = [f for f in fqns if f not in names or f == ""]
+        overlap = [
+            f for f in fqns if any(f == x or within(f, x) or within(x, f) for x in self.fixed)
+        ]
+        if bad or overlap or len(outermost(fqns)) != len(fqns):
+            raise ConfigError(
+                f"state_dict recompute plan {list(fqns)[:5]} does not fit this model: "
+                + (f"no module named {bad[:3]}" if bad else "its modules overlap")
+            )
+        self.remove()
+        self.recompute.unwrap(self.chosen)
+        self.chosen = tuple(self.recompute.wrap(fqns))
+        self.plan = None
+        log.info("memopt: recompute plan restored: %s", ", ".join(self.chosen) or "nothing")
+        if self.on_plan is not None:
+            self.on_plan(None)
+
+    def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._recorder is None and torch.is_grad_enabled() and module.training:
+            for context in self._contexts_of_the_pass():
+                self._contexts.enter_context(context())
+            batch = tensors_in((args, kwargs))
+            self._recorder = StepRecorder(module, batch, watch_root=False).start()
+
+    def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
+        measurement = self._stop()
+        if measurement is None or sys.exc_info()[0] is not None:
+            return  # not measuring, or the forward failed: measure the next one
+        self.remove()
+        self._apply(choose(measurement, self.budget, self.fixed))
+
+    def _apply(self, plan: RecomputePlan) -> RecomputePlan:
+        self.chosen = tuple(self.recompute.wrap(plan.chosen))
+        self.plan = plan
+        level = logging.INFO if plan.met else logging.WARNING
+        log.log(level, "memopt: %s", plan)
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        return plan

@@ -1,0 +1,386 @@
+"""Selective recompute: chosen modules give up their saved activations and replay in backward.
+
+A recomputed module keeps its class, parameters, hooks and state-dict keys: only an instance
+attribute ``forward`` is set, which runs the original forward under non-reentrant
+``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask in the
+replay), and :meth:`Recompute.remove` deletes it again.
+
+Traps handled here, each covered by tests/test_recompute.py:
+
+* BatchNorm inside a recomputed module would update its running statistics and
+  ``num_batches_tracked`` a second time in the replay (pytorch#96136). The replay runs them, and
+  any other buffer the forward changed, on scratch copies, so buffers move once per step.
+* Compression is suspended inside a recomputed module (recompute wins). The checkpoint's own
+  saved inputs are saved outside it, so an enclosing compression scope may compress them.
+* An input changed in place, by the module itself or after it, would be replayed on the wrong
+  values: that raises :class:`RecomputeError` naming the module (in forward when the module did
+  it, else before backward reaches the module), as does any failure of the replay itself.
+* A Hugging Face KV cache handed to a recomputed module would be written again by the replay:
+  in training the module runs with ``cache=None, use_cache=False``, as transformers does under
+  its own gradient checkpointing.
+
+Which modules to recompute is the config's choice (:func:`recompute_targets`) or the planner's
+(:mod:`.planner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ConfigError, RecomputeConfig
+from ..measure import tensor_version
+from ..patching import InstanceForward
+from ..select import check_globs, check_types, outermost, parent_fqns, select_modules, within
+from ..tree import tensors_in
+
+log = logging.getLogger("memopt")
+
+#: Plan actions: the recomputed module itself, and every module inside it.
+RECOMPUTE = "recompute"
+IN_RECOMPUTE = "in-recompute"
+
+Suspend = Callable[[], AbstractContextManager[Any]]
+_BUFFER_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class RecomputeError(RuntimeError):
+    """A recomputed module cannot be replayed in backward; the message names the module."""
+
+
+# --------------------------------------------------------------------------- selection
+def recompute_targets(model: nn.Module, config: RecomputeConfig) -> list[str]:
+    """The modules ``recompute.modules``/``types`` select, outermost only, after validation.
+
+    Raises:
+        ConfigError: a glob or class name that matches nothing, a selection that is the whole
+            model or a container that is never called (``ModuleList``), or a model that already
+            checkpoints its activations (see :func:`existing_checkpointing`).
+    """
+    names = [fqn for fqn, _ in model.named_modules()]
+    check_globs("recompute.modules", config.modules, names)
+    check_types("recompute.types", config.types, model)
+    if not (config.modules or config.types or config.auto is not None):
+        return []
+    found = existing_checkpointing(model)
+    if found:
+        raise ConfigError(
+            "recompute: the model already checkpoints activations ("
+            + "; ".join(found[:3])
+            + ("; ..." if len(found) > 3 else "")
+            + "). Recomputing those modules again would run them a third time: turn that "
+            "checkpointing off before applying memopt, or drop the recompute section."
+        )
+    modules = dict(model.named_modules())
+    selected = select_modules(model, config.modules, config.types)
+    for fqn in selected:
+        if fqn == "":
+            raise ConfigError(
+                f"recompute: the selection includes the whole model ({type(model).__name__}, "
+                "e.g. '*' matches the root); name submodules instead, e.g. 'transformer.h.*'"
+            )
+        if type(modules[fqn]).forward is nn.Module.forward:
+            raise ConfigError(
+                f"recompute: {fqn!r} is a {type(modules[fqn]).__name__}, which is never called; "
+                f"select its elements instead, e.g. '{fqn}.*'"
+            )
+    chosen = outermost(selected)
+    if len(chosen) < len(selected):
+        log.debug("memopt: %d selected modules lie inside other selected ones", len(selected))
+    return chosen
+
+
+def existing_checkpointing(model: nn.Module) -> list[str]:
+    """Descriptions of the activation checkpointing the model already brings (empty: none).
+
+    Detected: Hugging Face ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable``
+    before transformers 5; sets ``gradient_checkpointing`` on submodules), timm
+    ``set_grad_checkpointing()`` (``grad_checkpointing``), torch's ``CheckpointWrapper``
+    (``apply_activation_checkpointing``, Lightning FSDP's ``activation_checkpointing_policy``),
+    the composable ``checkpoint()`` and memopt itself.
+    """
+    found: list[str] = []
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    for fqn, module in model.named_modules():
+        name = fqn or "<root>"
+        if getattr(module, "gradient_checkpointing", False) is True:
+            found.append(
+                f"{name}.gradient_checkpointing is on: Hugging Face activation checkpointing, "
+                "undo with model.activation_checkpointing_disable() (transformers >= 5) or "
+                "model.gradient_checkpointing_disable()"
+            )
+        if getattr(module, "grad_checkpointing", False) is True:
+            found.append(
+                f"{name}.grad_checkpointing is on: timm set_grad_checkpointing(),"
+                " undo with set_grad_checkpointing(False)"
+            )
+        if any(c.__name__ == "CheckpointWrapper" for c in type(module).__mro__):
+            found.append(
+                f"{name} is a torch CheckpointWrapper (apply_activation_checkpointing, e.g. "
+                "Lightning FSDP's activation_checkpointing_policy)"
+            )
+        registry = contract._get_registry(module) if contract is not None else None
+        if registry and "checkpoint" in registry:
+            found.append(f"{name} has torch.distributed._composable.checkpoint applied")
+        if isinstance(module.__dict__.get("forward"), _RecomputedForward):
+            found.append(f"{name} is already recomputed by another MemoryOptimizer")
+    return found
+
+
+def region_actions(names: Iterable[str], regions: Iterable[str]) -> dict[str, str]:
+    """``{fqn: RECOMPUTE | IN_RECOMPUTE}`` for the names that are, or lie inside, a region."""
+    regions = set(regions)
+    actions: dict[str, str] = {}
+    for fqn in names:
+        if fqn in regions:
+            actions[fqn] = RECOMPUTE
+        elif regions and any(p in regions for p in parent_fqns(fqn)):
+            actions[fqn] = IN_RECOMPUTE
+    return actions
+
+
+# --------------------------------------------------------------------------- wrapping
+class Recompute:
+    """The recomputed modules of one model: wraps them in place and unwraps them exactly.
+
+    Args:
+        model: the root module; fqns are names from its ``named_modules()``.
+        suspend: a context manager factory under which nothing is compressed (the engine's
+            ``CompressionHooks.suspend``); entered inside every recomputed module.
+    """
+
+    def __init__(self, model: nn.Module, suspend: Suspend | None = None):
+        self.model = model
+        self.suspend = suspend
+        self._regions: dict[str, _RecomputedForward] = {}
+        self._bypass = 0
+        self._cache_noted = False
+
+    @property
+    def wrapped(self) -> tuple[str, ...]:
+        """Fqns of the recomputed modules, in the order they were wrapped."""
+        return tuple(self._regions)
+
+    @property
+    def bypassing(self) -> bool:
+        return self._bypass > 0
+
+    def actions(self) -> dict[str, str]:
+        """``{fqn: "recompute" | "in-recompute"}`` for every module in a recomputed region."""
+        if not self._regions:
+            return {}
+        return region_actions((f for f, _ in self.model.named_modules()), self._regions)
+
+    def wrap(self, fqns: Iterable[str]) -> list[str]:
+        """Recompute these modules from their next forward on; returns the newly wrapped ones."""
+        modules = dict(self.model.named_modules())
+        new: list[str] = []
+        for fqn in fqns:
+            if fqn in self._regions:
+                continue
+            if fqn not in modules:
+                raise KeyError(f"{fqn!r} is not a module of {type(self.model).__name__}")
+            clash = next((w for w in self._regions if within(fqn, w) or within(w, fqn)), None)
+            if clash is not None:
+                raise ValueError(
+                    f"cannot recompute {fqn!r}: it overlaps {clash!r}, already recomputed"
+                )
+            wrapper = _RecomputedForward(self, fqn, modules[fqn])
+            modules[fqn].forward = wrapper
+            self._regions[fqn] = wrapper
+            new.append(fqn)
+        return new
+
+    def unwrap(self, fqns: Iterable[str] | None = None) -> None:
+        """Stop recomputing these modules (all when ``None``): their ``forward`` is as before."""
+        for fqn in list(self._regions if fqns is None else fqns):
+            wrapper = self._regions.pop(fqn, None)
+            if wrapper is not None:
+                wrapper.restore()
+
+    def remove(self) -> None:
+        """Unwrap every module."""
+        self.unwrap()
+
+    @contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Recomputed modules run their plain forward inside (the planner's measured pass)."""
+        self._bypass += 1
+        try:
+            yield
+        finally:
+            self._bypass -= 1
+
+    def without_cache(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args``/``kwargs`` with Hugging Face cache objects as ``None``, ``use_cache`` False."""
+        cache_cls = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+        if cache_cls is None and kwargs.get("use_cache") is not True:
+            return args, kwargs
+        new_args = tuple(
+            None if cache_cls is not None and isinstance(a, cache_cls) else a for a in args
+        )
+        new_kwargs = {
+            k: None if cache_cls is not None and isinstance(v, cache_cls) else v
+            for k, v in kwargs.items()
+        }
+        if new_kwargs.get("use_cache") is True:
+            new_kwargs["use_cache"] = False
+        changed = any(a is not b for a, b in zip(args, new_args, strict=True)) or any(
+            new_kwargs[k] is not kwargs[k] for k in kwargs
+        )
+        if changed and not self._cache_noted:
+            self._cache_noted = True
+            log.info(
+                "memopt: recomputed modules run without a KV cache in training (use_cache=False),"
+                " as transformers does under gradient checkpointing"
+            )
+        return new_args, new_kwargs
+
+
+class _RecomputedForward(InstanceForward):
+    """The ``forward`` instance attribute of a recomputed module (a copy of the model gets the
+    module's own ``forward``)."""
+
+    def __init__(self, owner: Recompute, fqn: str, module: nn.Module):
+        self.owner = owner
+        self.fqn = fqn
+        self.module = module
+        self.previous = module.__dict__.get("forward")
+        self.original = module.forward
+        self.keeps_cache = bool(getattr(module, "_can_checkpoint_with_cache", False))
+
+    def restore(self) -> None:
+        slots = self.module.__dict__
+        if slots.get("forward") is not self:
+            log.warning(
+                "memopt: %s.forward was replaced after memopt wrapped it; left as is", self.fqn
+            )
+        elif self.previous is None:
+            del slots["forward"]
+        else:
+            slots["forward"] = self.previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.owner.bypassing or not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        if not self.keeps_cache:
+            args, kwargs = self.owner.without_cache(args, kwargs)
+        inputs = list(tensors_in((args, kwargs)))
+        versions = [tensor_version(t) for t in inputs]
+        # kwargs go through a closure: checkpoint() reserves some keyword names for itself.
+        output = checkpoint(
+            self._region(kwargs), *args, use_reentrant=False, preserve_rng_state=True
+        )
+        for t, v in zip(inputs, versions, strict=True):
+            if v is not None and tensor_version(t) != v:
+                raise RecomputeError(
+                    f"memopt recompute: {self._name} modified its input (shape "
+                    f"{tuple(t.shape)}) in place during forward; the backward replay would run "
+                    "on the modified values. Make that op out of place (e.g. inplace=False) or "
+                    f"stop recomputing {self.fqn!r} (recompute.modules / recompute.types)."
+                )
+        _guard_inputs(output, inputs, versions, self._name, self.fqn)
+        return output
+
+    @property
+    def _name(self) -> str:
+        return f"{self.fqn!r} ({type(self.module).__name__})"
+
+    def _region(self, kwargs: dict[str, Any]) -> Callable[..., Any]:
+        """The checkpointed function of one forward: first call = forward, later = replays."""
+        calls = 0
+        changed: list[tuple[dict, str]] = []
+
+        def region(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            with ExitStack() as stack:
+                if self.owner.suspend is not None:
+                    stack.enter_context(self.owner.suspend())
+                if calls == 1:
+                    before = _buffer_states(self.module)
+                    output = self.original(*args, **kwargs)
+                    changed[:] = [
+                        (slots, name)
+                        for slots, name, buf, v in before
+                        if slots.get(name) is not buf or tensor_version(buf) != v
+                    ]
+                    return output
+                stack.enter_context(_scratch_buffers(self.module, changed))
+                try:
+                    return self.original(*args, **kwargs)
+                except Exception as err:
+                    if type(err).__name__ == "_StopRecomputationError":
+                        raise  # torch's early stop: the replay saved all it needs
+                    raise RecomputeError(
+                        f"memopt recompute: replaying {self._name} in backward failed "
+                        f"({type(err).__name__}: {err}). A recomputed module must compute the "
+                        "same thing twice: no in-place changes to its inputs or to state it "
+                        "reads between forward and backward."
+                    ) from err
+
+        return region
+
+
+def _buffer_states(module: nn.Module) -> list[tuple[dict, str, torch.Tensor, int | None]]:
+    return [
+        (m._buffers, name, buf, tensor_version(buf))
+        for m in module.modules()
+        for name, buf in m._buffers.items()
+        if buf is not None
+    ]
+
+
+@contextmanager
+def _scratch_buffers(module: nn.Module, changed: Sequence[tuple[dict, str]]) -> Iterator[None]:
+    """Buffers the replay would update a second time point at copies while it runs.
+
+    Those are the running statistics of normalization layers in training (the kernel updates
+    them without bumping a version counter) and any buffer the forward changed or replaced.
+    """
+    slots = list(changed)
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats:
+            slots += [(m._buffers, n) for n in _BUFFER_STATS if m._buffers.get(n) is not None]
+    kept = {(id(d), name): (d, name, d[name]) for d, name in slots if d.get(name) is not None}
+    for d, name, buf in kept.values():
+        d[name] = buf.clone()
+    try:
+        yield
+    finally:
+        for d, name, buf in kept.values():
+            d[name] = buf
+
+
+def _guard_inputs(
+    output: Any, inputs: list[torch.Tensor], versions: list[int | None], name: str, fqn: str
+) -> None:
+    """Before backward enters the module, check that no input was changed in place since."""
+    refs = [(weakref.ref(t), v) for t, v in zip(inputs, versions, strict=True) if v is not None]
+    if not refs:
+        return
+
+    def check(grad_outputs: Any) -> None:
+        for ref, version in refs:
+            t = ref()
+            if t is not None and t._version != version:
+                raise RecomputeError(
+                    f"memopt recompute: an input of {name} (shape {tuple(t.shape)}) was modified "
+                    "in place after its forward; the backward replay would run on the modified "
+                    "values. Clone it before the in-place op, make the op out of place, or stop "
+                    f"recomputing {fqn!r}."
+                )
+
+    nodes = {id(t.grad_fn): t.grad_fn for t in tensors_in(output) if t.grad_fn is not None}
+    for node in nodes.values():
+        node.register_prehook(check)

@@ -1,0 +1,64 @@
+"""`memopt plan` and `recompute.auto` are one planner: same modules, and the budget is kept."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from zoo import hf_gpt2
+
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.profiler import profile_model, suggest_config
+
+GPT2 = {"batch_size": 4, "seq": 64, "dim": 256, "layers": 4}  # the issue's 4 blocks x 256
+
+
+@pytest.fixture
+def counting_clock(monkeypatch):
+    """Forward times become counts of clock reads: both planners see the same module times, so
+    their choice cannot differ by timing noise (modules of equal size tie on wall time)."""
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "thread_time", lambda: float(next(ticks)))
+
+
+def _auto_choice(budget: float) -> tuple[str, ...]:
+    model, batch, loss_fn = hf_gpt2(**GPT2)
+    opt = MemoryOptimizer({"recompute": {"auto": {"budget": budget}}})
+    opt.apply(model)
+    loss_fn(model, batch).backward()  # the first training forward is the measured one
+    chosen = opt.recompute_plan.chosen
+    opt.remove()
+    return chosen
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3])
+def test_plan_and_auto_choose_the_same_modules(counting_clock, budget):
+    model, batch, loss_fn = hf_gpt2(**GPT2)
+    suggestion = suggest_config(profile_model(model, batch, loss_fn), budget)
+    assert suggestion.bits == 32  # recompute alone reaches these budgets: nothing added
+    assert suggestion.recompute and suggestion.recompute == _auto_choice(budget)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3])
+def test_the_printed_config_applied_keeps_the_budget(budget):
+    model, batch, loss_fn = hf_gpt2(**GPT2)
+    suggestion = suggest_config(profile_model(model, batch, loss_fn), budget)
+    assert suggestion.estimate <= budget * suggestion.baseline
+    model, batch, loss_fn = hf_gpt2(**GPT2)
+    applied = profile_model(model, batch, loss_fn, suggestion.config)
+    kept = applied.saved_after_total / applied.saved_total
+    assert kept <= budget + 0.05, (kept, suggestion.recompute)
+    assert abs(applied.saved_after_total - suggestion.estimate) <= 0.05 * suggestion.estimate
+
+
+def test_plan_adds_compression_only_where_recompute_cannot_reach():
+    model, batch, loss_fn = hf_gpt2(**GPT2)
+    report = profile_model(model, batch, loss_fn)
+    tight = suggest_config(report, 0.03)  # recompute alone reaches ~7.5%
+    assert tight.bits < 32 and tight.reached
+    forced = suggest_config(report, 0.5, bits=8)
+    assert forced.bits == 8 and forced.config.quantize.bits == 8
+    assert forced.estimate <= 0.5 * forced.baseline
+    # at 8 bits everything is ~4x smaller already: no recompute is needed for half
+    assert forced.recompute == ()
