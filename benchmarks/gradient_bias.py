@@ -24,6 +24,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import workloads  # noqa: E402
 from memory import gradients, rel_error  # noqa: E402
+from sizes import FULL  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---|--:|--:|--:|--:|",
     ]
     for workload in (workloads.gpt_workload, workloads.cnn_workload):
-        w = workload(workloads.FULL)
+        w = workload(FULL)
         model = w.build()
         batch = w.measure
         exact = gradients(model, batch, w.loss_fn)

@@ -37,7 +37,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.drift import slice_batch
+from memopt_plugins.tree import slice_batch
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PYTORCH, MEMOPT = "PyTorch", "memopt"

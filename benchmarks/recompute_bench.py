@@ -34,6 +34,7 @@ from models import cnn, gpt  # noqa: E402
 
 from memopt_plugins import MemoryOptimizer  # noqa: E402
 from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading  # noqa: E402
+from memopt_plugins.tree import map_tensors  # noqa: E402
 
 MIB = 1 << 20
 
@@ -55,15 +56,9 @@ class Run:
         self.loss_fn(self.model, self.batch).backward()
 
 
-def to_device(batch: object, device: torch.device) -> object:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    return type(batch)(to_device(b, device) for b in batch)
-
-
 def build(factory: Callable, device: torch.device, name: str) -> Run:
     model, batch, loss_fn = factory()
-    return Run(name, model.to(device).train(), to_device(batch, device), loss_fn)
+    return Run(name, model.to(device).train(), map_tensors(lambda t: t.to(device), batch), loss_fn)
 
 
 def checkpoint_every(run: Run, block_class: str) -> Run:

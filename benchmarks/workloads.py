@@ -7,7 +7,8 @@
 Memory, step time and gradient error are taken on one fixed batch of real data (``measure``);
 convergence trains from the same initial weights on ``train_batches(seed)`` and reports the mean
 loss on the held-out ``val`` batches (BatchNorm statistics re-estimated first, see
-:func:`precise_batchnorm`). Sizes differ between the full run and ``--quick``.
+:func:`precise_batchnorm`). How big each one is comes from ``sizes.py`` (:class:`sizes.Sizes`:
+the full run's or ``--quick``'s).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ if str(ROOT / "examples") not in sys.path:
 
 from data import CharWindows, digits, encode, stdlib_text  # noqa: E402
 from models import GPT, SmallResNet, classification_loss, lm_loss  # noqa: E402
+from sizes import Sizes  # noqa: E402
+
+from memopt_plugins.tree import map_tensors  # noqa: E402
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -96,75 +100,7 @@ class Workload:
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """``batch`` (a tensor or a tuple of tensors) on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    return type(batch)(to_device(b, device) for b in batch)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """How big each workload is; :data:`FULL` for ``make bench``, :data:`QUICK` for a smoke run."""
-
-    gpt_dim: int
-    gpt_depth: int
-    measure_batch: int  # transformers: sequences of `measure_len`
-    measure_len: int
-    train_batch: int
-    train_len: int
-    gpt_steps: int
-    cnn_width: int
-    cnn_measure_batch: int
-    cnn_train_batch: int
-    cnn_steps: int
-    cnn_seeds: int
-    cnn_short_steps: int  # a second, short schedule, compared seed by seed
-    cnn_short_seeds: int
-    cnn_bar_seeds: int  # the short schedule's seeds for the baseline and the loss-bar methods
-    cnn_calibration: int  # training images that re-estimate BatchNorm statistics (precise BN)
-    val_batches: int
-    text_chars: int
-
-
-FULL = Sizes(
-    gpt_dim=128,
-    gpt_depth=4,
-    measure_batch=16,
-    measure_len=128,
-    train_batch=16,
-    train_len=64,
-    gpt_steps=200,
-    cnn_width=32,
-    cnn_measure_batch=256,
-    cnn_train_batch=32,
-    cnn_steps=150,
-    cnn_seeds=10,  # the held-out loss (~0.03) moves ~20% between seeds: average many
-    cnn_short_steps=40,
-    cnn_short_seeds=30,  # paired changes move ~2-3% between seeds: 30 give a ~1% 95% interval
-    cnn_bar_seeds=180,  # and 180 a ~0.4% one, for the rows judged against the 1% loss bar
-    cnn_calibration=512,  # 16 training batches; the same images for every run
-    val_batches=16,
-    text_chars=2_000_000,
-)
-QUICK = Sizes(
-    gpt_dim=32,
-    gpt_depth=2,
-    measure_batch=4,
-    measure_len=32,
-    train_batch=4,
-    train_len=32,
-    gpt_steps=4,
-    cnn_width=8,
-    cnn_measure_batch=32,
-    cnn_train_batch=16,
-    cnn_steps=4,
-    cnn_seeds=2,
-    cnn_short_steps=2,
-    cnn_short_seeds=3,
-    cnn_bar_seeds=4,
-    cnn_calibration=64,
-    val_batches=2,
-    text_chars=100_000,
-)
+    return map_tensors(lambda t: t.to(device), batch)
 
 
 def _windows(tokens: torch.Tensor, length: int, count: int, seed: int) -> torch.Tensor:
@@ -174,7 +110,7 @@ def _windows(tokens: torch.Tensor, length: int, count: int, seed: int) -> torch.
 
 
 def _text_splits(sizes: Sizes) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = encode(stdlib_text(sizes.text_chars))
+    tokens = encode(stdlib_text(sizes.gpt.text_chars))
     cut = int(0.9 * tokens.numel())
     return tokens[:cut], tokens[cut:]
 
@@ -188,20 +124,21 @@ def _char_batches(
 
 def gpt_workload(sizes: Sizes) -> Workload:
     """Our character GPT (GPT-2 layout, dropout 0.1) on the standard library's source."""
+    gpt, training = sizes.gpt, sizes.gpt.training
     train, val = _text_splits(sizes)
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return GPT(vocab=128, dim=sizes.gpt_dim, depth=sizes.gpt_depth, block_size=128)
+        return GPT(vocab=128, dim=gpt.dim, depth=gpt.depth, block_size=128)
 
     def xy(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return w[:, :-1], w[:, 1:]
 
-    measure = _char_batches(train, sizes.measure_batch, sizes.measure_len, 1, seed=99)[0]
+    measure = _char_batches(train, gpt.measure_batch, gpt.measure_len, 1, seed=99)[0]
     return Workload(
         key="gpt",
         label="GPT",
-        title=f"GPT (examples/models.py, {sizes.gpt_depth} blocks x width {sizes.gpt_dim})",
+        title=f"GPT (examples/models.py, {gpt.depth} blocks x width {gpt.dim})",
         build=build,
         loss_fn=lm_loss,
         block_class="Block",
@@ -210,12 +147,12 @@ def gpt_workload(sizes: Sizes) -> Workload:
         train_batches=lambda seed: [
             xy(w)
             for w in _char_batches(
-                train, sizes.train_batch, sizes.train_len, sizes.gpt_steps, seed=seed
+                train, training.batch, training.length, training.steps, seed=seed
             )
         ],
         val=[
             xy(w)
-            for w in _char_batches(val, sizes.train_batch, sizes.train_len, sizes.val_batches, 1)
+            for w in _char_batches(val, training.batch, training.length, training.val_batches, 1)
         ],
         lr=3e-3,
         data=f"characters of the standard library's .py files ({train.numel() / 1e6:.1f} M "
@@ -235,6 +172,7 @@ def hf_gpt2_workload(sizes: Sizes) -> Workload:
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    gpt = sizes.gpt
     train, _ = _text_splits(sizes)
 
     def build() -> nn.Module:
@@ -242,8 +180,8 @@ def hf_gpt2_workload(sizes: Sizes) -> Workload:
         cfg = GPT2Config(
             vocab_size=128,
             n_positions=128,
-            n_embd=sizes.gpt_dim,
-            n_layer=sizes.gpt_depth,
+            n_embd=gpt.dim,
+            n_layer=gpt.depth,
             n_head=4,
             resid_pdrop=0.1,
             embd_pdrop=0.1,
@@ -255,12 +193,12 @@ def hf_gpt2_workload(sizes: Sizes) -> Workload:
         cfg._attn_implementation = "eager"
         return GPT2LMHeadModel(cfg)
 
-    measure = _char_batches(train, sizes.measure_batch, sizes.measure_len - 1, 1, seed=99)[0]
+    measure = _char_batches(train, gpt.measure_batch, gpt.measure_len - 1, 1, seed=99)[0]
     return Workload(
         key="hf-gpt2",
         label="HF GPT-2",
-        title=f"Hugging Face GPT-2 (transformers, from a config: {sizes.gpt_depth} layers x "
-        f"width {sizes.gpt_dim}, eager attention)",
+        title=f"Hugging Face GPT-2 (transformers, from a config: {gpt.depth} layers x "
+        f"width {gpt.dim}, eager attention)",
         build=build,
         loss_fn=hf_lm_loss,
         block_class="GPT2Block",
@@ -275,29 +213,30 @@ def hf_gpt2_workload(sizes: Sizes) -> Workload:
 
 def cnn_workload(sizes: Sizes) -> Workload:
     """``SmallResNet`` (two stages of basic blocks, BatchNorm, dropout 0.1) on 8x8 digits."""
+    cnn, training = sizes.cnn, sizes.cnn.training
     train, val = digits(val_fraction=0.2, seed=0)
     images, labels = train.tensors
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return SmallResNet(in_channels=1, classes=10, width=sizes.cnn_width)
+        return SmallResNet(in_channels=1, classes=10, width=cnn.width)
 
     def train_batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         generator = torch.Generator().manual_seed(seed)
-        per_epoch = len(labels) // sizes.cnn_train_batch
+        per_epoch = len(labels) // training.batch
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
-        while len(out) < sizes.cnn_steps:
+        while len(out) < training.steps:
             order = torch.randperm(len(labels), generator=generator)
-            for chunk in order[: per_epoch * sizes.cnn_train_batch].split(sizes.cnn_train_batch):
+            for chunk in order[: per_epoch * training.batch].split(training.batch):
                 out.append((images[chunk], labels[chunk]))
-        return out[: sizes.cnn_steps]
+        return out[: training.steps]
 
     val_x, val_y = val.tensors
-    n = sizes.cnn_measure_batch
+    n = cnn.measure_batch
     return Workload(
         key="cnn",
         label="CNN",
-        title=f"ResNet-style CNN (examples/models.py SmallResNet, width {sizes.cnn_width})",
+        title=f"ResNet-style CNN (examples/models.py SmallResNet, width {cnn.width})",
         build=build,
         loss_fn=classification_loss,
         block_class="BasicBlock",
@@ -308,14 +247,14 @@ def cnn_workload(sizes: Sizes) -> Workload:
         lr=3e-3,
         data=f"scikit-learn's load_digits, 8x8 images ({len(labels)} train, {len(val_y)} held out)",
         accuracy=True,
-        seeds=tuple(range(sizes.cnn_seeds)),
-        short_steps=sizes.cnn_short_steps,
-        short_seeds=tuple(range(sizes.cnn_short_seeds)),
-        bar_seeds=tuple(range(max(sizes.cnn_bar_seeds, sizes.cnn_short_seeds))),
+        seeds=tuple(range(training.seeds)),
+        short_steps=training.short_steps,
+        short_seeds=tuple(range(training.short_seeds)),
+        bar_seeds=tuple(range(max(training.bar_seeds, training.short_seeds))),
         calibration=list(
             zip(
-                images[: sizes.cnn_calibration].split(sizes.cnn_train_batch),
-                labels[: sizes.cnn_calibration].split(sizes.cnn_train_batch),
+                images[: training.calibration].split(training.batch),
+                labels[: training.calibration].split(training.batch),
                 strict=True,
             )
         ),
