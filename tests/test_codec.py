@@ -10,13 +10,12 @@ import weakref
 import pytest
 import torch
 
-from memopt_plugins.compress import codec, native
+from memopt_plugins.compress import native, reference
 from memopt_plugins.compress.bitpack import pack_bits, unpack_bits
 from memopt_plugins.compress.codec import (
     FIRST_LEVEL,
     NarrowedInt,
     PackedTensor,
-    _bf16_round_up,
     codec_generator,
     dequantize,
     narrow_int,
@@ -127,7 +126,7 @@ def test_chunked_coding_matches_one_chunk(bits: int, dtype: torch.dtype, monkeyp
     x = (torch.randn(7, 1001, generator=_generator(17)) * 5).to(dtype)  # 7007: partial last group
     x[3, 100:400] = 0.0
     whole = quantize(x, bits, group_size=63, stochastic=False)
-    monkeypatch.setattr(codec, "_CHUNK_ELEMENTS_CPU", 500)  # a few odd-sized groups per chunk
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS_CPU", 500)  # a few odd-sized groups per chunk
     chunked = quantize(x, bits, group_size=63, stochastic=False)
     assert torch.equal(chunked.codes, whole.codes)
     assert torch.equal(dequantize(chunked), dequantize(whole))
@@ -269,7 +268,7 @@ def test_nan_in_the_partial_last_group_is_restored_from_a_small_copy() -> None:
     x = torch.randn(1000, generator=_generator(19))  # 3 full groups of 256 and a tail of 232
     x[100] = math.nan
     x[-5] = math.inf
-    groups = codec._Groups.of(x, 256)
+    groups = reference.Groups.of(x, 256)
     assert groups.full.data_ptr() == x.data_ptr() and groups.tail.numel() == 256  # no full copy
     p = quantize(x, 4)
     assert p.exact_index.tolist() == [0, 3]
@@ -377,7 +376,7 @@ def test_scale_is_the_smallest_bfloat16_not_below_the_exact_step() -> None:
     g = _generator(20)
     powers = 10.0 ** torch.randint(-40, 38, (10_000,), generator=g)  # subnormal to near max
     exact = torch.cat((torch.rand(10_000, generator=g) * powers, torch.tensor([0.0, 1.0, 3.39e38])))
-    rounded = _bf16_round_up(exact)
+    rounded = reference.bf16_round_up(exact)
     assert (rounded.float() >= exact).all()
     below = (rounded.view(torch.int16) - 1).view(torch.bfloat16).float()  # the bf16 just under
     assert ((below < exact) | (rounded == 0)).all()

@@ -1,0 +1,104 @@
+"""The codec as PyTorch operators: ``memopt::quantize`` and ``memopt::dequantize``.
+
+Operators (``torch.library.custom_op``) are what ``torch.compile`` can trace: each has a fake
+implementation that states the shapes of its outputs, so a compiled graph can quantize a saved
+activation in its forward and decode it in its backward. The real implementation is chosen per
+call and device:
+
+* CPU: the fused C kernels of :mod:`.native` where they are built (float32/bfloat16/float16), else
+  the torch reference of :mod:`.reference`;
+* any other device: the torch reference, until a kernel is registered for it with
+  ``quantize_op.register_kernel(device_type)`` (the Triton kernels do so for CUDA).
+
+Every implementation writes the same bytes at round-to-nearest. Stochastic rounding draws its
+noise from ``seed`` (an argument: nothing hidden in Python state inside the operator); ``seed``
+``None`` rounds to nearest. Inputs are flat and contiguous; the sizes of the two side tables (the
+groups kept exactly, the constant groups kept as one value) depend on the data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native, reference
+from .reference import FIRST_LEVEL, Quantized
+
+_TENSOR_OUTPUTS = 7
+
+
+@torch.library.custom_op("memopt::quantize", mutates_args=())
+def quantize_op(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
+    """Codes, scale, zero point and side tables of flat contiguous ``x`` (see :mod:`.codec`)."""
+    return reference.quantize(x, bits, group_size, seed)
+
+
+@quantize_op.register_kernel("cpu")
+def _quantize_cpu(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
+    if not native.supports(x.device, x.dtype):
+        return reference.quantize(x, bits, group_size, seed)
+    q = native.quantize(x, group_size, bits, FIRST_LEVEL[bits], seed)
+    exact = q.exact if q.exact is not None and q.exact.any() else None
+    const = q.const if q.const is not None and q.const.any() else None
+    groups = reference.Groups.of(x, group_size)
+    return (q.codes, q.scale, q.zero_point, *reference.side_tables(groups, exact, const))
+
+
+@quantize_op.register_fake
+def _quantize_fake(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
+    groups = -(-x.numel() // group_size)
+    ctx = torch.library.get_ctx()
+    n_exact, n_const = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    index = {"dtype": torch.int64}
+    return (
+        x.new_empty(-(-groups * group_size * bits // 8), dtype=torch.uint8),
+        x.new_empty(groups, dtype=torch.bfloat16),
+        x.new_empty(groups, dtype=torch.uint8),
+        x.new_empty(n_exact, **index),
+        x.new_empty(n_exact, group_size),
+        x.new_empty(n_const, **index),
+        x.new_empty(n_const),
+    )
+
+
+@torch.library.custom_op("memopt::dequantize", mutates_args=())
+def dequantize_op(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    exact_index: torch.Tensor,
+    exact_values: torch.Tensor,
+    const_index: torch.Tensor,
+    const_values: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``numel`` values (flat, contiguous, ``dtype``) that :func:`quantize_op` encoded."""
+    if native.supports(codes.device, dtype):
+        out = native.decode(codes, bits, FIRST_LEVEL[bits], group_size, scale, zero_point, dtype)
+    else:
+        out = reference.decode(codes, scale, zero_point, bits, group_size, dtype)
+    if const_index.numel():
+        out[const_index] = const_values[:, None]
+    if exact_index.numel():
+        out[exact_index] = exact_values
+    out = out.view(-1)
+    return out if out.numel() == numel else out[:numel].clone()
+
+
+@dequantize_op.register_fake
+def _dequantize_fake(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    exact_index: torch.Tensor,
+    exact_values: torch.Tensor,
+    const_index: torch.Tensor,
+    const_values: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return codes.new_empty(numel, dtype=dtype)
