@@ -410,7 +410,9 @@ def running_batch_norm(
     needs_grad = torch.is_grad_enabled() and (
         input.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias))
     )
-    if not needs_grad:
+    if not needs_grad or torch.compiler.is_compiling():
+        # Inside a compiled graph the ReLU fusion (a tensor subclass watching its uses) cannot
+        # be traced: eval-mode batch_norm is the same maths, and the compiler decides what to save.
         return F.batch_norm(
             input, module.running_mean, module.running_var, weight, bias, False, 0.0, module.eps
         )

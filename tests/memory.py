@@ -10,27 +10,31 @@ from memopt_plugins import MemoryOptimizer
 from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading
 
 
-def measure(build, config=None, repeats: int = 2) -> MemoryReading:
+def measure(build, config=None, repeats: int = 2, compile=None) -> MemoryReading:
     """Retained/peak memory of one step of a freshly built model (minimum over ``repeats``).
 
     Measured in a fresh process (spawned, with this process's thread count), as DESIGN.md
     prescribes for the CPU: in a process that has run other tests, what its heap went through
     moved a compressed step's peak by ~5 MB from one run of the suite to the next. ``build``
-    must be importable (a module-level function). A warm-up step allocates the gradients first,
-    so the reading covers activations only.
+    must be importable (a module-level function), as must ``compile`` (``compile(model)`` compiles
+    the model or its blocks after memopt is applied). A warm-up step allocates the gradients (and
+    compiles) first, so the reading covers activations only.
     """
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        return pool.apply(_measure_here, (build, config, repeats, torch.get_num_threads()))
+        args = (build, config, repeats, torch.get_num_threads(), compile)
+        return pool.apply(_measure_here, args)
 
 
-def _measure_here(build, config, repeats: int, threads: int) -> MemoryReading:
+def _measure_here(build, config, repeats: int, threads: int, compile=None) -> MemoryReading:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, batch, loss_fn = build()
     opt = MemoryOptimizer(config) if config is not None else None
     if opt is not None:
         opt.apply(model)
+    if compile is not None:
+        compile(model)
     stats = opt.hooks.stats if opt is not None else None
     meter = MemoryMeter("cpu")
     loss_fn(model, batch).backward()
@@ -40,11 +44,16 @@ def _measure_here(build, config, repeats: int, threads: int) -> MemoryReading:
     return min(readings, key=lambda r: r.retained)
 
 
-def gradients(model, batch, loss_fn, config=None, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Parameter gradients of one step (model patched with ``config`` when given, then restored)."""
+def gradients(
+    model, batch, loss_fn, config=None, seed: int = 0, compile=None
+) -> dict[str, torch.Tensor]:
+    """Parameter gradients of one step (model patched with ``config`` when given, then restored;
+    ``compile(model)`` compiles it or its blocks after the patch)."""
     opt = MemoryOptimizer(config) if config is not None else None
     if opt is not None:
         opt.apply(model)
+    if compile is not None:
+        compile(model)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     loss_fn(model, batch).backward()
@@ -60,3 +69,15 @@ def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     num = sum(((a[k] - b[k]).double() ** 2).sum() for k in b)
     den = sum((b[k].double() ** 2).sum() for k in b)
     return float((num / den).sqrt())
+
+
+def compile_blocks(model) -> None:
+    """``block.compile()`` on every transformer block of a Hugging Face GPT-2 (per-block compile,
+    as torchtitan and torchtune do)."""
+    for block in model.transformer.h:
+        block.compile()
+
+
+def compile_whole(model) -> None:
+    """``model.compile()``: the whole model as one compiled region."""
+    model.compile()

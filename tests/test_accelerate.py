@@ -190,3 +190,14 @@ def test_two_processes_escalate_identically_and_resume_from_save_state(tmp_path)
     assert [r["steps"] for r in resumed] == [8, 8]
     assert resumed[0]["escalations"] == {} and resumed[1]["escalations"] == {}
     assert resumed[0]["bits"] == ranks[0]["bits"] == resumed[1]["bits"]
+
+
+def test_a_model_accelerate_compiles_trains_compressed():
+    """``Accelerator(dynamo_backend="inductor")`` compiles the patched model in ``prepare``."""
+    torch._dynamo.reset()
+    accelerator = Accelerator(cpu=True, dynamo_backend="inductor")
+    plugin = MemOptPlugin({"quantize": {"bits": 8}})
+    model, reports = _loop(plugin, accelerator, steps=2)
+    assert type(model).__name__ == "OptimizedModule"  # accelerate compiled it
+    assert plugin.metrics()["memopt/saved_ratio"] > 3.0
+    torch._dynamo.reset()

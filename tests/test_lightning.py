@@ -459,3 +459,22 @@ def test_digits_example_trains_with_the_convnet_preset(tmp_path):
     )
     # one epoch (23 steps) of a small ResNet learns something: chance is 10% and ln(10) = 2.30
     assert result["val_acc"] > 0.3 and result["val_loss"] < 2.3
+
+
+class CompiledBlocksModule(GPT2Module):
+    """GPT2Module whose transformer blocks are compiled in ``__init__`` (``block.compile()``)."""
+
+    def __init__(self, lr: float = 0.01):
+        super().__init__(lr)
+        for block in self.model.transformer.h:
+            block.compile()
+
+
+def test_blocks_compiled_in_the_module_train_compressed(tmp_path):
+    torch._dynamo.reset()
+    callback = MemOptCallback({"quantize": {"bits": 8}})
+    trainer = make_trainer(tmp_path, [callback], max_steps=2)
+    trainer.fit(CompiledBlocksModule(), loader())
+    ratios = [float(r["memopt/saved_ratio"]) for r in csv_rows(trainer) if r["memopt/saved_ratio"]]
+    assert ratios and min(ratios) > 3.0  # what the compiled blocks save is compressed
+    torch._dynamo.reset()

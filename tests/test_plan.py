@@ -14,6 +14,13 @@ from memopt_plugins.profiler import profile_model, suggest_config
 GPT2 = {"batch_size": 4, "seq": 64, "dim": 256, "layers": 4}  # the issue's 4 blocks x 256
 
 
+@pytest.fixture(scope="module")
+def gpt2_report():
+    """The profile of the GPT-2 as it is: what `memopt plan` reads."""
+    model, batch, loss_fn = hf_gpt2(**GPT2)
+    return profile_model(model, batch, loss_fn)
+
+
 @pytest.fixture
 def counting_clock(monkeypatch):
     """Forward times become counts of clock reads: both planners see the same module times, so
@@ -41,9 +48,8 @@ def test_plan_and_auto_choose_the_same_modules(counting_clock, budget):
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.3])
-def test_the_printed_config_applied_keeps_the_budget(budget):
-    model, batch, loss_fn = hf_gpt2(**GPT2)
-    suggestion = suggest_config(profile_model(model, batch, loss_fn), budget)
+def test_the_printed_config_applied_keeps_the_budget(gpt2_report, budget):
+    suggestion = suggest_config(gpt2_report, budget)
     assert suggestion.estimate <= budget * suggestion.baseline
     model, batch, loss_fn = hf_gpt2(**GPT2)
     applied = profile_model(model, batch, loss_fn, suggestion.config)
@@ -52,9 +58,8 @@ def test_the_printed_config_applied_keeps_the_budget(budget):
     assert abs(applied.saved_after_total - suggestion.estimate) <= 0.05 * suggestion.estimate
 
 
-def test_plan_adds_compression_only_where_recompute_cannot_reach():
-    model, batch, loss_fn = hf_gpt2(**GPT2)
-    report = profile_model(model, batch, loss_fn)
+def test_plan_adds_compression_only_where_recompute_cannot_reach(gpt2_report):
+    report = gpt2_report
     tight = suggest_config(report, 0.03)  # recompute alone reaches ~7.5%
     assert tight.bits < 32 and tight.reached
     forced = suggest_config(report, 0.5, bits=8)

@@ -8,6 +8,7 @@ module runs — by an ``nn.Module`` or a functional call — goes through
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,8 @@ from ..config import HALF_BITS, OFF_BITS
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from .bits import BitTable
 from .codec import dequantize, narrow_int, quantize, tensor_nbytes, widen_int
+
+log = logging.getLogger("memopt")
 
 
 class _Saved:
@@ -59,7 +62,32 @@ def _reshaped(shape: torch.Size) -> Callable[[object], torch.Tensor]:
 
 
 def _from_half(dtype: torch.dtype) -> Callable[[object], torch.Tensor]:
-    return lambda half: half.to(dtype)
+    return lambda half: half.to(dtype)  # .to keeps the layout of a dense tensor
+
+
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """``t``'s dims from outermost to innermost in memory, when its elements are dense in that
+    order (``t.permute(order)`` is contiguous: a transposed or permuted dense tensor); else
+    ``None``."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _decoder(t: torch.Tensor, order: list[int] | None) -> Callable[[object], torch.Tensor]:
+    """Decodes a :class:`PackedTensor` of ``t`` (or of ``t.permute(order)``) into a tensor of
+    exactly ``t``'s size and strides: a compiled backward checks both."""
+    shape, stride = t.shape, t.stride()
+    inverse = None if order is None else sorted(range(len(order)), key=order.__getitem__)
+
+    def decode(packed: object) -> torch.Tensor:
+        out = dequantize(packed)
+        if inverse is not None:
+            out = out.permute(inverse)
+        if out.stride() != stride:  # not dense (a slice with gaps), or a size-1 dim's stride
+            out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+        return out
+
+    return decode
 
 
 @dataclass
@@ -124,6 +152,7 @@ class CompressionHooks:
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._storages: ModelStorages | None = None
         self._watch: Watch | None = None
+        self._compiled_noted = False
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
@@ -195,6 +224,25 @@ class CompressionHooks:
                 scope.__exit__(None, None, None)
             if not scopes:
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
+                if not self._compiled_noted:
+                    self._note_compiled()
+
+    def _note_compiled(self) -> None:
+        """Say once which scopes ran inside compiled graphs, and what acts there instead."""
+        traced = self._watch.tracker.traced() if self._watch is not None else []
+        traced = [f for f in traced if f in self.bits.scopes]
+        if not traced:
+            return
+        self._compiled_noted = True
+        log.info(
+            "memopt: %d compressed modules ran inside torch.compile'd graphs (%s%s); their own "
+            "bits cannot act there: what a compiled graph saves for backward is compressed at "
+            "the bits of the module around it that runs outside the graph (for a whole compiled "
+            "model, its root)",
+            len(traced),
+            ", ".join(f or "<root>" for f in traced[:3]),
+            ", ..." if len(traced) > 3 else "",
+        )
 
     # ----------------------------------------------------------------- pack / unpack
     def _keep_as_is(self, t: torch.Tensor) -> bool:
@@ -260,8 +308,10 @@ class CompressionHooks:
             if t.element_size() <= 2:
                 return t
             return _Saved(t.detach().to(torch.bfloat16), _from_half(t.dtype), t.shape)
-        packed = quantize(t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic)
-        return _Saved(packed, dequantize, t.shape)
+        order = None if t.is_contiguous() else _memory_order(t)
+        dense = t.detach() if order is None else t.detach().permute(order)
+        packed = quantize(dense, bits, group_size=self.group_size, stochastic=self.stochastic)
+        return _Saved(packed, _decoder(t, order), t.shape)
 
     @staticmethod
     def unpack(saved: object) -> torch.Tensor:

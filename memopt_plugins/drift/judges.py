@@ -46,7 +46,8 @@ def find_judges(
         elif tensors:
             judges[fqn] = Judge(TENSORS, tuple(dict.fromkeys(tensors)))
         else:
-            name = fqn
+            name = fqn  # its own subtree's parameters, else its nearest ancestor's
+            own = own_parameters(modules[name], recurse=True)
             while name and not own:
                 name = name.rpartition(".")[0]
                 own = own_parameters(modules[name], recurse=True)

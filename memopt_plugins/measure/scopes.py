@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from ..patching import forward_hook, forward_pre_hook
@@ -32,21 +33,33 @@ class ScopeObserver(Protocol):
 class _Hooked:
     """A module with memopt's hook pair and the observers watching it."""
 
-    __slots__ = ("fqn", "observers", "handles")
+    __slots__ = ("fqn", "observers", "handles", "traced")
 
     def __init__(self, fqn: str, module: nn.Module):
         self.fqn = fqn
         self.observers: list[ScopeObserver] = []
+        self.traced = False  # called inside a torch.compile'd graph at least once
+        enter, exit_ = self._enter, self._exit
+        if fqn == "":
+            # The root's scope runs eagerly even when the whole model is compiled (one graph
+            # break before and after the model's forward), so that what it enters -- compression
+            # above all -- holds for the compiled graph's saved tensors.
+            enter, exit_ = torch._dynamo.disable(enter), torch._dynamo.disable(exit_)
         self.handles = (
-            forward_pre_hook(module, self._enter, with_kwargs=True),
-            forward_hook(module, self._exit, always_call=True),
+            forward_pre_hook(module, enter, with_kwargs=True),
+            forward_hook(module, exit_, always_call=True),
         )
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            self.traced = True  # traced into a compiled graph: scopes act around it only
+            return
         for observer in tuple(self.observers):
             observer.enter(self.fqn, module, args, kwargs)
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         for observer in tuple(reversed(self.observers)):
             observer.exit(self.fqn, module, args, output)
 
@@ -59,6 +72,7 @@ class Watch:
     """What :meth:`ScopeTracker.watch` returns: :meth:`remove` stops the observer's watch."""
 
     def __init__(self, tracker: ScopeTracker, observer: ScopeObserver, modules: list[nn.Module]):
+        self.tracker = tracker
         self._tracker = tracker
         self._observer = observer
         self._modules = modules
@@ -126,6 +140,11 @@ class ScopeTracker:
         root = self._root()
         if not self._hooked and root is not None and type(self)._of.get(root) is self:
             del type(self)._of[root]
+
+    def traced(self) -> list[str]:
+        """Fqns of the watched modules that ran inside a ``torch.compile``'d graph: their scopes
+        cannot act there (what the graph saves meets the scope active around it)."""
+        return [h.fqn for h in self._hooked.values() if h.traced]
 
     def hooked(self, module: nn.Module) -> bool:
         """True while ``module`` carries the tracker's hooks."""

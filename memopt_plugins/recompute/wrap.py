@@ -238,7 +238,7 @@ class Recompute:
         changed = any(a is not b for a, b in zip(args, new_args, strict=True)) or any(
             new_kwargs[k] is not kwargs[k] for k in kwargs
         )
-        if changed and not self._cache_noted:
+        if changed and not self._cache_noted and not torch.compiler.is_compiling():
             self._cache_noted = True
             log.info(
                 "memopt: recomputed modules run without a KV cache in training (use_cache=False),"
@@ -275,6 +275,10 @@ class _RecomputedForward(InstanceForward):
             return self.original(*args, **kwargs)
         if not self.keeps_cache:
             args, kwargs = self.owner.without_cache(args, kwargs)
+        if torch.compiler.is_compiling():
+            # Inside a compiled graph: torch.compile's own checkpoint, which it recomputes in the
+            # compiled backward (the eager wrapper's bookkeeping cannot be traced).
+            return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
         inputs = list(tensors_in((args, kwargs)))
         versions = [tensor_version(t) for t in inputs]
         # kwargs go through a closure: checkpoint() reserves some keyword names for itself.
