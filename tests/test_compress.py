@@ -317,3 +317,30 @@ def test_dedup_cache_is_emptied_after_each_forward_even_when_the_root_is_not_cal
     assert one_forward == 3 * 32 * 64 * 4  # x, the GELU input, the GELU output: one step only
     loss.backward()
     opt.remove()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        lambda t: t,
+        lambda t: t.transpose(0, 2),  # what a matmul saves of a transposed weight-like view
+        lambda t: t.permute(1, 2, 0),
+        lambda t: t[:, ::2],  # a slice with gaps: not dense
+        lambda t: t[:, :1].transpose(0, 1),  # a size-1 dim
+        lambda t: t.unsqueeze(1).expand(-1, 3, -1, -1)[:, 1],  # a view of an expanded tensor
+    ],
+    ids=["contiguous", "transposed", "permuted", "strided-slice", "size-1", "expanded-view"],
+)
+@pytest.mark.parametrize("bits", [16, 8, 2])
+def test_unpack_returns_the_size_and_strides_that_were_saved(layout, bits):
+    """A compiled backward checks the sizes and strides of what it saved: decoding gives both
+    back exactly (and values within the codec's error)."""
+    hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1)
+    t = layout(torch.randn(64, 48, 32))
+    out = hooks.unpack(hooks._compress(t, bits))
+    assert out.shape == t.shape and out.stride() == t.stride() and out.dtype == t.dtype
+    if bits == 2:  # four levels: only the sign pattern is asserted (the codec keeps it)
+        assert torch.equal(torch.sign(out), torch.sign(t))
+    else:
+        step = (t.max() - t.min()) / 255
+        assert (out - t).abs().max() <= (step if bits == 8 else 0.01 * t.abs().max())

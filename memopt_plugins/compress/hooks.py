@@ -61,8 +61,9 @@ def _reshaped(shape: torch.Size) -> Callable[[object], torch.Tensor]:
     return lambda saved: saved.decode(saved.payload).view(shape)
 
 
-def _from_half(dtype: torch.dtype) -> Callable[[object], torch.Tensor]:
-    return lambda half: half.to(dtype)  # .to keeps the layout of a dense tensor
+def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
+    dtype, shape, stride = t.dtype, t.shape, t.stride()
+    return lambda half: _with_strides(half.to(dtype), shape, stride)  # .to keeps dense layouts
 
 
 def _memory_order(t: torch.Tensor) -> list[int] | None:
@@ -83,11 +84,17 @@ def _decoder(t: torch.Tensor, order: list[int] | None) -> Callable[[object], tor
         out = dequantize(packed)
         if inverse is not None:
             out = out.permute(inverse)
-        if out.stride() != stride:  # not dense (a slice with gaps), or a size-1 dim's stride
-            out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
-        return out
+        return _with_strides(out, shape, stride)
 
     return decode
+
+
+def _with_strides(out: torch.Tensor, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """``out`` itself when it has ``stride``, else a copy with it (a slice with gaps, a size-1
+    dim's stride)."""
+    if out.stride() == stride:
+        return out
+    return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
 
 
 @dataclass
@@ -307,7 +314,7 @@ class CompressionHooks:
         if bits == HALF_BITS:
             if t.element_size() <= 2:
                 return t
-            return _Saved(t.detach().to(torch.bfloat16), _from_half(t.dtype), t.shape)
+            return _Saved(t.detach().to(torch.bfloat16), _from_half(t), t.shape)
         order = None if t.is_contiguous() else _memory_order(t)
         dense = t.detach() if order is None else t.detach().permute(order)
         packed = quantize(dense, bits, group_size=self.group_size, stochastic=self.stochastic)
