@@ -130,3 +130,31 @@ def test_dropout_and_batchnorm_modes_inside_a_compiled_model():
     assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
     assert torch.equal(bn.running_mean, stats[0]) and torch.equal(bn.running_var, stats[1])
     assert opt.hooks.stats.forward_stored < opt.hooks.stats.forward_original / 2
+
+
+def test_the_planner_measures_compiled_models_eagerly(caplog):
+    """Per block, recompute.auto measures the first forward (the blocks run eagerly for it);
+    a whole compiled model hides its modules from that forward, which is said, and
+    plan_recompute measures it eagerly instead."""
+    auto = {"recompute": {"auto": {"budget": 0.5}}}
+    model, batch, loss_fn = _tiny_gpt2()
+    opt = MemoryOptimizer(auto)
+    opt.apply(model)
+    compile_blocks(model)
+    loss_fn(model, batch).backward()
+    assert opt.recomputed and opt.recompute_plan.met
+    torch._dynamo.reset()
+    model, batch, loss_fn = _tiny_gpt2()
+    opt = MemoryOptimizer(auto)
+    opt.apply(model)
+    compile_whole(model)
+    with caplog.at_level(logging.WARNING, logger="memopt"):
+        loss_fn(model, batch).backward()
+    assert opt.recomputed == () and "could not measure the first training forward" in caplog.text
+    plan = opt.plan_recompute(lambda: loss_fn(model, batch))
+    assert plan.chosen and plan.met and opt.recomputed == plan.chosen
+    exact = gradients(*_tiny_gpt2())
+    model.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()  # recomputed inside the compiled graph: exact gradients
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert rel_error(got, exact) <= 1e-5

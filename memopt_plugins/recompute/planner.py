@@ -38,6 +38,11 @@ from .wrap import IN_RECOMPUTE, RECOMPUTE, Recompute
 log = logging.getLogger("memopt")
 
 
+def _eager() -> Any:
+    """Compiled functions run eagerly inside (``torch.compiler.set_stance("force_eager")``)."""
+    return torch.compiler.set_stance("force_eager")
+
+
 # --------------------------------------------------------------------------- planning
 @dataclass(frozen=True)
 class RecomputePlan:
@@ -230,9 +235,14 @@ class RecomputePlanner:
         self._stop()
 
     def _contexts_of_the_pass(self) -> list[Callable[[], Any]]:
-        """Compression suspended and recomputed modules run plainly while measuring."""
+        """Compression suspended, recomputed modules run plainly, and compiled code runs eagerly
+        while measuring (a compiled graph hides its modules from the recorder)."""
         suspend = self.recompute.suspend
-        return [*([suspend] if suspend is not None else []), self.recompute.bypassed]
+        return [
+            *([suspend] if suspend is not None else []),
+            self.recompute.bypassed,
+            _eager,
+        ]
 
     def _stop(self) -> Measurement | None:
         recorder, self._recorder = self._recorder, None
@@ -286,6 +296,14 @@ class RecomputePlanner:
         if measurement is None or sys.exc_info()[0] is not None:
             return  # not measuring, or the forward failed: measure the next one
         self.remove()
+        if not measurement.costs and any(True for _ in module.children()):
+            log.warning(
+                "memopt: recompute.auto could not measure the first training forward: the model "
+                "runs as one compiled graph, which hides its modules. Call "
+                "MemoryOptimizer.plan_recompute(loss_fn) before training instead (it measures the "
+                "model eagerly), or compile per block."
+            )
+            return
         self._apply(choose(measurement, self.budget, self.fixed))
 
     def _apply(self, plan: RecomputePlan) -> RecomputePlan:
