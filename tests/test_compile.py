@@ -57,11 +57,11 @@ def _held(reading) -> int:
 
 @pytest.mark.parametrize(
     "mode, floor",
-    [("per-block", 3.0), ("whole-model", 2.5)],  # measured: 3.4x per block, 3.5x whole
+    [("per-block", 3.0), ("whole-model", 2.5)],  # measured: 3.94x per block, 3.92x whole
 )
 def test_int8_inside_compiled_training(compiled_baseline, mode, floor):
     compile = MODES[mode]
-    assert _grad_error(INT8, compile) <= 0.02  # measured ~0.5%
+    assert _grad_error(INT8, compile) <= 0.02  # measured 0.55% both ways (the bar: 2%)
     baseline = compiled_baseline(mode)
     compressed = measure(hf_gpt2, INT8, compile=compile)
     assert compressed.packed > 0
@@ -76,7 +76,7 @@ def test_recompute_of_every_block_inside_compiled_training(compiled_baseline, mo
     baseline = compiled_baseline(mode)
     recomputed = measure(hf_gpt2, RECOMPUTE, compile=compile)
     ratio = baseline.retained / recomputed.retained
-    assert ratio >= 2.0, (mode, ratio, baseline, recomputed)
+    assert ratio >= 2.0, (mode, ratio, baseline, recomputed)  # measured 5.1x / 6.5x
 
 
 def _tiny_gpt2():
