@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +33,34 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
 ENTRY_POINT = Path(__file__).resolve().with_name("run.py")
 
 
+def one_step(measured: Measured, workload: Workload) -> dict[int, float]:
+    """One step of every method, which allocates the gradients; no first-step times."""
+
+    def step(i: int, p: Patched) -> None:
+        p.loss(workload.loss_fn, workload.measure).backward()
+
+    measured.each(step)
+    return {}
+
+
 def measure_memory(
-    workload: Workload, methods: list[Method], device: torch.device, repeats: int
+    workload: Workload,
+    methods: list[Method],
+    device: torch.device,
+    repeats: int,
+    warm_up: Callable[[Measured, Workload], dict[int, float]] = one_step,
 ) -> dict[str, Any]:
     """``{"memory": {method: {retained, peak, packed} | {error}}, "plans": {method: fqns}}``.
 
     Each reading is the smallest-retained of ``repeats``, taken round-robin over the methods
-    after one step of each that allocates the gradients (so the readings cover activations).
-    ``plans`` are the recompute planners' choices, for the parent to adopt.
+    after ``warm_up`` (default :func:`one_step`: it allocates the gradients, so the readings
+    cover activations; the compiled methods' compiles there, see ``compiled.py``), whose
+    ``{index: seconds}`` go into the readings as ``first_step``. ``plans`` are the recompute
+    planners' choices, for the parent to adopt.
     """
     measured = Measured(workload, methods, device)
     meter = MemoryMeter(device)
-
-    def warm_up(i: int, p: Patched) -> None:
-        p.loss(workload.loss_fn, workload.measure).backward()
-
-    measured.each(warm_up)
+    first = warm_up(measured, workload)
     best: dict[int, Any] = {}
 
     def read(i: int, p: Patched) -> None:
@@ -66,6 +79,8 @@ def measure_memory(
             continue
         r = best[i]
         memory[method.name] = {"retained": r.retained, "peak": r.peak, "packed": r.packed}
+        if i in first:
+            memory[method.name]["first_step"] = first[i]
         if p.plan is not None:
             plans[method.name] = p.plan
     measured.close()
@@ -75,8 +90,9 @@ def measure_memory(
 def memory_in_child(args: argparse.Namespace, started: float) -> dict[str, Any]:
     """Run the memory phase in a fresh process (malloc tuned from its start) and read its JSON.
 
-    The child gets the parent's ``--quick``, ``--device``, ``--threads``, ``--only`` and
-    ``--methods``; its JSON maps each workload's key to :func:`measure_memory`'s output.
+    The child gets the parent's ``--quick``, ``--device``, ``--threads``, ``--only``,
+    ``--methods`` and ``--no-compile``; its JSON maps each workload's key to
+    :func:`measure_memory`'s output, with the compiled methods' under ``"compiled"``.
     """
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "memory.json"
@@ -85,6 +101,7 @@ def memory_in_child(args: argparse.Namespace, started: float) -> dict[str, Any]:
         for flag in ("device", "threads", "only", "methods"):
             if getattr(args, flag):
                 command += [f"--{flag}", str(getattr(args, flag))]
+        command += ["--no-compile"] if args.no_compile else []
         log("memory: measuring in a child process", started)
         subprocess.run(command, check=True, env={**os.environ, **MALLOC_ENV})
         return json.loads(target.read_text())
@@ -104,3 +121,4 @@ def record_memory(row: Row, reading: dict[str, Any], device: torch.device) -> No
     cpu = device.type == "cpu"
     row.retained = max(row.meter_retained, row.packed) if cpu else row.meter_retained
     row.peak = max(reading["peak"], row.retained)
+    row.compile_seconds = reading.get("first_step")

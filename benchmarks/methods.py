@@ -18,6 +18,13 @@ that width, drift check off), ``int4 + drift`` (``configs/int4_drift.yaml``), th
 planner at budgets 0.5 and 0.3 (``recompute.auto``, planned on the measurement batch before the
 first step), and the workload's combined preset (``configs/gpt_int4_auto.yaml`` for the
 transformers, ``configs/convnet.yaml`` for the CNN).
+
+Compiled (:data:`COMPILED_METHODS`, the transformers only, benched by ``compiled.py``): the whole
+model under ``model.compile()`` (inductor) -- the compiled baseline; memopt ``int8``, ``int4`` and
+the planner at 0.5, applied before compiling (what the compiled graph saves is compressed at run
+time by the saved-tensor hooks of the model's root, which runs outside the graph); and
+torch.compile's own knob, ``torch._functorch.config.activation_memory_budget`` at 0.5 and 0.3,
+set while each model's graphs are compiled (:func:`inductor`).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class Patched:
         plan: the modules a recompute planner chose (``None`` without a planner).
         drift_checks: drift checks run so far by :meth:`after_backward`.
         drift_sample: samples of the batch the drift check runs on (``drift.sample_size``).
+        backend: the compiled methods' :func:`inductor` backend (its graph count), else ``None``.
     """
 
     model: nn.Module
@@ -82,6 +90,7 @@ class Patched:
     plan: list[str] | None = None
     drift_checks: int = 0
     drift_sample: int = 8
+    backend: Any = None
 
     @property
     def batchnorm_frozen(self) -> bool:
@@ -288,3 +297,82 @@ METHODS: list[Method] = [
 def method_names() -> list[str]:
     """Names of every method, in table order."""
     return [m.name for m in METHODS]
+
+
+# --------------------------------------------------------------------------- compiled
+def inductor(budget: float | None = None) -> Callable[..., Any]:
+    """A backend for ``model.compile(backend=...)``: inductor, partitioned at ``budget``.
+
+    ``budget`` is ``torch._functorch.config.activation_memory_budget`` while the graph is
+    compiled (``None``: the config as it is, 1.0 by default), so it holds for this model's graphs
+    whatever the config says elsewhere. Every call makes a new backend: dynamo never hands one
+    model's compiled graph to another compiled with a different backend (its backend-match
+    guard), so two copies of the same model compiled at different budgets keep their own graphs.
+    ``backend.graphs`` counts the graphs it compiled.
+    """
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        backend.graphs += 1
+        if budget is None:
+            return compile_fx(gm, example_inputs)
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    backend.graphs = 0
+    return backend
+
+
+def compiled(
+    patch: Callable[..., Patched], budget: float | None = None, what: str | None = None
+) -> Callable[..., Patched]:
+    """``patch`` (memopt applied, its planner planned, eagerly), then ``model.compile()``.
+
+    Whole-model compile through :func:`inductor` at ``budget``; ``Patched.backend`` keeps the
+    backend (its graph count). ``what`` replaces the inner patch's detail.
+    """
+
+    def apply(
+        model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: list[str] | None
+    ) -> Patched:
+        patched = patch(model, workload, batch, steady, adopt)
+        patched.backend = inductor(budget)
+        model.compile(backend=patched.backend)
+        inner = what if what is not None else patched.detail
+        patched.detail = "model.compile()" + ("" if inner in ("-", "") else f"; {inner}")
+        return patched
+
+    return apply
+
+
+def _eager(
+    model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: list[str] | None
+) -> Patched:
+    return Patched(model, detail="not compiled")
+
+
+C_BASELINE = "compiled baseline"
+C_INT8, C_INT4 = "compiled memopt int8", "compiled memopt int4"
+C_PLANNER_05 = "compiled memopt planner 0.5"
+C_BUDGET_05 = "compiled activation_memory_budget 0.5"
+C_BUDGET_03 = "compiled activation_memory_budget 0.3"
+#: The eager baseline again, timed round-robin with the compiled methods: the compile speed-up.
+C_EAGER = "eager baseline (for scale)"
+#: The workloads that get compiled rows (the CNN is left out to bound the bench's time).
+COMPILED_WORKLOADS = ("gpt", "hf-gpt2")
+
+#: Whole-model ``torch.compile`` (inductor): memopt applied before compiling, and torch.compile's
+#: own memory knob as peers; every ratio is to the compiled baseline (the first). The last, not
+#: compiled, puts the eager baseline on the same clock.
+COMPILED_METHODS: list[Method] = [
+    Method(C_BASELINE, PYTORCH, compiled(_baseline), exact=True),
+    Method(C_INT8, MEMOPT, compiled(memopt(_bits(8), "int8"))),
+    Method(C_INT4, MEMOPT, compiled(memopt(_bits(4), "int4"))),
+    Method(C_PLANNER_05, MEMOPT, compiled(memopt(_budget(0.5), "planner 0.5")), exact=True),
+    # Not exact, though recompute: the budget's partitioner may recompute dropout in backward
+    # with fresh random numbers (pytorch/pytorch#190758), which the gradient error shows.
+    Method(C_BUDGET_05, PYTORCH, compiled(_baseline, 0.5, "activation_memory_budget 0.5")),
+    Method(C_BUDGET_03, PYTORCH, compiled(_baseline, 0.3, "activation_memory_budget 0.3")),
+    Method(C_EAGER, PYTORCH, _eager),  # eager's own dropout masks: no gradient comparison
+]

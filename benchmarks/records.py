@@ -35,6 +35,7 @@ class Row:
     short_paired: Paired | None = None  # the same comparison on the short schedule
     training: str = "-"
     error: str | None = None
+    compile_seconds: float | None = None  # compiled methods: the first step's (it compiles)
 
 
 @dataclass
@@ -56,3 +57,4 @@ class WorkloadResult:
     short_seeds: int = 0
     bar_seeds: int = 0
     precise_bn: bool = False  # BatchNorm statistics re-estimated before the held-out loss
+    compiled: list[Row] = field(default_factory=list)  # whole-model torch.compile (compiled.py)

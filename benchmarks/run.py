@@ -25,6 +25,11 @@ every method of ``benchmarks/methods.py`` patches its own copy of the same initi
    this on a short schedule with many more seeds (more still for the baseline and the methods
    whose loss the benchmark issue bounds).
 
+Then, for the transformers, the compiled methods (``methods.COMPILED_METHODS``: the whole model
+under ``model.compile()``, with memopt applied before compiling, and torch.compile's own
+``activation_memory_budget`` as peers) get steps 1-3 in a phase of their own (``compiled.py``),
+every ratio and gradient error against the compiled baseline; they are not trained.
+
 A method that raises is reported as failed, with its error, and the others carry on. Writes
 ``results.md`` (tables; each says which device produced it), ``results.json`` and ``pareto.png``
 to ``--out``. On a CUDA machine everything runs on the GPU (memory from ``memory_allocated`` /
@@ -32,12 +37,13 @@ to ``--out``. On a CUDA machine everything runs on the GPU (memory from ``memory
 
 This file is the entry point: the command line, one workload's phases in order, the results
 files. The phases live beside it: ``memory_child.py`` (1), ``gradients.py`` (2), ``timing.py``
-(3) and ``training.py`` (4), sharing ``harness.py`` (settings, the patched copies),
-``records.py`` (the rows), ``stats.py`` (paired intervals) and ``sizes.py`` (how big each
-workload is); ``report.py`` writes the tables and the plot.
+(3), ``training.py`` (4) and ``compiled.py`` (what differs for the compiled methods), sharing
+``harness.py`` (settings, the patched copies), ``records.py`` (the rows), ``stats.py`` (paired
+intervals) and ``sizes.py`` (how big each workload is); ``report.py`` writes the tables and the
+plot.
 
     python benchmarks/run.py [--quick] [--out DIR] [--device cpu|cuda] [--threads N]
-                             [--only gpt,hf-gpt2,cnn]
+                             [--only gpt,hf-gpt2,cnn] [--methods NAMES] [--no-compile]
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ for folder in (ROOT, HERE):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from compiled import compile_all, compiled_memory, compiling  # noqa: E402
 from gradients import gradient_errors  # noqa: E402
 from harness import (  # noqa: E402
     FULL_SETTINGS,
@@ -75,7 +82,14 @@ from harness import (  # noqa: E402
     shape_of,
 )
 from memory_child import measure_memory, memory_in_child, record_memory  # noqa: E402
-from methods import BASELINE, METHODS, Method  # noqa: E402
+from methods import (  # noqa: E402
+    BASELINE,
+    C_BASELINE,
+    COMPILED_METHODS,
+    COMPILED_WORKLOADS,
+    METHODS,
+    Method,
+)
 from records import Row, WorkloadResult  # noqa: E402
 from report import write_plot, write_results  # noqa: E402
 from sizes import Sizes  # noqa: E402
@@ -85,17 +99,58 @@ from training import train  # noqa: E402
 from workloads import Workload, workloads  # noqa: E402
 
 
-def bench_workload(
+def measure_rows(
     workload: Workload,
     methods: list[Method],
     child: dict[str, Any],
     settings: Settings,
     device: torch.device,
     started: float,
+    compiled: bool = False,
+) -> list[Row]:
+    """Gradient error and step time of every method, memory (and the recompute plans, adopted
+    here) from the child process's ``child`` output. ``compiled``: the compiled methods, which
+    compile first (``compiled.compile_all``); their gradient error is against the first of
+    them, the compiled baseline, as for the eager methods against the eager one."""
+    tag = f"{workload.key}{' compiled' if compiled else ''}"
+    log(f"{tag}: patching {len(methods)} copies", started)
+    measured = Measured(workload, methods, device, child["plans"])
+    rows = [Row(m.name, m.family) for m in methods]
+    for row, p in zip(rows, measured.patched, strict=True):
+        row.detail = p.detail if p is not None else "-"
+    if compiled:
+        log(f"{tag}: compiling", started)
+        compile_all(measured, workload)
+
+    log(f"{tag}: gradient error", started)
+    for i, error in gradient_errors(measured, workload).items():
+        rows[i].grad_error = error
+    log(f"{tag}: step time ({settings.timed_rounds} rounds)", started)
+    for i, seconds in time_steps(measured, workload, settings, device).items():
+        rows[i].step_seconds = seconds
+    graphs = [getattr(p and p.backend, "graphs", None) for p in measured.patched]
+    measured.close()
+
+    for i, row in enumerate(rows):
+        reading = child["memory"].get(row.method, {"error": "not measured"})
+        row.error = measured.errors.get(i) or reading.get("error")
+        record_memory(row, reading, device)
+        if graphs[i]:
+            row.detail += f"; {graphs[i]} graph{'' if graphs[i] == 1 else 's'}"
+    return rows
+
+
+def bench_workload(
+    workload: Workload,
+    methods: list[Method],
+    compiled_methods: list[Method],
+    child: dict[str, Any],
+    settings: Settings,
+    device: torch.device,
+    started: float,
 ) -> WorkloadResult:
-    """Gradient error, step time and convergence of every method; memory (and the recompute
-    plans, adopted here) from the child process's ``child`` output."""
-    memory = child["memory"]
+    """Gradient error, step time and convergence of every method, memory from the child (see
+    :func:`measure_rows`); then the compiled methods' rows, where the child measured them."""
     result = WorkloadResult(
         key=workload.key,
         label=workload.label,
@@ -104,29 +159,16 @@ def bench_workload(
         device=describe_device(device),
         measure_shape=shape_of(workload.measure),
     )
-    log(f"{workload.key}: patching {len(methods)} copies", started)
-    measured = Measured(workload, methods, device, child["plans"])
-    rows = [Row(m.name, m.family) for m in methods]
-    for row, p in zip(rows, measured.patched, strict=True):
-        row.detail = p.detail if p is not None else "-"
-
-    log(f"{workload.key}: gradient error", started)
-    for i, error in gradient_errors(measured, workload).items():
-        rows[i].grad_error = error
-    log(f"{workload.key}: step time ({settings.timed_rounds} rounds)", started)
-    for i, seconds in time_steps(measured, workload, settings, device).items():
-        rows[i].step_seconds = seconds
-    measured.close()
-
-    for i, row in enumerate(rows):
-        reading = memory.get(row.method, {"error": "not measured"})
-        row.error = measured.errors.get(i) or reading.get("error")
-        record_memory(row, reading, device)
-
+    rows = measure_rows(workload, methods, child, settings, device, started)
     if workload.train_batches is not None:
         log(f"{workload.key}: training", started)
         train(workload, methods, rows, result, device)
     result.rows = rows
+    if compiled_methods and "compiled" in child:
+        with compiling():
+            result.compiled = measure_rows(
+                workload, compiled_methods, child["compiled"], settings, device, started, True
+            )
     log(f"{workload.key}: done", started)
     return result
 
@@ -141,7 +183,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", help="comma-separated workload keys: gpt,hf-gpt2,cnn")
     parser.add_argument("--train-steps", type=int, help="training steps (default: the size's)")
     parser.add_argument(
-        "--methods", help="comma-separated method names to run (the baseline always runs)"
+        "--methods",
+        help="comma-separated method names to run (the baseline always runs; the compiled "
+        "baseline where a compiled method is named, and no compiled rows where none is)",
+    )
+    parser.add_argument(
+        "--no-compile", action="store_true", help="skip the compiled (torch.compile) rows"
     )
     parser.add_argument("--memory-json", type=Path, help=argparse.SUPPRESS)  # the child's output
     args = parser.parse_args(argv)
@@ -162,15 +209,22 @@ def select_workloads(args: argparse.Namespace, sizes: Sizes) -> list[Workload]:
     return [w for w in selected if w.key in keys]
 
 
-def select_methods(args: argparse.Namespace) -> list[Method]:
-    """The methods of ``--methods`` (all by default), the baseline always among them."""
+def select_methods(args: argparse.Namespace) -> tuple[list[Method], list[Method]]:
+    """The eager and the compiled methods of ``--methods`` (all by default), each list's
+    baseline among them; no compiled methods with ``--no-compile`` or when ``--methods`` names
+    none of them."""
+    compiled = [] if args.no_compile else COMPILED_METHODS
     if not args.methods:
-        return METHODS
+        return METHODS, compiled
     names = {n.strip() for n in args.methods.split(",")}
-    unknown = sorted(names - {m.name for m in METHODS})
+    known = [m.name for m in METHODS + COMPILED_METHODS]
+    unknown = sorted(names - set(known))
     if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; known: {[m.name for m in METHODS]}")
-    return [m for m in METHODS if m.name in names or m.name == BASELINE]
+        raise SystemExit(f"--methods: unknown {unknown}; known: {known}")
+    eager = [m for m in METHODS if m.name in names or m.name == BASELINE]
+    if not any(m.name in names for m in compiled):
+        return eager, []
+    return eager, [m for m in compiled if m.name in names or m.name == C_BASELINE]
 
 
 def main(argv: list[str] | None = None) -> Path | None:
@@ -186,19 +240,26 @@ def main(argv: list[str] | None = None) -> Path | None:
     if args.train_steps:
         settings = replace(settings, sizes=settings.sizes.with_train_steps(args.train_steps))
     selected = [w.to(device) for w in select_workloads(args, settings.sizes)]
-    methods = select_methods(args)
+    methods, compiled_methods = select_methods(args)
 
     if args.memory_json is not None:  # the child: memory only
         gc.freeze()  # the meter collects garbage around every reading: skip the imported objects
         memory = {
             w.key: measure_memory(w, methods, device, settings.memory_repeats) for w in selected
         }
+        for w in selected:
+            if compiled_methods and w.key in COMPILED_WORKLOADS:
+                log(f"memory: {w.key} compiled", started)
+                memory[w.key]["compiled"] = compiled_memory(
+                    w, compiled_methods, device, settings.memory_repeats
+                )
         args.memory_json.write_text(json.dumps(memory))
         return None
 
     memory = memory_in_child(args, started)
     results = [
-        bench_workload(w, methods, memory[w.key], settings, device, started) for w in selected
+        bench_workload(w, methods, compiled_methods, memory[w.key], settings, device, started)
+        for w in selected
     ]
     elapsed = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
