@@ -23,8 +23,6 @@ import torch
 from . import native, reference
 from .reference import FIRST_LEVEL, Quantized
 
-_TENSOR_OUTPUTS = 7
-
 
 @torch.library.custom_op("memopt::quantize", mutates_args=())
 def quantize_op(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
@@ -88,17 +86,6 @@ def dequantize_op(
 
 
 @dequantize_op.register_fake
-def _dequantize_fake(
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    exact_index: torch.Tensor,
-    exact_values: torch.Tensor,
-    const_index: torch.Tensor,
-    const_values: torch.Tensor,
-    bits: int,
-    group_size: int,
-    numel: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
+def _dequantize_fake(codes: torch.Tensor, *tables_and_settings: object) -> torch.Tensor:
+    *_, numel, dtype = tables_and_settings  # the last two arguments
     return codes.new_empty(numel, dtype=dtype)
