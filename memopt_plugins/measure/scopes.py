@@ -73,13 +73,12 @@ class Watch:
 
     def __init__(self, tracker: ScopeTracker, observer: ScopeObserver, modules: list[nn.Module]):
         self.tracker = tracker
-        self._tracker = tracker
         self._observer = observer
         self._modules = modules
 
     def remove(self) -> None:
         modules, self._modules = self._modules, []
-        self._tracker._unwatch(self._observer, modules)
+        self.tracker._unwatch(self._observer, modules)
 
 
 class ScopeTracker:
