@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .narrow import NarrowedInt, narrow_int, widen_int
-from .ops import dequantize_op, quantize_op
 from .reference import FIRST_LEVEL, FLOAT_DTYPES, SUPPORTED_BITS
 
 # The integer narrowing of :mod:`.narrow` is exported here with the codec.
@@ -192,7 +192,8 @@ def quantize(
     if stochastic:
         seed = draw_seed(generator if generator is not None else codec_generator(x.device))
     flat = x.detach().reshape(-1)
-    codes, scale, zero_point, *tables = quantize_op(flat.contiguous(), bits, group_size, seed)
+    run = ops.quantize_op if torch.compiler.is_compiling() else ops.quantize
+    codes, scale, zero_point, *tables = run(flat.contiguous(), bits, group_size, seed)
     exact_index, exact_values, const_index, const_values = (
         t if t.numel() else None for t in tables
     )
@@ -217,14 +218,7 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
 
     Nothing in ``p`` requires gradients, so neither does the result (no ``no_grad`` needed).
     """
-    index = p.codes.new_empty(0, dtype=torch.int64)
-    exact = (index, p.codes.new_empty(0, p.group_size, dtype=p.dtype))
-    const = (index, p.codes.new_empty(0, dtype=p.dtype))
-    if p.exact_index is not None:
-        exact = (p.exact_index, p.exact_values)
-    if p.const_index is not None:
-        const = (p.const_index, p.const_values)
-    out = dequantize_op(
-        p.codes, p.scale, p.zero_point, *exact, *const, p.bits, p.group_size, p.numel, p.dtype
-    )
+    run = ops.dequantize_op if torch.compiler.is_compiling() else ops.dequantize
+    tables = (p.exact_index, p.exact_values, p.const_index, p.const_values)
+    out = run(p.codes, p.scale, p.zero_point, *tables, p.bits, p.group_size, p.numel, p.dtype)
     return out.view(p.shape)

@@ -316,15 +316,19 @@ def decode(
 
 
 def side_tables(
-    groups: Groups, exact: torch.Tensor | None, const: torch.Tensor | None
+    groups: Groups | None,
+    exact: torch.Tensor | None,
+    const: torch.Tensor | None,
+    *,
+    like: torch.Tensor,
+    group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copies of the groups flagged ``exact`` (all their values) and ``const`` (one value each),
-    with their indices; empty tables where nothing is flagged (``None``)."""
-    like = groups.full
-    size = like.shape[1]
+    with their indices; empty tables (of ``like``'s dtype and device) where nothing is flagged
+    (``None``; ``groups`` is needed only when something is)."""
     exact_index = torch.empty(0, dtype=torch.int64, device=like.device)
     const_index = torch.empty(0, dtype=torch.int64, device=like.device)
-    exact_values, const_values = like.new_empty(0, size), like.new_empty(0)
+    exact_values, const_values = like.new_empty(0, group_size), like.new_empty(0)
     if exact is not None:
         exact_index = exact.nonzero().view(-1)
         exact_values = groups.select(exact_index)
@@ -347,7 +351,6 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Q
     params = group_params(mins.to(work), maxs.to(work), bits, x.dtype)
     n_exact, n_const = torch.stack((params.exact.sum(), params.const.sum())).tolist()
     codes = encode(groups, params, bits, generator, n_exact > 0)
-    tables = side_tables(
-        groups, params.exact if n_exact else None, params.const if n_const else None
-    )
+    flagged = (params.exact if n_exact else None, params.const if n_const else None)
+    tables = side_tables(groups, *flagged, like=x, group_size=group_size)
     return (codes, params.scale, params.zero_point.to(torch.uint8), *tables)
