@@ -35,10 +35,10 @@ class _Hooked:
 
     __slots__ = ("fqn", "observers", "handles", "traced")
 
-    def __init__(self, fqn: str, module: nn.Module):
+    def __init__(self, fqn: str, module: nn.Module, traced: set[str]):
         self.fqn = fqn
         self.observers: list[ScopeObserver] = []
-        self.traced = False  # called inside a torch.compile'd graph at least once
+        self.traced = traced  # the tracker's: fqns called inside a torch.compile'd graph
         enter, exit_ = self._enter, self._exit
         if fqn == "":
             # The root's scope runs eagerly even when the whole model is compiled (one graph
@@ -52,7 +52,7 @@ class _Hooked:
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
-            self.traced = True  # traced into a compiled graph: scopes act around it only
+            self.traced.add(self.fqn)  # traced into a compiled graph: scopes act around it only
             return
         for observer in tuple(self.observers):
             observer.enter(self.fqn, module, args, kwargs)
@@ -89,6 +89,7 @@ class ScopeTracker:
     def __init__(self, root: nn.Module):
         self._root = weakref.ref(root)  # the registry's key: a strong reference would pin it
         self._hooked: dict[nn.Module, _Hooked] = {}
+        self._traced: set[str] = set()
 
     @property
     def root(self) -> nn.Module:
@@ -119,7 +120,7 @@ class ScopeTracker:
             module = named[fqn]
             hooked = self._hooked.get(module)
             if hooked is None:
-                hooked = self._hooked[module] = _Hooked(fqn, module)
+                hooked = self._hooked[module] = _Hooked(fqn, module, self._traced)
             if first:
                 hooked.observers.insert(0, observer)
             else:
@@ -143,7 +144,7 @@ class ScopeTracker:
     def traced(self) -> list[str]:
         """Fqns of the watched modules that ran inside a ``torch.compile``'d graph: their scopes
         cannot act there (what the graph saves meets the scope active around it)."""
-        return [h.fqn for h in self._hooked.values() if h.traced]
+        return sorted(self._traced)
 
     def hooked(self, module: nn.Module) -> bool:
         """True while ``module`` carries the tracker's hooks."""
