@@ -1,14 +1,19 @@
 """The benchmark's outputs: ``results.md`` (tables) and ``pareto.png`` (memory vs step time).
 
 Works on the rows ``run.py`` measured (duck-typed: ``WorkloadResult`` with ``Row`` items), so the
-two files always come from the same numbers.
+two files always come from the same numbers. ``python benchmarks/report.py [results.json]``
+redraws ``pareto.png`` beside a ``results.json`` from its rows (after a change to the plot's look,
+without rerunning the bench).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from methods import (
@@ -26,6 +31,8 @@ from methods import (
     MEMOPT,
     PLANNER_05,
 )
+
+from memopt_plugins.profiler import style
 
 MIB = 1 << 20
 NOISE = "baseline, other seeds"
@@ -616,17 +623,26 @@ def write_results(path: Path, results: Sequence[Any], meta: dict[str, Any]) -> P
 
 
 # --------------------------------------------------------------------------- plot
+#: Radius of the plot's points, in points (a label keeps off them).
+DOT_RADIUS = 3.5
+
+
 def _place_labels(ax: Any, points: list[tuple[float, float, str]], color: list[str]) -> None:
     """Label every point, trying offsets at three distances and keeping the least overlapping.
 
-    Overlap counts other labels, points under the label and leaving the axes.
+    Overlap counts other labels, points the label touches and leaving the axes.
     """
     from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
 
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     placed: list[Any] = []
-    dots = [ax.transData.transform((x, y)) for x, y, _ in points]
+    radius = DOT_RADIUS * fig.dpi / 72
+    dots = [
+        Bbox.from_bounds(px - radius, py - radius, 2 * radius, 2 * radius)
+        for px, py in (ax.transData.transform((x, y)) for x, y, _ in points)
+    ]
     offsets = [(6, 4), (6, -10), (-6, 4), (-6, -10), (0, 9), (0, -14), (10, -3), (-10, -3)]
     offsets += [(dx * k, dy * k) for k in (2, 3) for dx, dy in offsets]  # farther out
     for (x, y, text), c in zip(points, color, strict=True):
@@ -645,11 +661,7 @@ def _place_labels(ax: Any, points: list[tuple[float, float, str]], color: list[s
             label.update_positions(renderer)
             box = Text.get_window_extent(label, renderer).expanded(1.05, 1.15)  # text, no line
             overlap = sum(_area(box, other) for other in placed)
-            overlap += sum(
-                box.width * box.height
-                for px, py in dots
-                if box.x0 <= px <= box.x1 and box.y0 <= py <= box.y1
-            )
+            overlap += sum(box.width * box.height for dot in dots if _area(box, dot) > 0)
             inside = ax.get_window_extent(renderer)
             overlap += (
                 0 if inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1) else 1e6
@@ -673,47 +685,64 @@ def _area(a: Any, b: Any) -> float:
 
 def write_plot(path: Path, results: Sequence[Any]) -> Path:
     """``pareto.png``: retained memory vs step time (ratios to the baseline), a panel per model."""
-    import matplotlib
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(6.2 * len(results), 6.4), squeeze=False)
-    labelled = []
-    for ax, res in zip(axes[0], results, strict=True):
-        rows = [r for r in res.rows if r.method != NOISE and memory_ratio(res, r) is not None]
-        rows = [r for r in rows if time_ratio(res, r) is not None]
-        xs = [time_ratio(res, r) for r in rows]
-        ys = [memory_ratio(res, r) for r in rows]
-        colors = [
-            "black"
-            if r.method == BASELINE
-            else ("tab:orange" if r.family == MEMOPT else "tab:blue")
-            for r in rows
+    with style.chart(path, (6.2 * len(results), 6.4)) as fig:
+        axes = fig.subplots(1, len(results), squeeze=False)
+        labelled = []
+        for ax, res in zip(axes[0], results, strict=True):
+            rows = [r for r in res.rows if r.method != NOISE and memory_ratio(res, r) is not None]
+            rows = [r for r in rows if time_ratio(res, r) is not None]
+            xs = [time_ratio(res, r) for r in rows]
+            ys = [memory_ratio(res, r) for r in rows]
+            colors = [
+                style.BASELINE
+                if r.method == BASELINE
+                else (style.MEMOPT if r.family == MEMOPT else style.PYTORCH)
+                for r in rows
+            ]
+            ax.scatter(xs, ys, c=colors, s=(2 * DOT_RADIUS) ** 2, zorder=3)
+            ax.scatter([1], [1], s=110, facecolors="none", edgecolors=style.BASELINE, zorder=4)
+            ax.axhline(1, color="0.8", lw=0.8, zorder=1)
+            ax.axvline(1, color="0.8", lw=0.8, zorder=1)
+            ax.set_xlim(min(0.9, min(xs) - 0.05), max(xs) * 1.15 + 0.05)
+            ax.set_ylim(-0.1, max(1.1, max(ys) * 1.08))  # room for labels under the lowest points
+            ax.set_xlabel("step time vs baseline (forward + backward)")
+            ax.set_ylabel("retained activation memory vs baseline")
+            ax.set_title(f"{res.label}\n{res.device}")
+            inks = [style.ink(c, 0.25) for c in colors]
+            labelled.append(
+                (ax, [(x, y, r.method) for x, y, r in zip(xs, ys, rows, strict=True)], inks)
+            )
+        handles = [
+            Line2D([], [], marker="o", ls="", color=c, label=lab)
+            for c, lab in (
+                (style.BASELINE, "baseline"),
+                (style.PYTORCH, "PyTorch"),
+                (style.MEMOPT, "memopt"),
+            )
         ]
-        ax.scatter(xs, ys, c=colors, s=36, zorder=3)
-        ax.scatter([1], [1], s=110, facecolors="none", edgecolors="black", zorder=4)  # baseline
-        ax.axhline(1, color="0.8", lw=0.8, zorder=1)
-        ax.axvline(1, color="0.8", lw=0.8, zorder=1)
-        ax.set_xlim(min(0.9, min(xs) - 0.05), max(xs) * 1.15 + 0.05)
-        ax.set_ylim(-0.1, max(1.1, max(ys) * 1.08))  # room for labels under the lowest points
-        ax.set_xlabel("step time vs baseline (forward + backward)")
-        ax.set_ylabel("retained activation memory vs baseline")
-        ax.set_title(f"{res.label}\n{res.device}", fontsize=10)
-        ax.grid(True, color="0.93", zorder=0)
-        labelled.append(
-            (ax, [(x, y, r.method) for x, y, r in zip(xs, ys, rows, strict=True)], colors)
-        )
-    handles = [
-        plt.Line2D([], [], marker="o", ls="", color=c, label=lab)
-        for c, lab in (("black", "baseline"), ("tab:blue", "PyTorch"), ("tab:orange", "memopt"))
-    ]
-    fig.legend(handles=handles, loc="upper right", ncols=3, frameon=False)
-    fig.suptitle("Memory vs step time (lower left is better)", x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.canvas.draw()
-    for ax, points, colors in labelled:
-        _place_labels(ax, points, colors)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        fig.legend(handles=handles, loc="outside upper right", ncols=3)
+        fig.suptitle("Memory vs step time (lower left is better)", x=0.01, ha="left")
+        fig.canvas.draw()  # lay the panels out, then keep that layout: labels are placed against
+        fig.set_layout_engine("none")  # the points where they are drawn, and stay there
+        for ax, points, inks in labelled:
+            _place_labels(ax, points, inks)
     return path
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Redraw ``pareto.png`` from the ``results.json`` beside it, without rerunning the bench."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument(
+        "results", nargs="?", type=Path, default=Path(__file__).with_name("results.json")
+    )
+    args = parser.parse_args(argv)
+    payload = json.loads(args.results.read_text(), object_hook=lambda d: SimpleNamespace(**d))
+    path = write_plot(args.results.with_name("pareto.png"), payload.workloads)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

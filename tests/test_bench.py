@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from methods import BASELINE, LOSS_BARS, METHODS, Patched, method_names  # noqa: E402
 from report import MEASURE_COLUMNS, loss_verdict  # noqa: E402
+from report import main as redraw_pareto  # noqa: E402
 from run import Paired  # noqa: E402
 from workloads import precise_batchnorm  # noqa: E402
 
@@ -223,6 +224,16 @@ def test_pareto_png_is_written(quick):
     width = int.from_bytes(png[16:20], "big")
     assert width >= 1500  # three panels side by side
     assert "![memory vs step time](pareto.png)" in markdown
+
+
+def test_pareto_png_is_redrawn_from_a_results_json(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text((ROOT / "benchmarks" / "results.json").read_text())
+    path = redraw_pareto([str(results)])
+    png = path.read_bytes()
+    assert path == tmp_path / "pareto.png" and png[:8] == b"\x89PNG\r\n\x1a\n"
+    workloads = len(json.loads(results.read_text())["workloads"])
+    assert int.from_bytes(png[16:20], "big") >= 500 * workloads  # a panel per workload
 
 
 def test_paired_change_has_a_student_t_interval():

@@ -435,7 +435,7 @@ def test_demo_prints_the_plan_memory_drift_checks_and_both_losses(tmp_path, caps
 
     with caplog.at_level(logging.INFO, logger="memopt"):
         args = ["--seconds", "30", "--max-steps", "3", "--batch-size", "4", "--threads", "1"]
-        demo.main([*args, "--log-dir", str(tmp_path)])
+        ran = demo.main([*args, "--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "model.blocks.0.mlp.fc" in out and "compress" in out  # the plan table
     less = float(out.split("retained memory: ")[1].split("x less")[0])
@@ -449,6 +449,19 @@ def test_demo_prints_the_plan_memory_drift_checks_and_both_losses(tmp_path, caps
     }
     assert set(rows) == {"memopt", "baseline"}
     assert all(2.0 < float(r[1]) < 6.0 for r in rows.values())  # train losses near ln(128)
+    # the picture: written where the output says, from both runs' curves
+    png = tmp_path / "demo" / "demo.png"
+    assert f"picture: {png}" in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
+    for run in (ran.memopt, ran.baseline):
+        assert len(run.losses) == 3 and run.val_steps == [0, 3]  # 3 steps, validated at 0 and 3
+        assert all(2.0 < loss < 6.0 for loss in run.val_losses)
+    assert ran.baseline.kept == [] and len(ran.memopt.kept) == 3  # memory: memopt's hooks
+    run = ran.memopt
+    ratios = [whole / kept for kept, whole in zip(run.kept, run.uncompressed, strict=True)]
+    assert min(ratios) > 4.0  # 4-bit activations, escalated modules at 8 bits
+    assert len(run.bits) == 3 and set(run.bits[0].values()) == {4}  # the preset's bits at step 0
 
 
 def test_digits_example_trains_with_the_convnet_preset(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import style
 from .report import UNITS, ProfileReport, human_bytes
 
 
@@ -18,13 +19,6 @@ def _axis_unit(largest: float) -> tuple[str, float]:
 
 def plot_report(report: ProfileReport, path: Path, top: int) -> Path:
     """Write the chart of the ``top`` largest holders (self bytes) to ``path``."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError(
-            "ProfileReport.plot needs matplotlib: pip install 'memopt-plugins[plot]'"
-        ) from None
     rows = [row for row in report.top(top, by="self_saved") if row.self_saved > 0]
     rows.sort(key=lambda row: row.self_saved, reverse=True)
     has_after = report.after is not None
@@ -33,52 +27,54 @@ def plot_report(report: ProfileReport, path: Path, top: int) -> Path:
     labels = [row.label for row in rows]
     label_chars = max([len(label) for label in labels] or [10])
     size = (6.0 + 0.075 * label_chars, 1.9 + 0.42 * max(len(rows), 1))
-    fig = Figure(figsize=size, dpi=110, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ys = range(len(rows))
-    height = 0.4 if has_after else 0.7
-    before = [row.self_saved / scale for row in rows]
-    ax.barh(
-        [y - height / 2 if has_after else y for y in ys],
-        before,
-        height,
-        label="without memopt",
-        color="#4C72B0",
-    )
-    if has_after:
-        after = [(row.self_saved_after or 0) / scale for row in rows]
-        ax.barh([y + height / 2 for y in ys], after, height, label="with the plan", color="#DD8452")
-        for y, value, row in zip(ys, after, rows, strict=True):
+    with style.chart(path, size) as fig:
+        ax = fig.add_subplot()
+        ys = range(len(rows))
+        height = 0.4 if has_after else 0.7
+        before = [row.self_saved / scale for row in rows]
+        ax.barh(
+            [y - height / 2 if has_after else y for y in ys],
+            before,
+            height,
+            label="without memopt",
+            color=style.BASELINE,
+        )
+        if has_after:
+            after = [(row.self_saved_after or 0) / scale for row in rows]
+            ax.barh(
+                [y + height / 2 for y in ys],
+                after,
+                height,
+                label="with the plan",
+                color=style.MEMOPT,
+            )
+            for y, value, row in zip(ys, after, rows, strict=True):
+                ax.text(
+                    value,
+                    y + height / 2,
+                    f" {human_bytes(row.self_saved_after or 0)} ({row.action_text})",
+                    va="center",
+                    fontsize=7.5,
+                    color=style.ink(style.MEMOPT),
+                )
+        for y, value, row in zip(ys, before, rows, strict=True):
             ax.text(
                 value,
-                y + height / 2,
-                f" {human_bytes(row.self_saved_after or 0)} ({row.action_text})",
+                y - (height / 2 if has_after else 0),
+                f" {human_bytes(row.self_saved)}",
                 va="center",
                 fontsize=7.5,
-                color="#8C4A1E",
+                color=style.ink(style.BASELINE, 0.2),
             )
-    for y, value, row in zip(ys, before, rows, strict=True):
-        ax.text(
-            value,
-            y - (height / 2 if has_after else 0),
-            f" {human_bytes(row.self_saved)}",
-            va="center",
-            fontsize=7.5,
-            color="#1F3A60",
-        )
-    ax.set_yticks(list(ys), labels, fontsize=8.5)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"saved activations held for backward ({unit})")
-    ax.set_xlim(0, max(before or [1]) * 1.3)
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_axisbelow(True)
-    title = f"Largest holders of saved activations: {human_bytes(report.saved_total)} in all"
-    if has_after:
-        title += f", {human_bytes(report.saved_after_total or 0)} with the plan"
-    fig.suptitle(title + "\n(bytes each module saves itself, children excluded)", fontsize=10)
-    if has_after:
-        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1), ncols=2, fontsize=8, frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+        ax.set_yticks(list(ys), labels, fontsize=8.5)
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # largest on top, no empty rows at the ends
+        ax.set_xlabel(f"saved activations held for backward ({unit})")
+        ax.set_xlim(0, max(before or [1]) * 1.3)
+        ax.grid(axis="y", visible=False)
+        title = f"Largest holders of saved activations: {human_bytes(report.saved_total)} in all"
+        if has_after:
+            title += f", {human_bytes(report.saved_after_total or 0)} with the plan"
+        fig.suptitle(title + "\n(bytes each module saves itself, children excluded)")
+        if has_after:
+            ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1), ncols=2)
     return path
