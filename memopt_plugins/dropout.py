@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .compress import ops
 from .compress.bitpack import pack_bits, unpack_bits
 from .measure import ScopeTracker, Watch
 
@@ -69,13 +70,24 @@ _SEED_HIGH = 2**63 - 1
 # --------------------------------------------------------------------------- mask storage
 
 
+def _triton_masks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the codec's Triton kernels pack and unpack masks of ``dtype`` on ``device``: where
+    they serve the codec (``MEMOPT_CODEC``, :func:`memopt_plugins.compress.ops.codec_for`), for
+    floating masks; the torch ops of :mod:`.compress.bitpack` elsewhere, with the same bits."""
+    return dtype.is_floating_point and ops.codec_for(device) == "triton"
+
+
 def pack_mask(noise: torch.Tensor) -> torch.Tensor:
     """A 0/1 tensor of any dtype as ``uint8`` bits, 8 elements per byte, in row-major order."""
+    if _triton_masks(noise.device, noise.dtype):
+        return ops.triton_kernels().pack_mask(noise)
     return pack_bits(noise.to(torch.uint8).reshape(-1), 1)
 
 
 def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`pack_mask`: a contiguous 0/1 tensor of ``shape`` and ``dtype``."""
+    if _triton_masks(packed.device, dtype):
+        return ops.triton_kernels().unpack_mask(packed, math.prod(shape), dtype).view(shape)
     return unpack_bits(packed, 1, math.prod(shape)).view(shape).to(dtype)
 
 

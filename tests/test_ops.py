@@ -1,10 +1,15 @@
-"""The codec's PyTorch operators: schema, fake (meta) implementations, traceable by compile."""
+"""The codec's PyTorch operators: schema, fake (meta) implementations, traceable by compile; and
+the choice of implementation (``MEMOPT_CODEC``)."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
+from memopt_plugins import compress
+from memopt_plugins.compress import native, ops, reference
 from memopt_plugins.compress.codec import dequantize, quantize
 from memopt_plugins.compress.ops import dequantize_op, quantize_op
 
@@ -48,3 +53,65 @@ def test_a_compiled_round_trip_equals_the_eager_one(special):
     compiled = torch.compile(round_trip, fullgraph=True, backend="inductor")
     eager = dequantize(quantize(x, 8, group_size=256, stochastic=False))
     assert torch.equal(compiled(x), eager)
+
+
+# --------------------------------------------------------------------------- MEMOPT_CODEC
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_a_bad_codec_name_is_an_error_naming_the_choices(monkeypatch):
+    monkeypatch.setenv("MEMOPT_CODEC", "cuda")
+    with pytest.raises(ValueError, match=r"auto, torch, native, triton; got 'cuda'"):
+        quantize(torch.randn(NUMEL), 8)
+
+
+def test_auto_takes_the_c_kernels_on_cpu_and_triton_on_cuda_where_available(monkeypatch):
+    monkeypatch.delenv("MEMOPT_CODEC", raising=False)
+    monkeypatch.setitem(native._state, "lib", object())  # the C kernels, built
+    monkeypatch.setattr(ops, "_triton", {"module": object()})  # triton, imported
+    assert (ops.codec_for(CPU), ops.codec_for(CUDA)) == ("native", "triton")
+    assert ops.codec_for(torch.device("meta")) == "torch"
+    monkeypatch.setitem(native._state, "lib", None)  # MEMOPT_NATIVE=0, or no compiler
+    monkeypatch.setattr(ops, "_triton", {"module": None, "error": ImportError("no triton")})
+    assert (ops.codec_for(CPU), ops.codec_for(CUDA)) == ("torch", "torch")
+
+
+def test_torch_runs_the_reference_even_where_the_kernels_are_built(monkeypatch):
+    def fail(*args):
+        raise AssertionError("a C kernel ran")
+
+    monkeypatch.setenv("MEMOPT_CODEC", "torch")
+    monkeypatch.setattr(native, "quantize", fail)
+    monkeypatch.setattr(native, "decode", fail)
+    x = _input(torch.float32, special=True)
+    packed = quantize(x, 4, group_size=256, stochastic=False)
+    expected = reference.quantize(x, 4, 256, None)
+    assert torch.equal(packed.codes, expected[0]) and torch.equal(packed.scale, expected[1])
+    assert torch.equal(dequantize(packed).isinf(), x.isinf())
+
+
+def test_native_is_an_error_off_the_cpu_or_without_the_kernels(monkeypatch):
+    monkeypatch.setenv("MEMOPT_CODEC", "native")
+    with pytest.raises(RuntimeError, match="CPU tensors only, got one on cuda"):
+        ops.codec_for(CUDA)
+    monkeypatch.setitem(native._state, "lib", None)
+    with pytest.raises(RuntimeError, match="C kernels are not available"):
+        quantize(torch.randn(NUMEL), 8)
+
+
+def test_triton_is_an_error_when_triton_cannot_be_imported(monkeypatch, caplog):
+    monkeypatch.setenv("MEMOPT_CODEC", "triton")
+    monkeypatch.setattr(ops, "_triton", {})
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.delitem(sys.modules, "memopt_plugins.compress.triton_codec", raising=False)
+    monkeypatch.delattr(compress, "triton_codec", raising=False)
+    with pytest.raises(
+        RuntimeError, match=r"Triton kernels cannot be imported .*pip install triton"
+    ):
+        with caplog.at_level("WARNING", logger="memopt"):
+            quantize(torch.randn(NUMEL), 8)
+    assert caplog.text.count("on CUDA the codec runs as torch ops") == 1
+    monkeypatch.delenv("MEMOPT_CODEC")
+    assert ops.codec_for(CUDA) == "torch"  # auto: the reference, no error
+    assert caplog.text.count("on CUDA the codec runs as torch ops") == 1  # said once

@@ -4,9 +4,10 @@
 codes of 8, 4 or 2 bits packed into ``uint8`` (:mod:`.bitpack`), plus a bfloat16 scale and a
 ``uint8`` zero point per group of ``group_size`` consecutive elements; :func:`packed_nbytes` states
 that cost. ``dequantize`` restores shape and dtype. Both call the codec's PyTorch operators
-(:mod:`.ops`), which run the fused CPU kernels of :mod:`.native` where they are built and the torch
-reference of :mod:`.reference` (their specification) elsewhere, and which ``torch.compile`` can
-trace.
+(:mod:`.ops`), which ``torch.compile`` can trace and which run the fused C kernels of
+:mod:`.native` on the CPU, the Triton kernels of :mod:`.triton_codec` on CUDA, or the torch
+reference of :mod:`.reference` (their specification), as ``MEMOPT_CODEC`` selects
+(:func:`.ops.codec_for`).
 
 Guarantees the rest of the engine builds on:
 

@@ -12,8 +12,9 @@ The library is compiled once per source, compiler and CPU with the system C comp
 command with its arguments, or ``cc``; ``-O3 -march=native -fopenmp``, about a second) into
 ``$XDG_CACHE_HOME/memopt_plugins`` (default ``~/.cache``). Where the CPU has AVX-512, rounding runs
 in hand-written 16-lane code; elsewhere the portable C loop computes the same bytes. Without a
-compiler, on another architecture, or with ``MEMOPT_NATIVE=0`` in the environment, the codec uses
-its torch path; a failed build is logged once as a warning.
+compiler, on another architecture, or with ``MEMOPT_NATIVE=0`` in the environment, the library is
+not loaded and the codec uses its torch path on the CPU (``MEMOPT_CODEC=native`` then raises; see
+:func:`.ops.codec_for`); a failed build is logged once as a warning.
 """
 
 from __future__ import annotations
@@ -123,12 +124,6 @@ def library() -> ctypes.CDLL | None:
             lib = None
     _state["lib"] = lib
     return lib
-
-
-def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernels take tensors of ``dtype`` on ``device`` (CPU float32, bfloat16 and
-    float16, once the library is built)."""
-    return device.type == "cpu" and dtype in _DTYPE_CODES and library() is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,53 +3,189 @@
 Operators (``torch.library.custom_op``) are what ``torch.compile`` can trace: each has a fake
 implementation that states the shapes of its outputs, so a compiled graph can quantize a saved
 activation in its forward and decode it in its backward. The real implementation is chosen per
-call and device:
+call, by the tensor's device and the environment variable ``MEMOPT_CODEC`` (:func:`codec_for`):
 
-* CPU: the fused C kernels of :mod:`.native` where they are built (float32/bfloat16/float16), else
-  the torch reference of :mod:`.reference`;
-* any other device: the torch reference, until a kernel is registered for its device type in
-  ``_QUANTIZE_KERNELS`` (the Triton kernels will be, for CUDA).
+* ``auto`` (the default): on the CPU the fused C kernels of :mod:`.native` where they are built,
+  on CUDA the Triton kernels of :mod:`.triton_codec` where ``triton`` imports; the torch
+  reference of :mod:`.reference` otherwise and on other devices;
+* ``torch``: the reference everywhere;
+* ``native``: the C kernels; an error for a tensor that is not on the CPU, or when the kernels
+  cannot be built (``MEMOPT_NATIVE=0`` still switches them off: ``auto`` then takes the reference
+  on the CPU, as ``torch`` does);
+* ``triton``: the Triton kernels, for CUDA tensors, and for CPU tensors when the kernels run in
+  Triton's interpreter (``TRITON_INTERPRET=1`` in the environment from the process's start); an
+  error for other tensors, or when ``triton`` cannot be imported.
+
+Float64 tensors always take the reference: neither kernel takes them. A ``MEMOPT_CODEC`` outside
+:data:`CODECS` is an error.
 
 Eager code calls :func:`quantize` and :func:`dequantize` here, which pick the same
 implementations without the operator dispatch (tens of microseconds a call, paid for every saved
 tensor); compiled code calls the operators. Every implementation writes the same bytes at
-round-to-nearest. Stochastic rounding draws its
-noise from ``seed`` (an argument: nothing hidden in Python state inside the operator); ``seed``
-``None`` rounds to nearest. Inputs are flat and contiguous; the sizes of the two side tables (the
-groups kept exactly, the constant groups kept as one value) depend on the data.
+round-to-nearest. Stochastic rounding draws its noise from ``seed`` (an argument: nothing hidden
+in Python state inside the operator); ``seed`` ``None`` rounds to nearest. Inputs are flat and
+contiguous; the sizes of the two side tables (the groups kept exactly, the constant groups kept as
+one value) depend on the data: the kernels flag the groups, and torch gathers the tables.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
 from . import native, reference
 from .reference import FIRST_LEVEL, Quantized
 
+log = logging.getLogger("memopt")
 
-def _quantize_cpu(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
-    if not native.supports(x.device, x.dtype):
-        return reference.quantize(x, bits, group_size, seed)
-    q = native.quantize(x, group_size, bits, FIRST_LEVEL[bits], seed)
-    exact = q.exact if q.exact is not None and q.exact.any() else None
-    const = q.const if q.const is not None and q.const.any() else None
+#: The values ``MEMOPT_CODEC`` takes (see the module docstring).
+CODECS = ("auto", "torch", "native", "triton")
+#: What the kernels take; other floating types (float64) take the reference.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_triton: dict[str, object] = {}
+
+
+def triton_kernels() -> ModuleType | None:
+    """The Triton kernels (:mod:`.triton_codec`), imported on first call (the first codec call
+    on a CUDA tensor, or under ``MEMOPT_CODEC=triton``); ``None`` where ``triton`` cannot be
+    imported (or its interpreter setting changed after it was): a warning says so once, and the
+    reason is kept for the error that
+    ``MEMOPT_CODEC=triton`` raises."""
+    if "module" not in _triton:
+        try:
+            from . import triton_codec
+        except Exception as exc:  # not installed, or an install that fails to import
+            _triton.update(module=None, error=exc)
+            log.warning(
+                "memopt: its Triton kernels cannot be imported (%r): on CUDA the codec runs as "
+                "torch ops, not fused kernels (pip install triton)",
+                exc,
+            )
+        else:
+            _triton["module"] = triton_codec
+    return _triton["module"]  # type: ignore[return-value]
+
+
+def codec_for(device: torch.device) -> str:
+    """The codec that serves tensors on ``device`` under ``MEMOPT_CODEC``: ``"native"``,
+    ``"triton"`` or ``"torch"`` (read at every call, so a change takes effect at once).
+
+    Raises:
+        ValueError: ``MEMOPT_CODEC`` is not one of :data:`CODECS`.
+        RuntimeError: the codec it names cannot serve ``device`` here.
+    """
+    requested = os.environ.get("MEMOPT_CODEC", "auto")
+    if requested == "auto":
+        if device.type == "cpu":
+            return "native" if native.library() is not None else "torch"
+        return "triton" if device.type == "cuda" and triton_kernels() is not None else "torch"
+    if requested == "torch":
+        return "torch"
+    if requested == "native":
+        if device.type != "cpu":
+            raise RuntimeError(
+                f"MEMOPT_CODEC=native: the C kernels take CPU tensors only, got one on {device}; "
+                "use MEMOPT_CODEC=auto (Triton on CUDA), triton or torch"
+            )
+        if native.library() is None:
+            raise RuntimeError(
+                "MEMOPT_CODEC=native, but the C kernels are not available here (MEMOPT_NATIVE=0, "
+                "no C compiler, an unsupported CPU, or a failed build, logged as a warning)"
+            )
+        return "native"
+    if requested == "triton":
+        kernels = triton_kernels()
+        if kernels is None:
+            error = _triton["error"]
+            raise RuntimeError(
+                f"MEMOPT_CODEC=triton, but memopt's Triton kernels cannot be imported ({error!r}); "
+                "install triton (pip install triton) or set MEMOPT_CODEC=auto"
+            ) from error  # type: ignore[misc]
+        if device.type == "cuda" or (device.type == "cpu" and kernels.INTERPRETED):
+            return "triton"
+        raise RuntimeError(
+            f"MEMOPT_CODEC=triton: the Triton kernels take CUDA tensors, got one on {device} "
+            "(CPU tensors run through Triton's interpreter: TRITON_INTERPRET=1 in the environment "
+            "before the process imports triton)"
+        )
+    raise ValueError(f"MEMOPT_CODEC must be one of {', '.join(CODECS)}; got {requested!r}")
+
+
+def _codec(device: torch.device, dtype: torch.dtype) -> str:
+    codec = codec_for(device)
+    return codec if dtype in KERNEL_DTYPES else "torch"
+
+
+def _with_side_tables(
+    x: torch.Tensor,
+    group_size: int,
+    kernel_output: tuple[torch.Tensor, ...],
+    exact: torch.Tensor | None,
+    const: torch.Tensor | None,
+) -> Quantized:
+    """A kernel's codes, scale and zero point with the side tables of the groups it flagged
+    (``exact``, ``const``: bool per group, or ``None``), gathered from ``x``."""
+    exact = exact if exact is not None and exact.any() else None
+    const = const if const is not None and const.any() else None
     groups = reference.Groups.of(x, group_size) if exact is not None or const is not None else None
     tables = reference.side_tables(groups, exact, const, like=x, group_size=group_size)
-    return (q.codes, q.scale, q.zero_point, *tables)
+    return (*kernel_output, *tables)
 
 
-#: Quantize kernels by device type; the torch reference serves the others.
+def _quantize_native(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
+    q = native.quantize(x, group_size, bits, FIRST_LEVEL[bits], seed)
+    return _with_side_tables(x, group_size, (q.codes, q.scale, q.zero_point), q.exact, q.const)
+
+
+def _quantize_triton(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
+    *params, exact, const = triton_kernels().quantize(x, bits, group_size, seed)
+    return _with_side_tables(x, group_size, tuple(params), exact, const)
+
+
+def _decode_native(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return native.decode(codes, bits, FIRST_LEVEL[bits], group_size, scale, zero_point, dtype)
+
+
+def _decode_triton(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return triton_kernels().decode(codes, scale, zero_point, bits, group_size, dtype)
+
+
+#: Quantize implementations by codec (:func:`codec_for`).
 _QUANTIZE_KERNELS: dict[str, Callable[[torch.Tensor, int, int, int | None], Quantized]] = {
-    "cpu": _quantize_cpu
+    "native": _quantize_native,
+    "triton": _quantize_triton,
+    "torch": reference.quantize,
+}
+#: Decode implementations by codec: the levels of every group, ``(groups, group_size)``.
+_DECODE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+    "native": _decode_native,
+    "triton": _decode_triton,
+    "torch": reference.decode,
 }
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
     """Codes, scale, zero point and side tables of flat contiguous ``x`` (see :mod:`.codec`)."""
-    kernel = _QUANTIZE_KERNELS.get(x.device.type, reference.quantize)
-    return kernel(x, bits, group_size, seed)
+    return _QUANTIZE_KERNELS[_codec(x.device, x.dtype)](x, bits, group_size, seed)
 
 
 #: The operator compiled graphs call; the same function as :func:`quantize`.
@@ -87,10 +223,8 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The ``numel`` values (flat, contiguous, ``dtype``) that :func:`quantize` encoded."""
-    if native.supports(codes.device, dtype):
-        out = native.decode(codes, bits, FIRST_LEVEL[bits], group_size, scale, zero_point, dtype)
-    else:
-        out = reference.decode(codes, scale, zero_point, bits, group_size, dtype)
+    decode = _DECODE_KERNELS[_codec(codes.device, dtype)]
+    out = decode(codes, scale, zero_point, bits, group_size, dtype)
     if const_index is not None:
         out[const_index] = const_values[:, None]
     if exact_index is not None:
