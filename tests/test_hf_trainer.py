@@ -1,0 +1,446 @@
+"""transformers.Trainer callback: escalation and logging, checkpoint/resume, accumulation,
+non-interference, activation checkpointing, PEFT/LoRA, the example under DDP.
+
+The held-out model is Hugging Face GPT-2 built from a config (tests/zoo.py: 2 layers, width 64);
+the bar of the issue is the first two tests and the LoRA ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from zoo import hf_gpt2
+
+from memopt_plugins import ConfigError, MemoryOptimizer
+from memopt_plugins.compress.codec import codec_generator
+from memopt_plugins.engine import patched_by
+from memopt_plugins.transformers import STATE_KEY, MemOptTrainerCallback
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+TWO_BITS = {"quantize": {"bits": 2}, "drift": {"threshold": 0.05, "check_every": 2}}
+EIGHT_BITS_NO_ESCALATION = {"quantize": {"bits": 8}, "drift": {"threshold": 1.0, "check_every": 1}}
+
+
+class Tokens(Dataset):
+    """``n`` random token windows as causal-LM samples ``{input_ids, labels}``."""
+
+    def __init__(self, n: int = 64, seq: int = 32):
+        self.ids = torch.randint(0, 512, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Recorder(TrainerCallback):
+    """Keeps every row the Trainer logs, as a ``report_to`` integration sees it.
+
+    Passed before the memopt callback, it runs where integrations run (before user callbacks).
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.rows.append(dict(logs))
+
+
+def gpt2(dropout: float = 0.0):
+    model, _, _ = hf_gpt2(batch_size=4, seq=32, dim=64, layers=2, dropout=dropout)
+    return model
+
+
+def make_trainer(out: Path, callbacks: list, model=None, n: int = 64, **options) -> Trainer:
+    settings = dict(
+        output_dir=str(out),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    settings.update(options)
+    return Trainer(
+        model=model if model is not None else gpt2(),
+        args=TrainingArguments(**settings),
+        train_dataset=Tokens(n),
+        callbacks=callbacks,
+    )
+
+
+def memopt_rows(trainer: Trainer, after: int = 0) -> list[dict[str, float]]:
+    return [r for r in trainer.state.log_history if "memopt/escalations" in r and r["step"] > after]
+
+
+def bits_in(row: dict[str, float]) -> dict[str, float]:
+    return {
+        k.removeprefix("memopt/bits/"): v for k, v in row.items() if k.startswith("memopt/bits/")
+    }
+
+
+def named(bits: dict[str, int]) -> dict[str, float]:
+    return {(f or "<root>"): float(b) for f, b in bits.items()}
+
+
+# --------------------------------------------------------------------------- the bar
+class Lines(logging.Handler):
+    """Keeps the messages of the records it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def two_bit_run(tmp_path_factory, one_thread):
+    """3 steps from 2 bits, checks at steps 0 and 2, ``checkpoint-3`` saved; INFO lines kept."""
+    out = tmp_path_factory.mktemp("two_bits")
+    recorder, memopt = Recorder(), MemOptTrainerCallback(TWO_BITS)
+    trainer = make_trainer(out, [recorder, memopt], save_strategy="steps", save_steps=3)
+    lines, logger = Lines(), logging.getLogger("memopt")
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer.train()
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    return trainer, memopt, recorder, lines.messages, out
+
+
+def test_two_bit_run_escalates_and_logs_memopt_metrics(two_bit_run):
+    trainer, memopt, recorder, messages, _ = two_bit_run
+    rows = memopt_rows(trainer)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # every logging step (logging_steps=1)
+    first = rows[0]
+    assert first["memopt/drift/max"] >= 0 and first["memopt/escalations"] > 0
+    assert first["memopt/bits/transformer.h.0.mlp.c_fc"] > 2  # escalated from 2 bits
+    assert first["memopt/saved_ratio"] > 1.0 and first["memopt/saved_bytes"] > 0
+    # drift values belong to the rows of the checks (steps 0 and 2, logged at 1 and 3)
+    assert ["memopt/drift/max" in r for r in rows] == [True, False, True]
+    assert bits_in(rows[-1]) == named(memopt.bits)
+    # the Trainer's own rows are all there (its should_log survives memopt's rows)...
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [1, 2, 3]
+    # ...and an integration called before the memopt callback got memopt's rows too
+    seen = [r for r in recorder.rows if "memopt/escalations" in r]
+    assert [r["memopt/escalations"] for r in seen] == [r["memopt/escalations"] for r in rows]
+
+    # one INFO line per rung climbed: module, drift, threshold, old -> new bits
+    history = memopt.state_dict()["drift"]["history"]
+    assert [h["step"] for h in history] == [0, 2]
+    lines = [m for m in messages if "> threshold" in m]
+    climbed = sum(len(h["escalated"]) for h in history)
+    assert len(lines) == rows[-1]["memopt/escalations"] >= climbed > 0
+    fqn, (old, new) = next(iter(history[0]["escalated"].items()))
+    assert any(f"{fqn or '<root>'} drift" in line and f"bits {old} -> " in line for line in lines)
+
+
+def test_checkpoint_holds_memopt_state(two_bit_run):
+    _, memopt, _, _, out = two_bit_run
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    saved = state["stateful_callbacks"]["MemOptTrainerCallback"][STATE_KEY]
+    assert saved["bits"] == memopt.bits and max(saved["bits"].values()) > 2
+    assert [h["step"] for h in saved["drift"]["history"]] == [0, 2]
+    assert saved["drift"]["steps"] == 3
+
+
+@pytest.mark.parametrize("restore_flag", [False, True])
+def test_resumed_trainer_starts_from_the_checkpointed_bits(two_bit_run, tmp_path, restore_flag):
+    _, first, _, _, out = two_bit_run
+    resumed = MemOptTrainerCallback(TWO_BITS)
+    trainer = make_trainer(
+        out, [resumed], max_steps=4, restore_callback_states_from_checkpoint=restore_flag
+    )
+    assert set(resumed.bits.values()) == {2}  # a fresh model, patched at 2 bits
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    # Step 3 has no check due (every 2): the bits it logs can only come from the checkpoint.
+    (row,) = memopt_rows(trainer, after=3)
+    assert bits_in(row) == named(first.bits)
+    assert "memopt/drift/max" not in row
+    state = resumed.state_dict()
+    assert [h["step"] for h in state["drift"]["history"]] == [0, 2] and state["drift"]["steps"] == 4
+    # with the flag the Trainer swapped the callback for a copy; the user's instance is back
+    assert sum(c is resumed for c in trainer.callback_handler.callbacks) == 1
+
+
+# --------------------------------------------------------------------------- the loop
+def test_checks_at_optimizer_steps_on_a_slice_of_the_last_micro_batch(tmp_path):
+    """Gradient accumulation 2: 10 micro-batches, 5 optimizer steps, checks at 0, 2, 4, each on
+    the first drift.sample_size samples of the step's last micro-batch."""
+    seen: list[torch.Tensor] = []  # input_ids of every forward with grad (training and checks)
+    checked: list[bool] = []
+
+    def loss_fn(model, inputs):
+        # the first forward of a check follows the step's last training forward
+        checked.append(torch.equal(inputs["input_ids"], seen[-1][:3]))
+        return model(**inputs).loss
+
+    memopt = MemOptTrainerCallback(
+        {"quantize": {"bits": 8}, "drift": {"check_every": 2, "sample_size": 3}}, loss_fn=loss_fn
+    )
+    trainer = make_trainer(tmp_path, [memopt], max_steps=5, gradient_accumulation_steps=2, n=40)
+
+    def record(module, args, kwargs):
+        if torch.is_grad_enabled():
+            seen.append(kwargs["input_ids"])
+
+    trainer.model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.train()
+    state = memopt.state_dict()["drift"]
+    assert [h["step"] for h in state["history"]] == [0, 2, 4]
+    assert state["steps"] == 5  # optimizer steps, not the 10 micro-batches
+    assert len(checked) >= 6 and all(checked)  # an exact and a compressed pass per check
+    assert sum(len(ids) == 4 for ids in seen) == 10  # the training forwards, whole batches
+
+
+def test_the_check_runs_the_trainers_own_loss(tmp_path):
+    """With compute_loss_func the Trainer takes the labels out of the model's inputs: the check
+    goes through compute_loss, and so through compute_loss_func, on the sliced batch."""
+    sizes: list[int] = []
+
+    def compute_loss_func(outputs, labels, num_items_in_batch=None):
+        sizes.append(labels.shape[0])
+        logits = outputs.logits[:, :-1].flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten())
+
+    memopt = MemOptTrainerCallback({"quantize": {"bits": 2}, "drift": {"sample_size": 2}})
+    trainer = make_trainer(tmp_path, [memopt], max_steps=1)
+    trainer.compute_loss_func = compute_loss_func
+    trainer.train()
+    assert sizes[0] == 4 and set(sizes[1:]) == {2} and len(sizes) >= 3
+    assert memopt.state_dict()["drift"]["escalations"] > 0
+
+
+class OwnLossTrainer(Trainer):
+    """A Trainer whose training_step computes the loss itself, without compute_loss."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = model(**self._prepare_inputs(inputs)).loss
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+def test_a_trainer_that_bypasses_compute_loss_is_told_once_that_no_check_runs(tmp_path, caplog):
+    memopt = MemOptTrainerCallback({"quantize": {"bits": 8}, "drift": {"check_every": 1}})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+        report_to="none", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = OwnLossTrainer(model=gpt2(), args=args, train_dataset=Tokens(), callbacks=[memopt])
+    with caplog.at_level(logging.WARNING, logger="memopt"):
+        trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if "no drift check" in r.getMessage()]
+    assert len(warnings) == 1 and "compute_loss" in warnings[0]
+    assert memopt.state_dict()["drift"]["history"] == []
+
+
+def test_a_check_that_escalates_nothing_leaves_training_bit_for_bit_unchanged(tmp_path):
+    """Dropout on, accumulation 2: with the check every step and with drift off, same weights."""
+    runs = []
+    for drift in (EIGHT_BITS_NO_ESCALATION["drift"], {"enabled": False}):
+        memopt = MemOptTrainerCallback({"quantize": {"bits": 8}, "drift": drift})
+        trainer = make_trainer(
+            tmp_path / str(len(runs)), [memopt], model=gpt2(dropout=0.1),
+            max_steps=3, gradient_accumulation_steps=2,
+        )  # fmt: skip
+        codec_generator("cpu").manual_seed(1)  # stochastic rounding: both runs draw the same noise
+        trainer.train()
+        runs.append((trainer, memopt))
+    (_, on), (_, off) = runs
+    assert len(on.state_dict()["drift"]["history"]) == 3
+    assert not off.state_dict()["drift"]["history"]
+    assert on.state_dict()["drift"]["escalations"] == 0
+    losses = [[r["loss"] for r in t.state.log_history if "loss" in r] for t, _ in runs]
+    assert losses[0] == losses[1]
+    for a, b in zip(runs[0][0].model.parameters(), runs[1][0].model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- set-up, tear-down
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_patched_at_construction_restored_after_training_and_a_second_train_carries_on(tmp_path):
+    memopt = MemOptTrainerCallback(TWO_BITS)
+    model = gpt2()
+    keys = list(model.state_dict())
+    trainer = make_trainer(tmp_path, [memopt], model=model, max_steps=1)
+    assert patched_by(model) is memopt.optimizer and _hooks(model) > 0  # before train()
+    trainer.train()
+    assert patched_by(model) is None and _hooks(model) == 0 and list(model.state_dict()) == keys
+    assert "compute_loss" not in vars(trainer)  # the Trainer's own method again
+    escalated = memopt.bits
+    assert max(escalated.values()) > 2  # kept after the patch is gone
+    trainer.train()  # patched again, from the bits the first train() ended with
+    (row,) = memopt_rows(trainer)
+    assert all(bits_in(row)[f] >= b for f, b in named(escalated).items())
+    assert [h["step"] for h in memopt.state_dict()["drift"]["history"]] == [0, 0]
+
+
+def test_the_model_trained_is_patched_when_added_late_or_built_by_model_init(tmp_path):
+    late = MemOptTrainerCallback({"quantize": {"bits": 4}})
+    trainer = make_trainer(tmp_path, [], max_steps=1)
+    trainer.add_callback(late)  # after __init__: patched when training begins
+    trainer.train()
+    assert memopt_rows(trainer)[0]["memopt/saved_ratio"] > 4.0
+
+    memopt = MemOptTrainerCallback({"quantize": {"bits": 4}})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+        report_to="none", use_cpu=True, disable_tqdm=True, logging_steps=1,
+    )  # fmt: skip
+    trainer = Trainer(
+        model_init=lambda: gpt2(), args=args, train_dataset=Tokens(), callbacks=[memopt]
+    )
+    built_first = trainer.model
+    assert patched_by(built_first) is memopt.optimizer
+    trainer.train()  # model_init builds the model again: the patch moves to that one
+    assert trainer.model is not built_first and patched_by(built_first) is None
+    assert memopt_rows(trainer)[0]["memopt/saved_ratio"] > 4.0
+
+
+def test_trainer_checkpointing_with_a_recompute_config_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        make_trainer(
+            tmp_path, [MemOptTrainerCallback({"recompute": {"modules": ["*.mlp"]}})],
+            activation_checkpointing=True,
+        )  # fmt: skip
+    # compression alone trains under the Trainer's checkpointing
+    memopt = MemOptTrainerCallback({"quantize": {"bits": 8}})
+    trainer = make_trainer(tmp_path, [memopt], max_steps=1, activation_checkpointing=True)
+    assert trainer.model.transformer.gradient_checkpointing is False  # memopt patched first
+    trainer.train()
+    assert trainer.model.transformer.gradient_checkpointing is True
+    assert memopt_rows(trainer)[0]["memopt/saved_ratio"] > 1.0
+
+
+def test_a_bad_config_fails_when_the_callback_is_built():
+    with pytest.raises(ConfigError, match="Did you mean 'bits'"):
+        MemOptTrainerCallback({"quantize": {"bitz": 4}})
+
+
+# --------------------------------------------------------------------------- PEFT / LoRA
+def lora_gpt2():
+    from peft import LoraConfig, get_peft_model
+
+    model = gpt2()
+    config = LoraConfig(
+        r=8,
+        target_modules=["c_attn", "c_proj", "c_fc"],
+        fan_in_fan_out=True,
+        lora_dropout=0.0,
+        init_lora_weights=False,  # random B too, so that every adapter has a gradient
+    )
+    return get_peft_model(model, config)
+
+
+class Packs:
+    """A PackObserver: what the compression hooks were handed, and which of it they compressed."""
+
+    def __init__(self) -> None:
+        self.compressed: list[int] = []  # storage addresses
+        self.kept: list[int] = []
+
+    def packed(self, t, saved, added):
+        (self.kept if saved is t else self.compressed).append(t.untyped_storage().data_ptr())
+
+
+def test_lora_compresses_activations_only_and_adapter_gradients_stay_within_2_percent():
+    model = lora_gpt2()
+    batch = torch.randint(0, 512, (8, 32))
+
+    def loss_fn(model, batch):
+        return model(input_ids=batch, labels=batch).loss
+
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    frozen = {p.untyped_storage().data_ptr() for p in model.parameters() if not p.requires_grad}
+    assert adapters and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    exact = torch.autograd.grad(loss_fn(model, batch), adapters)
+
+    opt = MemoryOptimizer({"quantize": {"bits": 8}})
+    opt.apply(model)
+    packs = Packs()
+    with opt.hooks.observed(packs):
+        compressed = torch.autograd.grad(loss_fn(model, batch), adapters)
+    opt.remove()
+    # frozen base weights are saved for the input gradient, and kept as they are
+    assert frozen & set(packs.kept) and not frozen & set(packs.compressed)
+    assert len(packs.compressed) > 20
+    error = torch.cat([(a - b).flatten() for a, b in zip(compressed, exact, strict=True)]).norm()
+    relative = float(error / torch.cat([g.flatten() for g in exact]).norm())
+    assert relative < 0.02, relative  # measured 0.9%
+
+
+def test_lora_model_trains_under_the_trainer_with_its_adapters_checked(tmp_path):
+    # min_numel 0: the rank-8 inputs of the B matrices are compressed (and judged) too
+    config = {"quantize": {"bits": 8, "min_numel": 0}, "drift": {"check_every": 1}}
+    memopt = MemOptTrainerCallback(config)
+    trainer = make_trainer(tmp_path, [memopt], model=lora_gpt2(), max_steps=2)
+    trainer.train()
+    row = memopt_rows(trainer)[0]
+    adapters = {k: v for k, v in row.items() if k.startswith("memopt/drift/") and ".lora_" in k}
+    assert len(adapters) == 2 * 4 * 2  # A and B of 4 projections in each of 2 layers
+    assert max(adapters.values()) < 0.03 and row["memopt/escalations"] == 0  # measured 1.5%
+    assert "memopt/bits/base_model.model.transformer.h.0.attn.c_attn.base_layer" in row
+
+
+# --------------------------------------------------------------------------- the example, DDP
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_example_under_ddp_keeps_ranks_identical_and_checkpoints_state(tmp_path):
+    """Two processes over gloo, LoRA, accumulation 2: same checks, bits and weights everywhere."""
+    config = tmp_path / "int2.yaml"
+    config.write_text("quantize: {bits: 2}\ndrift: {threshold: 0.05, check_every: 2}\n")
+    report = tmp_path / "summary.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(_free_port()),
+        str(ROOT / "examples" / "train_hf_trainer.py"), "--cpu", "--config", str(config),
+        "--max-steps", "3", "--dim", "64", "--depth", "1", "--block-size", "32",
+        "--batch-size", "4", "--accumulate", "2", "--lora", "4",
+        "--logging-steps", "1", "--save-steps", "3",
+        "--output-dir", str(tmp_path / "run"), "--report", str(report),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    ranks = [json.loads(Path(f"{report}.rank{r}").read_text()) for r in range(2)]
+    assert [r["processes"] for r in ranks] == [2, 2]
+    assert ranks[0]["checks"] == ranks[1]["checks"] == [0, 2]
+    assert ranks[0]["escalations"] == ranks[1]["escalations"] > 0
+    assert ranks[0]["bits"] == ranks[1]["bits"] and max(ranks[0]["bits"].values()) > 2
+    assert any(".lora_A." in fqn for fqn in ranks[0]["bits"])
+    assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]  # the replicas stayed equal
+    assert [len(r["logged"]) for r in ranks] == [3, 3]
+    state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert (
+        state["stateful_callbacks"]["MemOptTrainerCallback"][STATE_KEY]["bits"] == ranks[0]["bits"]
+    )
