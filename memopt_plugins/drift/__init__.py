@@ -46,6 +46,20 @@ call the wrapped module (``ddp.module``). Going through the wrapper also works (
 reaches its reducer; checked with ``find_unused_parameters=True`` and an unused parameter too),
 but each of its forwards broadcasts buffers and prepares the reducer for a backward that never
 comes.
+
+Under FSDP2 (``fully_shard``) the modules hold sharded parameters (DTensors) between forwards and
+unsharded ones, all-gathered for the forward, while they run: each pass differentiates what its
+modules ran with (noted as each module starts,
+:class:`~memopt_plugins.measure.storage.RunningParameters`), so FSDP's unshard and reshard go on as
+in training, and neither ``.grad`` nor FSDP's reduce-scatter into it is reached. Of a sharded
+parameter's gradient each rank keeps only its share (a ``1/world_size`` slice of the flattened
+gradient, cut as soon as autograd produces it, so no rank holds more than one whole gradient of a
+sharded parameter at a time), and the shares' squared norms and dot products are summed over ranks
+(``all_reduce``) before any ratio is taken: a module's drift is a norm over the whole parameter, the
+same number on every rank. With the same sample on every rank it is the unsharded model's drift;
+with each rank's own sample, that of the gradient assembled from the ranks' shares. Activation
+gradients (the judges of parameter-free modules) are per rank, and the max over ranks follows as
+above. Call the check on every rank at the same step, with ``loss_fn`` running the sharded model.
 """
 
 from .monitor import DriftMonitor

@@ -6,9 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from .passes import PassRecorder, own_parameters, sq_norms
+from .passes import CheckedParameters, PassRecorder, sq_norms, summed_over_shards
 from .report import CALLS_DIFFER, NEGLIGIBLE_GRADIENT, NOTHING_TO_JUDGE, SAVES_NOTHING
 
 #: Drift slot of a module without measurable drift (a max over ranks ignores it).
@@ -26,33 +25,29 @@ class Judge:
 
 
 def find_judges(
-    modules: Mapping[str, nn.Module],
-    fqns: Sequence[str],
-    params: Sequence[nn.Parameter],
-    rec: PassRecorder,
+    fqns: Sequence[str], checked: CheckedParameters, rec: PassRecorder
 ) -> tuple[dict[str, Judge], dict[str, str]]:
     """What judges each module (see :mod:`memopt_plugins.drift`), from the exact pass's record."""
-    index = {id(p): i for i, p in enumerate(params)}
     judges: dict[str, Judge] = {}
     unmeasured: dict[str, str] = {}
     for fqn in fqns:
         if rec.saved.get(fqn, 0) == 0:
             unmeasured[fqn] = SAVES_NOTHING
             continue
-        own = own_parameters(modules[fqn])
+        own = checked.own(fqn)
         tensors = rec.inputs.get(fqn) or rec.outputs.get(fqn)
         if own:
-            judges[fqn] = Judge(PARAMS, tuple(index[id(p)] for p in own))
+            judges[fqn] = Judge(PARAMS, own)
         elif tensors:
             judges[fqn] = Judge(TENSORS, tuple(dict.fromkeys(tensors)))
         else:
             name = fqn  # its own subtree's parameters, else its nearest ancestor's
-            own = own_parameters(modules[name], recurse=True)
+            own = checked.subtree(name)
             while name and not own:
                 name = name.rpartition(".")[0]
-                own = own_parameters(modules[name], recurse=True)
+                own = checked.subtree(name)
             if own:
-                judges[fqn] = Judge(PARAMS, tuple(index[id(p)] for p in own))
+                judges[fqn] = Judge(PARAMS, own)
             else:
                 unmeasured[fqn] = NOTHING_TO_JUDGE
     return judges, unmeasured
@@ -66,13 +61,22 @@ def module_drifts(
     exact_sq: torch.Tensor,
     approx: Sequence[torch.Tensor],
     metric: str,
+    sharded: Sequence[int] = (),
 ) -> tuple[list[float], dict[str, str]]:
-    """Per-module drift (``UNMEASURED`` where there is none) and why some have none."""
+    """Per-module drift (``UNMEASURED`` where there is none) and why some have none.
+
+    ``exact``/``approx`` hold only this rank's share of the gradients at the indices ``sharded``
+    (``exact_sq`` already summed over ranks there): their sums are summed over ranks as well, so a
+    sharded parameter's drift is measured over the whole parameter.
+    """
     n = len(approx)  # recorded tensors are missing when the passes ran differently
     diff_sq = sq_norms([q - g for q, g in zip(approx, exact[:n], strict=True)])
     approx_sq = sq_norms(approx)
     dots = [(q.double() * g.double()).sum() for q, g in zip(approx, exact[:n], strict=True)]
     dot = torch.stack(dots).cpu() if dots else torch.zeros(0, dtype=torch.float64)
+    if sharded:
+        sums = summed_over_shards(torch.stack([diff_sq, approx_sq, dot]), sharded)
+        diff_sq, approx_sq, dot = sums.unbind()
     drift = [UNMEASURED] * len(fqns)
     missing: dict[str, str] = {}
     for i, fqn in enumerate(fqns):

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from ..distributed import rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch
+from ..measure.storage import RunningParameters, is_sharded
 from ..tree import tensors_in
 
 
@@ -19,13 +21,63 @@ def own_parameters(module: nn.Module, recurse: bool = False) -> list[nn.Paramete
     return [p for p in module.parameters(recurse=recurse) if p.requires_grad]
 
 
+class CheckedParameters:
+    """The model's trainable parameters, numbered once before the check's passes.
+
+    A pass differentiates what its modules ran with: the parameters themselves, or for a sharded
+    one (a DTensor, FSDP2) the unsharded tensor FSDP swapped in for the forward (:meth:`targets`).
+    Which parameter a module owns is read here, before the first pass, while the modules hold the
+    registered parameters (FSDP puts the sharded ones back after each backward); during and after a
+    pass they may hold the unsharded ones.
+
+    Attributes:
+        params: the trainable parameters (``model.parameters()``, shared ones once).
+        sharded: indices of the sharded ones: of their gradients each rank keeps its share only
+            (:func:`gradients`), and their norms are summed over ranks (:func:`summed_over_shards`).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.params = own_parameters(model, recurse=True)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._owned: dict[str, tuple[int, ...]] = {}
+        self._slots: dict[int, list[tuple[str, str]]] = {}
+        for fqn, module in model.named_modules():
+            owned = []
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    owned.append(index[id(p)])
+                    self._slots.setdefault(index[id(p)], []).append((fqn, name))
+            self._owned[fqn] = tuple(owned)
+        self.sharded = tuple(i for i, p in enumerate(self.params) if is_sharded(p))
+
+    def own(self, fqn: str) -> tuple[int, ...]:
+        """Indices of the parameters module ``fqn`` owns itself."""
+        return self._owned[fqn]
+
+    def subtree(self, fqn: str) -> tuple[int, ...]:
+        """Indices of the parameters of module ``fqn`` and every module inside it."""
+        prefix = f"{fqn}." if fqn else ""
+        inside = (own for f, own in self._owned.items() if f == fqn or f.startswith(prefix))
+        return tuple(dict.fromkeys(i for own in inside for i in own))
+
+    def targets(self, running: RunningParameters) -> list[torch.Tensor]:
+        """What a pass ran with, per parameter: the unsharded tensor of a sharded parameter when
+        its module ran (the parameter itself otherwise)."""
+        out = list(self.params)
+        for i in self.sharded:
+            leaves = (running.leaf(fqn, name) for fqn, name in self._slots[i])
+            out[i] = next((t for t in leaves if t is not None), out[i])
+        return out
+
+
 class PassRecorder:
     """What one forward pass of the check records, through the model's scope tracker.
 
     Records the tensors whose gradients judge parameter-free modules (their inputs, and their
-    direct children's outputs) and, when ``scopes`` is given, counts per scope the saved tensors
-    compression would touch (floating, ``min_numel`` or more, not a parameter or buffer) -- each
-    attributed to the innermost scope, as the compression hooks do.
+    direct children's outputs), the parameters a sharded model's modules ran with (``running``),
+    and, when ``scopes`` is given, counts per scope the saved tensors compression would touch
+    (floating, ``min_numel`` or more, not a parameter or buffer) -- each attributed to the
+    innermost scope, as the compression hooks do.
     """
 
     def __init__(
@@ -47,6 +99,7 @@ class PassRecorder:
         self._stack: list[saved_tensors_hooks] = []
         self._watch: Watch | None = None
         self._storages: ModelStorages | None = None
+        self.running = RunningParameters(model)
         self._scope_set = set(self.scopes)
 
     def layout(self) -> tuple:
@@ -75,12 +128,14 @@ class PassRecorder:
         ]
         watched = [*self.param_free, *(c for c in children if c in modules), *self.scopes]
         self._watch = ScopeTracker.of(self.model).watch(self, watched)
+        self.running.sync()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
+        self.running.remove()  # its leaves stay readable, for the pass's gradients
         while self._stack:  # only after an exception inside a forward
             self._stack.pop().__exit__(None, None, None)
 
@@ -101,7 +156,12 @@ class PassRecorder:
 
     def _counter(self, fqn: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def count(t: torch.Tensor) -> torch.Tensor:
-            if t.is_floating_point() and t.numel() >= self.min_numel and t not in self._storages:
+            if (
+                t.is_floating_point()
+                and t.numel() >= self.min_numel
+                and t not in self._storages
+                and t not in self.running
+            ):
                 self.saved[fqn] += 1
             return t
 
@@ -166,12 +226,68 @@ def scalar_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def gradients(loss: torch.Tensor, targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def gradients(
+    loss: torch.Tensor, targets: Sequence[torch.Tensor], shares: Sequence[int] = ()
+) -> list[torch.Tensor]:
+    """Gradients of ``loss`` with respect to ``targets`` (zeros for an unused one), detached.
+
+    Of the targets at the indices in ``shares`` (sharded parameters) only this rank's share of
+    the flattened gradient is kept (:func:`~memopt_plugins.distributed.rank_share`), cut as soon
+    as autograd has the gradient (a hook on the target), so that a rank never holds more than one
+    whole gradient of a sharded parameter at a time. ``.grad`` is never touched (so neither is
+    FSDP's reduce-scatter into it, nor a DDP reducer).
+    """
     if not targets:
         return []
-    grads = torch.autograd.grad(loss, list(targets), allow_unused=True)
-    pairs = zip(targets, grads, strict=True)
-    return [torch.zeros_like(t) if g is None else g.detach() for t, g in pairs]
+    kept: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in shares:
+        t = targets[i]
+        if not is_sharded(t):  # the unsharded tensor the pass ran with (else it did not run)
+            handles.append(t.register_hook(_keeper(kept, i)))
+    wanted = [i for i, t in enumerate(targets) if not is_sharded(t)]
+    try:
+        found = torch.autograd.grad(loss, [targets[i] for i in wanted], allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads: dict[int, torch.Tensor | None] = dict(zip(wanted, found, strict=True))
+    shared = set(shares)
+    out = []
+    for i, t in enumerate(targets):
+        if i in shared:
+            share = kept.get(i)
+            if share is None:
+                size = len(range(t.numel())[rank_share(t.numel())])
+                share = torch.zeros(size, dtype=t.dtype, device=t.device)
+            out.append(share)
+        else:
+            g = grads.get(i)
+            out.append(torch.zeros_like(t) if g is None else g.detach())
+    return out
+
+
+def _keeper(kept: dict[int, torch.Tensor], i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook that keeps this rank's share of the gradient and hands autograd a zero
+    tensor without memory of its own in its place (an expanded scalar)."""
+
+    def keep(grad: torch.Tensor) -> torch.Tensor:
+        flat = grad.detach().reshape(-1)
+        kept[i] = flat[rank_share(flat.numel())].clone()
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+
+    return keep
+
+
+def summed_over_shards(stats: torch.Tensor, sharded: Sequence[int]) -> torch.Tensor:
+    """``stats`` (one value per target in its last dim) with the values of the sharded
+    parameters' shares summed over ranks (one all-reduce): norms over the whole parameter."""
+    if not sharded:
+        return stats
+    index = torch.tensor(sharded, dtype=torch.long)
+    out = stats.clone()
+    out[..., index] = sum_over_ranks(stats[..., index].contiguous()).to(stats.device)
+    return out
 
 
 def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:

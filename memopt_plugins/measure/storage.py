@@ -4,14 +4,22 @@ A saved tensor and a parameter (or a view of either) are the same memory when th
 are: :func:`storage_key` names a storage by device and address. An address is reused as soon as
 its memory is freed, so a key identifies a storage only while some tensor on it is alive; callers
 that keep keys across a forward hold a weak reference and check it.
+
+A sharded model's parameters (FSDP2) get their memory only while their module runs, so they are
+read then, by :class:`RunningParameters`; :class:`ModelStorages` holds everything else.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+
+from .scopes import ScopeTracker, Watch
 
 StorageKey = tuple[str, int]
 
@@ -54,6 +62,85 @@ class ModelStorages:
         if isinstance(t, nn.Parameter):
             return True
         return isinstance(t, torch.Tensor) and storage_key(t) in self._keys
+
+
+def is_sharded(t: object) -> bool:
+    """True for a DTensor: a parameter sharded by FSDP2 (``fully_shard``) or tensor parallelism."""
+    module = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before its import
+    return module is not None and isinstance(t, module.DTensor)
+
+
+class RunningParameters:
+    """The parameters of a sharded model as its modules hold them while they run.
+
+    FSDP2 (``fully_shard``) registers sharded parameters (DTensors) on the modules and, in each
+    unit's forward pre-hook, swaps in unsharded ones, all-gathered into fresh memory every forward
+    and freed after the unit's forward (the storage is resized to nothing: the tensor object
+    lives on, its memory does not) or after its backward. Storages read before the forward miss
+    them, and an address read earlier in the forward may have been freed and reused since. So on
+    a model with DTensor parameters every module that owns parameters is watched (through its
+    :class:`~.scopes.ScopeTracker` scope, whose pre-hook runs after FSDP's, which FSDP prepends),
+    the parameters it holds are noted when it starts, and ``t in running`` asks whether ``t``'s
+    storage is one of theirs now: still allocated, at the same address. :meth:`leaf` is the tensor
+    a parameter ran as (the autograd leaf its gradient reaches). A model without DTensor
+    parameters is not watched, and nothing is in it.
+
+    Call :meth:`sync` when a step begins (a model may be sharded after memopt was applied) and
+    :meth:`remove` when done.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._watch: Watch | None = None
+        self._storages: dict[StorageKey, weakref.ref] = {}
+        self._leaves: dict[tuple[str, str], weakref.ref] = {}
+
+    def sync(self) -> None:
+        """Start watching if the model's parameters are sharded now; forget freed storages."""
+        self._storages = {k: r for k, r in self._storages.items() if _holds(r(), k)}
+        if self._watch is not None or not any(is_sharded(p) for p in self.model.parameters()):
+            return
+        owners = [
+            fqn
+            for fqn, module in self.model.named_modules()
+            if next(module.parameters(recurse=False), None) is not None
+        ]
+        self._watch = ScopeTracker.of(self.model).watch(self, owners)
+
+    def remove(self) -> None:
+        """Stop watching (what was noted stays readable: :meth:`leaf` after a pass)."""
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+
+    def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            if is_sharded(p):
+                continue  # not gathered for this module: it runs as it is
+            self._leaves[(fqn, name)] = weakref.ref(p)
+            key = storage_key(p)
+            if key is not None:
+                self._storages[key] = weakref.ref(p)
+
+    def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
+        pass
+
+    def leaf(self, fqn: str, name: str) -> torch.Tensor | None:
+        """The tensor parameter ``name`` of module ``fqn`` ran as, if it ran unsharded."""
+        ref = self._leaves.get((fqn, name))
+        return ref() if ref is not None else None
+
+    def __contains__(self, t: object) -> bool:
+        if not self._storages or not isinstance(t, torch.Tensor):
+            return False
+        key = storage_key(t)
+        ref = self._storages.get(key)
+        return ref is not None and _holds(ref(), key)
+
+
+def _holds(p: torch.Tensor | None, key: StorageKey) -> bool:
+    """``p`` still lives at ``key``: alive, allocated, at the same address."""
+    return p is not None and p.untyped_storage().nbytes() > 0 and storage_key(p) == key
 
 
 def tensor_version(t: torch.Tensor) -> int | None:
