@@ -5,6 +5,11 @@ The callback owns one :class:`~memopt_plugins.MemoryOptimizer`. It patches the L
 callback's ``load_state_dict`` runs after ``setup``), runs the drift check at optimizer-step
 boundaries on a slice of the current batch, logs ``memopt/*`` metrics through the trainer's
 loggers, and removes the patch in ``teardown``.
+
+A model built in ``configure_model`` is patched in ``on_fit_start``, after it: under
+``ModelParallelStrategy`` that is after ``configure_model`` sharded it with ``fully_shard``
+(FSDP2), which memopt supports in either order (see :mod:`memopt_plugins.compress.hooks` and
+:mod:`memopt_plugins.drift`). Checkpoints carry the callback's state, distributed ones too.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
@@ -99,7 +104,8 @@ class MemOptCallback(Callback):
         slicer: ``slicer(batch, n) -> batch`` that keeps ``n`` samples for the drift check.
             Default: cut every tensor of the batch along dim 0.
         profile: log a per-module memory table of the first training batch at the start of fit
-            (and save its chart in the logger's directory).
+            (and save its chart in the logger's directory). Refused under a sharding strategy
+            (``FSDPStrategy``, ``ModelParallelStrategy``): the profile runs on rank 0 alone.
     """
 
     def __init__(
@@ -203,11 +209,16 @@ class MemOptCallback(Callback):
 
     def _check_strategy(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
+        if self.profile and isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+            raise MisconfigurationException(
+                f"MemOptCallback(profile=True) profiles on rank 0 alone, and under "
+                f"{type(strategy).__name__} a sharded model's forward needs every rank (each "
+                "layer's parameters are all-gathered). Profile the unsharded model on one device "
+                "(`memopt profile`, or a Trainer without sharding) and drop profile=True here."
+            )
         if not isinstance(strategy, FSDPStrategy):
             return
-        rc = self.config.recompute
-        recompute = bool(rc.modules or rc.types or rc.auto is not None)
-        if recompute and strategy._activation_checkpointing_kwargs:
+        if self.optimizer.recomputes and strategy._activation_checkpointing_kwargs:
             raise MisconfigurationException(
                 "MemOptCallback: the FSDP strategy already checkpoints activations "
                 "(activation_checkpointing_policy) and the memopt config has a recompute "
@@ -237,14 +248,13 @@ class MemOptCallback(Callback):
             return
         self._reported_memory = True
         stats = hooks.stats
-        if stats.forward_original:
+        if stats.saved_original:
             log.info(
                 "memopt: first training step kept %s for backward where the model saves %s "
-                "(%.1fx less; %d tensors)",
-                _mib(stats.forward_stored),
-                _mib(stats.forward_original),
+                "(%.1fx less)",
+                _mib(stats.saved_stored),
+                _mib(stats.saved_original),
                 stats.forward_ratio,
-                stats.forward_tensors,
             )
 
     @override
@@ -277,9 +287,8 @@ class MemOptCallback(Callback):
         report, self._report = self._report, None
         if report is None and (step + 1) % trainer.log_every_n_steps != 0:
             return
-        metrics = self.optimizer.metrics()
-        if report is None:  # drift values belong to the step of their check
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("memopt/drift/")}
+        # Drift values belong to the step of their check.
+        metrics = self.optimizer.metrics(drift=report is not None)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

@@ -15,6 +15,16 @@
 
 The drift check's ``loss_fn`` must run the patched model itself (``accelerator.unwrap_model``), not
 the DDP wrapper around it, so that the check's extra backward never reaches the gradient reducer.
+
+FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): ``prepare`` shards the patched model
+with ``fully_shard`` (memopt first, then sharding, as activation checkpointing goes) and
+``unwrap_model`` returns the sharded module itself, which the check runs; the check's gradients
+never reach ``.grad``, so FSDP's reduce-scatter never sees them. Leave the plugin's
+``activation_checkpointing`` off when the config has a ``recompute`` section (the layers would be
+checkpointed twice). Accelerate runs FSDP on GPUs only: on the CPU it sets the plugin aside
+and wraps the model in DDP. To train sharded on the CPU, shard the patched model with
+``fully_shard`` yourself and ``prepare`` the rest (the optimizer, the data): ``prepare`` would wrap
+a sharded model in DDP, which fails.
 """
 
 from __future__ import annotations
@@ -139,10 +149,7 @@ class MemOptPlugin:
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
         """The ``memopt/*`` values (DESIGN.md); ``drift=False`` leaves out ``memopt/drift/*``."""
-        metrics = self.optimizer.metrics()
-        if not drift:
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("memopt/drift/")}
-        return metrics
+        return self.optimizer.metrics(drift)
 
     def state_dict(self) -> dict[str, Any]:
         """Bits, step counter and drift history (plain Python types)."""

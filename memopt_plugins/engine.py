@@ -238,6 +238,13 @@ class MemoryOptimizer:
 
     # ----------------------------------------------------------------- recompute
     @property
+    def recomputes(self) -> bool:
+        """True when the config recomputes modules (``recompute.modules``, ``types`` or ``auto``):
+        integrations refuse a framework's own activation checkpointing on top of it."""
+        rc = self.config.recompute
+        return bool(rc.modules or rc.types or rc.auto is not None)
+
+    @property
     def recomputed(self) -> tuple[str, ...]:
         """Fqns of the modules recomputed in backward (from the config and the planner)."""
         return self._recompute.wrapped if self._recompute is not None else ()
@@ -354,19 +361,22 @@ class MemoryOptimizer:
             return None
         return self.check_drift(loss_fn, step=step)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, drift: bool = True) -> dict[str, float]:
         """The ``memopt/*`` values for a logger (DESIGN.md "Logged metric names").
 
         ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
         ``memopt/bits/<fqn>``, ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
         bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept).
-        The root module is named ``<root>``.
+        The root module is named ``<root>``. ``drift=False`` leaves out ``memopt/drift/*``:
+        integrations log drift values only at the step of their check.
         """
         out = self._drift.metrics()
+        if not drift:
+            out = {k: v for k, v in out.items() if not k.startswith("memopt/drift/")}
         for fqn, b in self._table.compressed.items():
             out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
         if self._hooks is not None:
-            out["memopt/saved_bytes"] = float(self._hooks.stats.forward_stored)
+            out["memopt/saved_bytes"] = float(self._hooks.stats.saved_stored)
             out["memopt/saved_ratio"] = float(self._hooks.stats.forward_ratio)
         return out
 

@@ -1,9 +1,8 @@
 """memopt under torch.compile (inductor's CPU backend): per-block and whole-model compile.
 
-Compression and recompute act on what the compiled graphs save: the scope of the module around a
-compiled region (for a whole compiled model, its root, whose hooks run outside the graph) packs
-the graph's saved tensors, and decoding gives back each tensor's exact size and strides, which
-the compiled backward checks. Compile tests are few and small: each costs seconds of compiling.
+Compression acts inside the compiled graphs (the scopes' hooks are GraphModules that AOTAutograd
+inlines: ``compress/graph.py``) at each module's own bits, and recompute is torch's checkpoint
+inside them. Compile tests are few and small: each costs seconds of compiling.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from torch import nn
 from zoo import hf_gpt2
 
 from memopt_plugins import MemoryOptimizer
+from memopt_plugins.compress import graph, ops, reference
 from memopt_plugins.tree import slice_batch
 
 INT8 = {"quantize": {"bits": 8, "rounding": "nearest"}}
@@ -51,22 +51,52 @@ def _grad_error(config, compile) -> float:
     return rel_error(gradients(model, batch, loss_fn, config, compile=compile), exact)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_in_graph_codec_writes_the_reference_bytes(bits, dtype):
+    """Eagerly, the traceable codec's bytes and levels are the reference's at round-to-nearest
+    (a ragged tail, nonnegative and zero groups included); what the reference keeps exactly
+    decodes to NaN, and a constant group to its value rounded up to a bfloat16 step."""
+    torch.manual_seed(0)
+    x = (torch.randn(1000) * 3).to(dtype)
+    x[:64] = x[:64].abs()
+    x[64:128] = 0
+    codes, scale, zero_point = graph.encode(x, bits, 64)
+    want = reference.quantize(x, bits, 64, None)
+    assert torch.equal(codes, want[0]) and torch.equal(scale, want[1])
+    assert torch.equal(zero_point, want[2])
+    decoded = graph.decode(
+        graph._Coded(codes, scale, zero_point, bits, 64, 1000, dtype, (1000,), None)
+    )
+    assert torch.equal(decoded, ops.dequantize(*want, bits, 64, 1000, dtype))
+    special = torch.randn(192)
+    special[:64], special[64:128], special[128] = 0.3, float("inf"), float("nan")
+    coded = graph._Coded(
+        *graph.encode(special, bits, 64), bits, 64, 192, torch.float32, (192,), None
+    )
+    decoded = graph.decode(coded)
+    assert decoded[64:].isnan().all()
+    assert ((decoded[:64] - 0.3).abs() <= 0.3 * 2**-7).all() and (decoded[:64] >= 0.3).all()
+
+
 def _held(reading) -> int:
     return max(reading.retained, reading.packed)  # RSS can miss the small scale tables
 
 
 @pytest.mark.parametrize(
     "mode, floor",
-    [("per-block", 3.0), ("whole-model", 2.5)],  # measured: 3.94x per block, 3.92x whole
+    [("per-block", 3.0), ("whole-model", 2.5)],  # measured: 3.46x per block, 3.00x whole
 )
 def test_int8_inside_compiled_training(compiled_baseline, mode, floor):
+    """The graphs compress what they save inside (the peak falls too, measured 1.9x per block
+    and 1.66x whole, where hooks outside a whole graph raised it 1.15x)."""
     compile = MODES[mode]
-    assert _grad_error(INT8, compile) <= 0.02  # measured 0.55% both ways (the issue's bar: 2%)
+    assert _grad_error(INT8, compile) <= 0.02  # measured 0.56% / 0.51% (the issue's bar: 2%)
     baseline = compiled_baseline(mode)
     compressed = measure(hf_gpt2, INT8, compile=compile)
-    assert compressed.packed > 0
     ratio = baseline.retained / _held(compressed)
     assert ratio >= floor, (mode, ratio, baseline, compressed)
+    assert baseline.peak / compressed.peak >= 1.4, (mode, baseline, compressed)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -85,8 +115,8 @@ def _tiny_gpt2():
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_drift_escalates_inside_compiled_training(mode, caplog):
-    """From 2 bits the check escalates the scopes that act around compiled regions (per block:
-    the blocks' parent; whole model: the root), and says once which scopes cannot act."""
+    """From 2 bits the check (run eagerly) escalates modules inside the compiled graphs, which
+    compress at their own bits and recompile for the new ones, and says so."""
     model, batch, loss_fn = _tiny_gpt2()
     opt = MemoryOptimizer({"quantize": {"bits": 2}, "drift": {"metric": "cosine"}})
     opt.apply(model)
@@ -94,11 +124,13 @@ def test_drift_escalates_inside_compiled_training(mode, caplog):
     with caplog.at_level(logging.INFO, logger="memopt"):
         loss_fn(model, batch).backward()
         report = opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 2)))
-    acting = "transformer" if mode == "per-block" else ""
-    assert report.escalated.get(acting, (2, 2))[1] > 2, report
+    inside = [f for f in report.escalated if f.startswith("transformer.h.0.")]
+    assert inside and all(report.escalated[f][1] > 2 for f in inside), report
     assert report.max <= 0.05
     assert "ran inside torch.compile'd graphs" in caplog.text
-    loss_fn(model, batch).backward()  # trains on at the new bits
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        loss_fn(model, batch).backward()  # trains on at the new bits: the graphs recompile
+    assert "recompiles each compiled graph at its next call" in caplog.text
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
@@ -129,7 +161,7 @@ def test_dropout_and_batchnorm_modes_inside_a_compiled_model():
         F.cross_entropy(model(x), y).backward()
     assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
     assert torch.equal(bn.running_mean, stats[0]) and torch.equal(bn.running_var, stats[1])
-    assert opt.hooks.stats.forward_stored < opt.hooks.stats.forward_original / 2
+    assert opt.hooks.stats.saved_stored < opt.hooks.stats.saved_original / 2
 
 
 def test_the_planner_measures_compiled_models_eagerly(caplog):

@@ -28,6 +28,8 @@ class BitTable:
         self.pending: dict[str, int] = {}
         self._listed: list[str] = []
         self._parked: frozenset[str] = frozenset()
+        #: Counts changes of the scopes' bits: a compiled graph holds the bits of one version.
+        self.version = 0
 
     def install(self, scopes: Mapping[str, int]) -> None:
         """Take the scopes resolved from the config, with the pending bits on top."""
@@ -35,12 +37,14 @@ class BitTable:
         self.scopes = {f: int(pending.get(f, b)) for f, b in scopes.items()}
         self._listed = [f for f, b in self.scopes.items() if b < OFF_BITS or f in pending]
         self._parked = frozenset()
+        self.version += 1
 
     def clear(self) -> None:
         """Forget everything but ``pending`` (the model was unpatched)."""
         self.scopes = {}
         self._listed = []
         self._parked = frozenset()
+        self.version += 1
 
     def bits_of(self, fqn: str) -> int:
         """The bits of the scope of module ``fqn``."""
@@ -57,7 +61,9 @@ class BitTable:
             raise KeyError(
                 f"{fqn!r} is not a compressed module; compressed: {sorted(self.compressed)}"
             )
-        self.scopes[fqn] = int(bits)
+        if self.scopes[fqn] != int(bits):
+            self.scopes[fqn] = int(bits)
+            self.version += 1
 
     def park(self, inside: Container[str]) -> None:
         """Compressed modules ``inside`` recompute regions are parked; the others come back."""

@@ -4,6 +4,14 @@ Entering a selected module (a :class:`~memopt_plugins.measure.ScopeTracker` scop
 ``saved_tensors_hooks`` and leaving it leaves them, so every tensor autograd saves while the
 module runs — by an ``nn.Module`` or a functional call — goes through
 :meth:`CompressionHooks.pack` with the bits the :class:`~.bits.BitTable` gives that module.
+
+Parameters are never compressed, nor anything sharing their memory, and that is decided when a
+tensor is packed: against the parameters' and buffers' storages read when the step began and,
+on a sharded model (FSDP2), against those its modules hold at that moment
+(:class:`~memopt_plugins.measure.storage.RunningParameters`). FSDP2 unshards a parameter into
+fresh memory every forward and frees it after; autograd may save the unsharded weight or a view
+of it (``weight.t()``), and compressing that would keep a copy of the weight for backward and
+feed backward a compressed weight.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -22,8 +30,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import HALF_BITS, OFF_BITS
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
+from ..measure.storage import RunningParameters
 from .bits import BitTable
 from .codec import dequantize, narrow_int, quantize, tensor_nbytes, widen_int
+from .graph import GraphHooks, memory_order
 
 log = logging.getLogger("memopt")
 
@@ -66,14 +76,6 @@ def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
     return lambda half: _with_strides(half.to(dtype), shape, stride)  # .to keeps dense layouts
 
 
-def _memory_order(t: torch.Tensor) -> list[int] | None:
-    """``t``'s dims from outermost to innermost in memory, when its elements are dense in that
-    order (``t.permute(order)`` is contiguous: a transposed or permuted dense tensor); else
-    ``None``."""
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    return order if t.permute(order).is_contiguous() else None
-
-
 def _decoder(t: torch.Tensor, order: list[int] | None) -> Callable[[object], torch.Tensor]:
     """Decodes a :class:`PackedTensor` of ``t`` (or of ``t.permute(order)``) into a tensor of
     exactly ``t``'s size and strides: a compiled backward checks both."""
@@ -102,14 +104,18 @@ class SavedStats:
     """Byte counts of what the hooks handled.
 
     ``held_bytes`` is live: compact payloads still referenced by autograd (freed after backward).
-    ``forward_original``/``forward_stored`` cover the tensors saved during the last forward pass
-    (every saved tensor that reached the hooks: compressed or kept as it is; parameters excluded).
+    ``forward_original``/``forward_stored`` cover the tensors the eager hooks saw during the last
+    forward pass (every saved tensor that reached them: compressed or kept as it is; parameters
+    excluded). ``compiled`` holds, per compiled frame, the same two counts for what its graph
+    saves at each call, from the sizes its pack hooks were traced with (the graph packs inside,
+    where nothing is counted); ``saved_original``/``saved_stored`` add both.
     """
 
     held_bytes: int = 0
     forward_original: int = 0
     forward_stored: int = 0
     forward_tensors: int = 0
+    compiled: dict[object, tuple[int, int]] = field(default_factory=dict)
 
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
@@ -127,9 +133,19 @@ class SavedStats:
         self.restore((0, 0, 0))
 
     @property
+    def saved_original(self) -> int:
+        return self.forward_original + sum(original for original, _ in self.compiled.values())
+
+    @property
+    def saved_stored(self) -> int:
+        return self.forward_stored + sum(stored for _, stored in self.compiled.values())
+
+    @property
     def forward_ratio(self) -> float:
-        """Uncompressed ÷ stored bytes of the last forward pass (1.0 when nothing was saved)."""
-        return self.forward_original / self.forward_stored if self.forward_stored else 1.0
+        """Uncompressed ÷ stored bytes of the last forward pass, compiled graphs included (1.0
+        when nothing was saved)."""
+        stored = self.saved_stored
+        return self.saved_original / stored if stored else 1.0
 
 
 class PackObserver(Protocol):
@@ -158,21 +174,38 @@ class CompressionHooks:
         self._local = threading.local()
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._storages: ModelStorages | None = None
+        self._running: RunningParameters | None = None
         self._watch: Watch | None = None
+        self._graph: GraphHooks | None = None
         self._compiled_noted = False
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
         """Give every module in ``fqns`` (names within ``root``) a compression scope."""
         self._storages = ModelStorages(root)
+        self._graph = GraphHooks(
+            root,
+            self.bits,
+            self.stats,
+            group_size=self.group_size,
+            min_numel=self.min_numel,
+            eager_pack=self.pack,
+            eager_unpack=self.unpack,
+        )
         self._watch = ScopeTracker.of(root).watch(self, fqns)
+        self._running = RunningParameters(root)
+        self._running.sync()
 
     def remove(self) -> None:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
+        if self._running is not None:
+            self._running.remove()
+            self._running = None
         self._cache.clear()
         self._storages = None
+        self._graph = None
 
     @contextmanager
     def observed(self, observer: PackObserver) -> Iterator[None]:
@@ -208,9 +241,10 @@ class CompressionHooks:
     def _begin(self) -> None:
         """The outermost scope opens. Nothing held from an earlier forward means a new step:
         restart the per-forward counts and refresh the parameters' storages (they may have
-        moved to another device or dtype since apply)."""
+        moved to another device or dtype since apply, or been sharded)."""
         if self.stats.held_bytes == 0 and self._storages is not None:
             self._storages.refresh()
+            self._running.sync()
             self.stats.start_forward()
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -218,8 +252,7 @@ class CompressionHooks:
             self._begin()
         scope = None
         if torch.is_grad_enabled() and not self.suspended:
-            bits = self.bits.bits_of(fqn)
-            scope = saved_tensors_hooks(lambda t: self.pack(t, bits), self.unpack)
+            scope = saved_tensors_hooks(*self._graph.pair(fqn))
             scope.__enter__()
         self._scopes.append(scope)
 
@@ -242,10 +275,11 @@ class CompressionHooks:
             return
         self._compiled_noted = True
         log.info(
-            "memopt: %d compressed modules ran inside torch.compile'd graphs (%s%s); their own "
-            "bits cannot act there: what a compiled graph saves for backward is compressed at "
-            "the bits of the module around it that runs outside the graph (for a whole compiled "
-            "model, its root)",
+            "memopt: %d compressed modules ran inside torch.compile'd graphs (%s%s); the graphs "
+            "compress what they save at those modules' bits, rounded to nearest (not "
+            "stochastically), NaN/Inf groups decoded as NaN, what a graph takes as input saved "
+            "as it is, and memopt's byte counters do not see it; a change of bits recompiles "
+            "them (README: torch.compile)",
             len(traced),
             ", ".join(f or "<root>" for f in traced[:3]),
             ", ..." if len(traced) > 3 else "",
@@ -253,7 +287,9 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- pack / unpack
     def _keep_as_is(self, t: torch.Tensor) -> bool:
-        if t.numel() < self.min_numel or (self._storages is not None and t in self._storages):
+        if t.numel() < self.min_numel or (
+            self._storages is not None and (t in self._storages or t in self._running)
+        ):
             return True  # small, or a parameter, a buffer, or a view of one
         if t.untyped_storage().nbytes() < tensor_nbytes(t):
             return True  # a broadcast (expanded) view: smaller as it is than any copy
@@ -315,7 +351,7 @@ class CompressionHooks:
             if t.element_size() <= 2:
                 return t
             return _Saved(t.detach().to(torch.bfloat16), _from_half(t), t.shape)
-        order = None if t.is_contiguous() else _memory_order(t)
+        order = None if t.is_contiguous() else memory_order(t)
         dense = t.detach() if order is None else t.detach().permute(order)
         packed = quantize(dense, bits, group_size=self.group_size, stochastic=self.stochastic)
         return _Saved(packed, _decoder(t, order), t.shape)

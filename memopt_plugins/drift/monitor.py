@@ -13,8 +13,17 @@ from torch import nn
 
 from ..config import OFF_BITS, DriftConfig
 from ..distributed import is_rank_zero, max_over_ranks
+from ..measure import eagerly
 from .judges import PARAMS, TENSORS, Judge, find_judges, module_drifts
-from .passes import PassRecorder, gradients, own_parameters, preserved_state, scalar_loss, sq_norms
+from .passes import (
+    CheckedParameters,
+    PassRecorder,
+    gradients,
+    preserved_state,
+    scalar_loss,
+    sq_norms,
+    summed_over_shards,
+)
 from .report import HISTORY_LIMIT, NEGLIGIBLE, DriftReport, next_rung
 
 log = logging.getLogger("memopt")
@@ -90,29 +99,31 @@ class DriftMonitor:
         if not fqns:
             return self._record(DriftReport(step, threshold=cfg.threshold, metric=cfg.metric))
 
-        modules = dict(model.named_modules())
-        params = own_parameters(model, recurse=True)
-        param_free = [f for f in fqns if not own_parameters(modules[f])]
+        checked = CheckedParameters(model)
+        params, sharded = checked.params, checked.sharded
+        param_free = [f for f in fqns if not checked.own(f)]
         escalated: dict[str, tuple[int, int]] = {}
         round_max: list[float] = []
-        with preserved_state(model, generators) as one_pass:
+        # Eagerly: modules inside compiled graphs are judged too (their hooks fire).
+        with eagerly(), preserved_state(model, generators) as one_pass:
             with one_pass(), suspend():
                 rec = PassRecorder(model, param_free, fqns if scopes is None else scopes, min_numel)
                 with rec:
                     loss = scalar_loss(loss_fn)
-                judges, unmeasured = find_judges(modules, fqns, params, rec)
+                judges, unmeasured = find_judges(fqns, checked, rec)
                 wanted = sorted(
                     {i for j in judges.values() if j.kind == TENSORS for i in j.indices}
                 )
                 layout = rec.layout()
-                exact = gradients(loss, params + [rec.tensors[i] for i in wanted])
-                del loss, rec
+                targets = checked.targets(rec.running) + [rec.tensors[i] for i in wanted]
+                exact = gradients(loss, targets, sharded)
+                del loss, rec, targets
             position = {i: len(params) + k for k, i in enumerate(wanted)}
             judges = {
                 f: j if j.kind == PARAMS else Judge(j.kind, tuple(position[i] for i in j.indices))
                 for f, j in judges.items()
             }
-            exact_sq = sq_norms(exact)
+            exact_sq = summed_over_shards(sq_norms(exact), sharded)
             floors = {
                 PARAMS: NEGLIGIBLE * float(exact_sq[: len(params)].sum().sqrt()),
                 TENSORS: NEGLIGIBLE * float(exact_sq[len(params) :].sum().sqrt()),
@@ -124,10 +135,10 @@ class DriftMonitor:
                         loss = scalar_loss(loss_fn)
                     aligned = rec.layout() == layout
                     tensors = [rec.tensors[i] for i in wanted] if aligned else []
-                    approx = gradients(loss, params + tensors)
+                    approx = gradients(loss, checked.targets(rec.running) + tensors, sharded)
                     del loss, rec, tensors
                 local, missing = module_drifts(
-                    fqns, judges, floors, exact, exact_sq, approx, cfg.metric
+                    fqns, judges, floors, exact, exact_sq, approx, cfg.metric, sharded
                 )
                 del approx
                 drift = _max_of(reduce_max, local, params[0].device if params else None)

@@ -3,7 +3,7 @@
 Shared by compression, the drift check, the recompute planner and the profiler.
 """
 
-from .scopes import ScopeObserver, ScopeTracker, Watch
+from .scopes import ScopeObserver, ScopeTracker, Watch, eagerly
 from .step import Measurement, ModuleCost, SavedStorage, StepRecorder, measure
 from .storage import ModelStorages, StorageKey, storage_key, tensor_version
 
@@ -17,6 +17,7 @@ __all__ = [
     "StepRecorder",
     "StorageKey",
     "Watch",
+    "eagerly",
     "measure",
     "storage_key",
     "tensor_version",

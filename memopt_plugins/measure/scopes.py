@@ -22,6 +22,14 @@ from torch import nn
 from ..patching import forward_hook, forward_pre_hook
 
 
+def eagerly() -> Any:
+    """A context in which ``torch.compile``'d code runs eagerly
+    (``torch.compiler.set_stance("force_eager")``): every module's hooks fire, so passes that
+    observe modules one by one (the drift check, the recompute planner's measurement) see them
+    all, and nothing is compiled for those passes."""
+    return torch.compiler.set_stance("force_eager")
+
+
 class ScopeObserver(Protocol):
     """Told when a watched module's forward starts and ends."""
 

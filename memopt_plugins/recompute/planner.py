@@ -30,17 +30,20 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..measure import Measurement, ModuleCost, ScopeTracker, StepRecorder, Watch, measure
+from ..measure import (
+    Measurement,
+    ModuleCost,
+    ScopeTracker,
+    StepRecorder,
+    Watch,
+    eagerly,
+    measure,
+)
 from ..select import outermost, parent_fqns, within
 from ..tree import tensors_in
 from .wrap import IN_RECOMPUTE, RECOMPUTE, Recompute
 
 log = logging.getLogger("memopt")
-
-
-def _eager() -> Any:
-    """Compiled functions run eagerly inside (``torch.compiler.set_stance("force_eager")``)."""
-    return torch.compiler.set_stance("force_eager")
 
 
 # --------------------------------------------------------------------------- planning
@@ -241,7 +244,7 @@ class RecomputePlanner:
         return [
             *([suspend] if suspend is not None else []),
             self.recompute.bypassed,
-            _eager,
+            eagerly,
         ]
 
     def _stop(self) -> Measurement | None:
