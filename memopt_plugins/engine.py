@@ -20,10 +20,10 @@ from torch import nn
 
 from .batchnorm import BatchNormPatch
 from .compress.bits import BitTable
-from .compress.codec import codec_generator
+from .compress.codec import NoiseGenerators
 from .compress.hooks import CompressionHooks, PackObserver
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
-from .distributed import max_over_ranks
+from .distributed import distributed, max_over_ranks
 from .drift import DriftMonitor, DriftReport
 from .dropout import DropoutPatch
 from .recompute import (
@@ -93,6 +93,14 @@ class Plan(dict):
         return "\n".join(
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         )
+
+
+def noise_seed(seed: int | None) -> int:
+    """The seed of a run's stochastic-rounding noise: ``seed`` (``quantize.seed``), else
+    ``torch.initial_seed()``, mixed with the rank under torch.distributed (rank 0 keeps it)."""
+    base = torch.initial_seed() if seed is None else seed
+    rank = torch.distributed.get_rank() if distributed() else 0
+    return (base + rank * 0x9E3779B97F4A7C15) % 2**63
 
 
 class MemoryOptimizer:
@@ -179,6 +187,7 @@ class MemoryOptimizer:
             group_size=self.config.quantize.group_size,
             stochastic=self.config.quantize.rounding == "stochastic",
             min_numel=self.config.quantize.min_numel,
+            noise=NoiseGenerators(noise_seed(self.config.quantize.seed)),
         )
         hooks.install(model, list(self._table.scopes))
         self._hooks = hooks
@@ -343,7 +352,7 @@ class MemoryOptimizer:
                 self._table.compressed,
                 set_bits=self.set_bits,
                 suspend=hooks.suspend,
-                generators=[codec_generator(d) for d in devices],
+                generators=[hooks.noise(d) for d in devices],
                 scopes=[f for f in self._table.scopes if f not in regions],
                 min_numel=self.config.quantize.min_numel,
                 reduce_max=self.reduce_max,

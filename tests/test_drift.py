@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,7 +16,6 @@ from transformers import BatchEncoding
 from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.compress.codec import codec_generator
 from memopt_plugins.config import DriftConfig
 from memopt_plugins.drift import (
     HISTORY_LIMIT,
@@ -136,6 +136,47 @@ def test_drift_matches_hand_computation(metric):
         assert report.per_module[fqn] == pytest.approx(expected, rel=1e-6)
 
 
+def test_noise_drift_matches_the_two_halves_computed_by_hand():
+    """noise = |g_q - g|^2 / (|g_A - g_B|^2 / 4): the sign-weighted pass equals two half passes."""
+    model, batch, loss_fn = hf_gpt2(batch_size=4, seq=32, layers=1)
+    config = {"quantize": {"bits": 4, "rounding": "nearest"}}
+    opt = MemoryOptimizer({**config, "drift": {"metric": "noise", "threshold": 1.0}})
+    opt.apply(model)
+    report = opt.check_drift(lambda: loss_fn(model, batch), max_rounds=1)
+    fc = model.transformer.h[0].mlp.c_fc
+    own = list(fc.parameters())
+
+    def grad(part, exact=True):
+        with opt.hooks.suspend() if exact else contextlib.nullcontext():
+            loss = loss_fn(model, part)
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, own)]).double()
+
+    g, q = grad(batch), grad(batch, exact=False)
+    halves = grad(batch[:2]) - grad(batch[2:])
+    expected = float((q - g).square().sum() / (halves.square().sum() / 4))
+    assert expected > 1e-3
+    assert report.per_module["transformer.h.0.mlp.c_fc"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_noise_metric_on_llama_lets_4_bits_through_and_stops_2_bits():
+    """At 0.05: from 4 bits at most half the measured modules escalate, from 2 bits most do."""
+    moved = {}
+    for bits in (4, 2):
+        config = {"quantize": {"bits": bits}, "drift": {"metric": "noise", "threshold": 0.05}}
+        opt, _, loss = patched(hf_llama, config, batch_size=8)
+        report = opt.check_drift(loss, max_rounds=1)
+        moved[bits] = len(report.escalated) / len(report.per_module)
+    assert moved[4] <= 0.5 and moved[2] >= 0.5, moved
+
+
+def test_noise_metric_needs_two_samples():
+    model, batch, loss_fn = hf_gpt2(batch_size=1, seq=32, layers=1)
+    opt = MemoryOptimizer({"quantize": {"bits": 4}, "drift": {"metric": "noise"}})
+    opt.apply(model)
+    with pytest.raises(ValueError, match="two halves of the sample"):
+        opt.check_drift(lambda: loss_fn(model, batch))
+
+
 def test_key_bias_trap_module_is_measured_as_a_whole():
     """The key bias's exact gradient is ~0 (softmax ignores a shared shift): its own relative
     error is huge, but the module drift over weight and bias together stays small at 8 bits."""
@@ -210,7 +251,6 @@ def _train(checks: bool, steps: int = 3):
     opt.apply(model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
-    codec_generator("cpu").manual_seed(1)  # stochastic rounding: both runs draw the same noise
     losses, reports = [], []
     for _ in range(steps):
         sgd.zero_grad(set_to_none=True)

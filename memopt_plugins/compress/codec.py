@@ -45,6 +45,7 @@ from .reference import FIRST_LEVEL, FLOAT_DTYPES, SUPPORTED_BITS
 __all__ = [
     "FIRST_LEVEL",
     "NarrowedInt",
+    "NoiseGenerators",
     "PackedTensor",
     "codec_generator",
     "dequantize",
@@ -55,7 +56,7 @@ __all__ = [
     "widen_int",
 ]
 
-_GENERATOR_SEED = 0x6D656D6F  # fixed, so runs are reproducible; "memo" in ASCII
+_GENERATOR_SEED = 0x6D656D6F  # of codec_generator: fixed; "memo" in ASCII
 _GENERATORS: dict[torch.device, torch.Generator] = {}
 
 
@@ -131,21 +132,49 @@ def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
 
 
 def codec_generator(device: torch.device | str) -> torch.Generator:
-    """The private generator that stochastic rounding uses on ``device`` when none is given.
+    """The private generator that stochastic rounding uses on ``device`` when :func:`quantize` is
+    given none (a direct call; the engine's hooks pass their :class:`NoiseGenerators`).
 
     Created on first use and seeded with a fixed constant; the global RNG is never touched.
     Callers that must replay a computation exactly can save and restore its state
     (``get_state`` / ``set_state``).
     """
-    device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, getattr(torch, device.type).current_device())
+    device = _indexed(device)
     generator = _GENERATORS.get(device)
     if generator is None:
         generator = torch.Generator(device=device)
         generator.manual_seed(_GENERATOR_SEED)
         _GENERATORS[device] = generator
     return generator
+
+
+class NoiseGenerators:
+    """Per-device generators of stochastic-rounding noise, all seeded with ``seed``.
+
+    Each is created, seeded, on the first tensor packed on its device, so the same seed gives the
+    same noise whatever else ran in the process; the global RNG is never drawn from.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, device: torch.device | str) -> torch.Generator:
+        """The generator of ``device`` (a device without an index: the current one)."""
+        device = _indexed(device)
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
+
+
+def _indexed(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
+    return device
 
 
 def _check_settings(bits: int, group_size: int) -> None:

@@ -32,7 +32,7 @@ from ..config import HALF_BITS, OFF_BITS
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
 from .bits import BitTable
-from .codec import dequantize, narrow_int, quantize, tensor_nbytes, widen_int
+from .codec import NoiseGenerators, dequantize, narrow_int, quantize, tensor_nbytes, widen_int
 from .graph import GraphHooks, memory_order
 
 log = logging.getLogger("memopt")
@@ -162,12 +162,23 @@ class CompressionHooks:
     Args:
         bits: the engine's bit table (read at every module entry, so escalation acts at once).
         group_size, stochastic, min_numel: codec settings (see ``quantize`` in the config).
+        noise: the generators stochastic rounding draws from (default: the codec's fixed-seed
+            ones, :func:`~.codec.codec_generator`).
     """
 
-    def __init__(self, bits: BitTable, *, group_size: int, stochastic: bool, min_numel: int):
+    def __init__(
+        self,
+        bits: BitTable,
+        *,
+        group_size: int,
+        stochastic: bool,
+        min_numel: int,
+        noise: NoiseGenerators | None = None,
+    ):
         self.bits = bits
         self.group_size = group_size
         self.stochastic = stochastic
+        self.noise = noise
         self.min_numel = min_numel
         self.stats = SavedStats()
         self.observer: PackObserver | None = None
@@ -353,7 +364,10 @@ class CompressionHooks:
             return _Saved(t.detach().to(torch.bfloat16), _from_half(t), t.shape)
         order = None if t.is_contiguous() else memory_order(t)
         dense = t.detach() if order is None else t.detach().permute(order)
-        packed = quantize(dense, bits, group_size=self.group_size, stochastic=self.stochastic)
+        generator = self.noise(dense.device) if self.stochastic and self.noise else None
+        packed = quantize(
+            dense, bits, group_size=self.group_size, stochastic=self.stochastic, generator=generator
+        )
         return _Saved(packed, _decoder(t, order), t.shape)
 
     @staticmethod

@@ -1,9 +1,11 @@
 """Gradient drift: compare compressed and exact gradients on a small batch, escalate bit widths.
 
 One check runs the user's ``loss_fn`` exactly (compression suspended) and compressed, each pass
-under the same forked RNG state (dropout draws the same masks, and the global stream is left where
-it was), restores every buffer after each pass (BatchNorm running statistics) and the private
-generators it is given (stochastic rounding), and takes gradients with
+from the same state of every RNG stream a forward may draw from -- torch's on the CPU and every
+initialized accelerator device, numpy's global one, Python's ``random`` -- so dropout and masks
+drawn with ``np.random`` (wav2vec2's time masking) are the same in both, and all of them are left
+where they were; it restores every buffer after each pass (BatchNorm running statistics) and the
+private generators it is given (stochastic rounding), and takes gradients with
 :func:`torch.autograd.grad`, so neither ``.grad``, the optimizer nor a DDP reducer sees anything.
 The exact gradients are computed once; every round of escalation costs one more compressed pass.
 
@@ -28,12 +30,22 @@ table computed without grad, a dropout whose mask is a bool tensor), or when the
 judging it is negligible: below :data:`NEGLIGIBLE` of the whole model's (parameter gradients for
 parameter judges, recorded activation gradients for the others).
 
-Drift by ``metric``: ``rel_l2`` = ‖g_q − g‖ / ‖g‖, ``cosine`` = 1 − cos(g_q, g). A gradient also
+Drift by ``metric``: ``rel_l2`` = ‖g_q − g‖ / ‖g‖, ``cosine`` = 1 − cos(g_q, g), ``noise`` =
+‖g_q − g‖² / Var(g): compression noise against the gradient's own sampling noise, the variance of
+the sample's mean gradient over the data, estimated from a second exact pass in which the two
+halves of the sample are weighted +1 and −1 (:class:`~.passes.SignedHalves`). Both noises shrink
+as 1/batch, so the ratio holds at the training batch too: 0.05 reads "compression adds at most 5%
+to the gradient noise SGD already has", about the noise of a 5% smaller batch. It needs a loss
+that is a mean (or sum) over the samples, a model output with the samples along dim 0, and 2
+samples or more; a module whose estimated variance is negligible has no measurable drift
+(``NEGLIGIBLE_NOISE``). A parameter-free module is judged by its input gradient, whose rows are
+per sample: its ``noise`` is its squared relative error. A gradient also
 carries the compression error of the nonlinear modules downstream of it, so a module whose drift
 is only inherited can climb a rung with the module it inherits from; each round escalates every
 module over the threshold by one rung, and by default the check re-runs the compressed pass until
 no module is over (or all are at 32). Cost: one exact and one compressed forward/backward on the
-sample when nothing escalates, plus one compressed pass per extra round (from 2 bits on a
+sample when nothing escalates (``noise``: one more exact pass, the signed halves), plus one
+compressed pass per extra round (from 2 bits on a
 transformer: 2 -> 4 -> 8 and a settling round, i.e. 4 passes, once). ``max_rounds=1`` gives one
 rung per call instead.
 
@@ -68,6 +80,7 @@ from .report import (
     HISTORY_LIMIT,
     NEGLIGIBLE,
     NEGLIGIBLE_GRADIENT,
+    NEGLIGIBLE_NOISE,
     NOTHING_TO_JUDGE,
     SAVES_NOTHING,
     DriftReport,
@@ -79,6 +92,7 @@ __all__ = [
     "HISTORY_LIMIT",
     "NEGLIGIBLE",
     "NEGLIGIBLE_GRADIENT",
+    "NEGLIGIBLE_NOISE",
     "NOTHING_TO_JUDGE",
     "SAVES_NOTHING",
     "DriftMonitor",

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from .passes import CheckedParameters, PassRecorder, sq_norms, summed_over_shards
-from .report import CALLS_DIFFER, NEGLIGIBLE_GRADIENT, NOTHING_TO_JUDGE, SAVES_NOTHING
+from .report import (
+    CALLS_DIFFER,
+    NEGLIGIBLE_GRADIENT,
+    NEGLIGIBLE_NOISE,
+    NOTHING_TO_JUDGE,
+    SAVES_NOTHING,
+)
 
 #: Drift slot of a module without measurable drift (a max over ranks ignores it).
 UNMEASURED = -1.0
@@ -62,12 +68,15 @@ def module_drifts(
     approx: Sequence[torch.Tensor],
     metric: str,
     sharded: Sequence[int] = (),
+    variance: torch.Tensor | None = None,
 ) -> tuple[list[float], dict[str, str]]:
     """Per-module drift (``UNMEASURED`` where there is none) and why some have none.
 
     ``exact``/``approx`` hold only this rank's share of the gradients at the indices ``sharded``
     (``exact_sq`` already summed over ranks there): their sums are summed over ranks as well, so a
-    sharded parameter's drift is measured over the whole parameter.
+    sharded parameter's drift is measured over the whole parameter. ``variance`` (metric
+    ``noise``): per target, the sampling variance of its exact gradient; a module whose variance
+    is at most ``floors[kind] ** 2`` has no measurable drift.
     """
     n = len(approx)  # recorded tensors are missing when the passes ran differently
     diff_sq = sq_norms([q - g for q, g in zip(approx, exact[:n], strict=True)])
@@ -91,7 +100,15 @@ def module_drifts(
         if norm <= floors[judge.kind] or norm == 0.0:
             missing[fqn] = NEGLIGIBLE_GRADIENT
             continue
-        if metric == "cosine":
+        if metric == "noise":
+            noise = float(variance[idx].sum()) if max(idx) < len(variance) else None
+            if noise is None:
+                missing[fqn] = CALLS_DIFFER
+            elif noise <= floors[judge.kind] ** 2 or noise == 0.0:
+                missing[fqn] = NEGLIGIBLE_NOISE
+            else:
+                drift[i] = float(diff_sq[idx].sum()) / noise
+        elif metric == "cosine":
             denom = norm * float(approx_sq[idx].sum().sqrt())
             drift[i] = 1.0 - float(dot[idx].sum()) / denom if denom > 0 else 1.0
         else:

@@ -18,6 +18,7 @@ from .judges import PARAMS, TENSORS, Judge, find_judges, module_drifts
 from .passes import (
     CheckedParameters,
     PassRecorder,
+    SignedHalves,
     gradients,
     preserved_state,
     scalar_loss,
@@ -128,6 +129,17 @@ class DriftMonitor:
                 PARAMS: NEGLIGIBLE * float(exact_sq[: len(params)].sum().sqrt()),
                 TENSORS: NEGLIGIBLE * float(exact_sq[len(params) :].sum().sqrt()),
             }
+            variance = None
+            if cfg.metric == "noise":  # a second exact pass, its two halves weighted +1 and -1
+                with one_pass(), suspend():
+                    rec = PassRecorder(model, param_free)
+                    with rec, SignedHalves(model) as halves:
+                        loss = scalar_loss(loss_fn)
+                    tensors = [rec.tensors[i] for i in wanted] if rec.layout() == layout else []
+                    spread = gradients(loss, checked.targets(rec.running) + tensors, sharded)
+                    del loss, rec, tensors
+                variance = summed_over_shards(sq_norms(spread), sharded) * halves.scale
+                del spread
             while True:
                 with one_pass():
                     rec = PassRecorder(model, param_free)
@@ -138,7 +150,7 @@ class DriftMonitor:
                     approx = gradients(loss, checked.targets(rec.running) + tensors, sharded)
                     del loss, rec, tensors
                 local, missing = module_drifts(
-                    fqns, judges, floors, exact, exact_sq, approx, cfg.metric, sharded
+                    fqns, judges, floors, exact, exact_sq, approx, cfg.metric, sharded, variance
                 )
                 del approx
                 drift = _max_of(reduce_max, local, params[0].device if params else None)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
@@ -172,22 +174,75 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class SignedHalves:
+    """Weights the two halves of the sample +1 and -1 in one pass's backward, for the sampling
+    variance of the gradient (``drift.metric: noise``).
+
+    The gradient flowing into the model's output (its first floating tensor with a batch
+    dimension of 2 or more, dim 0) is multiplied, row by row, by ``n / (2 |A|)`` in the first
+    half A of the ``n`` samples and ``-n / (2 |B|)`` in the second half B. When the loss is a mean
+    over the samples and the model handles them independently, every gradient of that pass is
+    then ``(g_A - g_B) / 2``, half the difference of the two halves' mean gradients, whose squared
+    norm times :attr:`scale` estimates the variance of the whole sample's mean gradient:
+    ``E|g_A - g_B|^2 = tr(Σ) (1/|A| + 1/|B|)`` and ``Var(g) = tr(Σ) / n`` for per-sample gradient
+    covariance ``Σ``. (BatchNorm in training mode couples the samples; the estimate is then
+    approximate.) A parameter-free module's input gradient holds each sample's own rows: its
+    "variance" is its squared norm (for equal halves), and the metric its squared relative error.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.scale = 0.0
+        self._handle = None
+
+    def __enter__(self) -> SignedHalves:
+        self._handle = self.model.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        found = [
+            t
+            for t in tensors_in(output)
+            if t.requires_grad and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2
+        ]
+        if not found:
+            raise ValueError(
+                "drift.metric noise needs two halves of the sample: the model's output has no "
+                "floating tensor with the samples along dim 0 (2 or more); use sample_size >= 2, "
+                "or metric rel_l2 / cosine"
+            )
+        out = found[0]
+        n = out.shape[0]
+        a, b = (n + 1) // 2, n // 2
+        weights = torch.full((n,), -n / (2 * b), dtype=out.dtype, device=out.device)
+        weights[:a] = n / (2 * a)
+        weights = weights.view(n, *([1] * (out.dim() - 1)))
+        self.scale = 4.0 / (n * (1 / a + 1 / b))
+        out.register_hook(lambda grad: grad * weights)
+
+
 @contextmanager
 def preserved_state(
     model: nn.Module, generators: Sequence[torch.Generator]
 ) -> Iterator[Callable[[], AbstractContextManager]]:
-    """Everything a pass may change is put back on exit: buffers, global RNG, ``generators``.
+    """Everything a pass may change is put back on exit: buffers, RNG streams, ``generators``.
 
-    Yields a factory of per-pass contexts: each pass starts from the same RNG states (global and
-    ``generators``) and buffers, so dropout draws the same masks in every pass.
+    Yields a factory of per-pass contexts: each pass starts from the same buffers and the same
+    state of every RNG stream a forward may draw from -- torch's on the CPU and on every
+    initialized accelerator device (all of them, not only the model's: a forward may draw noise
+    on any), numpy's global one, Python's ``random`` and ``generators`` -- so dropout and masks
+    drawn with ``np.random`` are the same in every pass, and training after the check continues
+    every stream from where it was.
     """
     buffers = list(model.buffers())
     saved_buffers = [b.detach().clone() for b in buffers]
     saved_generators = [g.get_state() for g in generators]
-    devices = {p.device for p in model.parameters()} | {b.device for b in buffers}
-    accel = sorted({d.type for d in devices} - {"cpu", "meta"})
-    device_type = accel[0] if accel else "cuda"
-    indices = sorted({d.index or 0 for d in devices if d.type == device_type})
+    saved_numpy = np.random.get_state()
+    saved_python = random.getstate()
+    device_type, indices = _accelerator_devices(model)
 
     def restore() -> None:
         with torch.no_grad():
@@ -195,6 +250,8 @@ def preserved_state(
                 b.copy_(saved)
         for g, state in zip(generators, saved_generators, strict=True):
             g.set_state(state)
+        np.random.set_state(saved_numpy)
+        random.setstate(saved_python)
 
     @contextmanager
     def one_pass() -> Iterator[None]:
@@ -208,6 +265,20 @@ def preserved_state(
         yield one_pass
     finally:
         restore()
+
+
+def _accelerator_devices(model: nn.Module) -> tuple[str, list[int]]:
+    """The accelerator type whose RNG a pass forks, and its devices: every device of the type
+    once it is initialized (the model's only otherwise; none for a CPU model on an uninitialized
+    accelerator, which forking would initialize)."""
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    accel = sorted({d.type for d in devices} - {"cpu", "meta"})
+    device_type = accel[0] if accel else "cuda"
+    module = getattr(torch, device_type, None)
+    initialized = getattr(module, "is_initialized", None)
+    if initialized is not None and initialized():
+        return device_type, list(range(module.device_count()))
+    return device_type, sorted({d.index or 0 for d in devices if d.type == device_type})
 
 
 def scalar_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:

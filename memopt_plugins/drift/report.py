@@ -17,6 +17,7 @@ SAVES_NOTHING = "saves nothing compression touches"
 NEGLIGIBLE_GRADIENT = "negligible exact gradient"
 NOTHING_TO_JUDGE = "no gradient to judge it by"
 CALLS_DIFFER = "ran differently in the exact and compressed passes"
+NEGLIGIBLE_NOISE = "negligible sampling noise of the exact gradient"
 
 
 @dataclass(frozen=True)
