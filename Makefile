@@ -21,7 +21,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Without a C compiler the CPU codec's tests would skip: fail instead (CC may carry arguments).
 test: lint
+	@set -- $${CC:-cc}; command -v "$$1" >/dev/null || \
+		{ echo "make test: no C compiler ($${CC:-cc}); the CPU codec needs one" >&2; exit 1; }
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

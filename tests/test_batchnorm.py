@@ -129,11 +129,12 @@ def small_resnet():
     return hf_resnet(batch_size=4, size=64)
 
 
-def test_hf_resnet_retained_memory_at_least_1_15x_lower():
+def test_hf_resnet_retained_memory_at_least_1_25x_lower():
     batch_mode = measure(small_resnet)
     reading = measure(small_resnet, RUNNING)
-    assert batch_mode.retained / reading.retained >= 1.15, (batch_mode, reading)
-    assert batch_mode.peak / reading.peak >= 1.1, (batch_mode, reading)
+    # measured: retained 1.28x lower, peak 1.17x (README: 1.26-1.47x over the bench's ResNets)
+    assert batch_mode.retained / reading.retained >= 1.25, (batch_mode, reading)
+    assert batch_mode.peak / reading.peak >= 1.15, (batch_mode, reading)
 
 
 # --------------------------------------------------------------------------- fusion, exactly

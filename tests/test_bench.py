@@ -148,7 +148,8 @@ def test_gradient_error_grows_as_bits_shrink(quick):
     for key in WORKLOADS:
         r = rows[key]
         errors = [r[f"memopt int{b}"]["grad_error"] for b in (8, 4, 2)]
-        assert 0 < errors[0] < 0.05, key  # ~1% at 8 bits (DESIGN.md)
+        # measured at 8 bits in the quick run: gpt 0.70%, hf-gpt2 0.37%, cnn 0.61%
+        assert 0 < errors[0] < 0.009, key
         assert errors[0] < errors[1] < errors[2], key
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -165,3 +166,15 @@ def test_console_script_exit_status_without_traceback(factories):
     assert done.returncode == 2
     assert "raised ValueError: no data here" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_reader_that_leaves_gives_exit_1_without_a_traceback(factories, monkeypatch, capsys):
+    """``memopt plan ... | head``: the pipe closes under the output, the command exits 1."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    with open(write, "w", buffering=1) as gone:  # line-buffered: the first print hits the pipe
+        monkeypatch.setattr(sys, "stdout", gone)
+        rc = main(["plan", "--model", f"{factories}/toy.py:mlp", "--budget", "0.5"])
+        monkeypatch.undo()
+    assert rc == 1
+    assert "Traceback" not in capsys.readouterr().err

@@ -73,8 +73,11 @@ def test_8bit_gradient_error(build, limit):
 def test_lower_bits_give_larger_but_bounded_error():
     model, batch, loss_fn = hf_gpt2(batch_size=4, seq=64)
     exact = gradients(model, batch, loss_fn)
-    errors = {b: rel_error(gradients(model, batch, loss_fn, q(b)), exact) for b in (16, 8, 4)}
-    assert errors[16] < errors[8] < errors[4] < 0.5
+    errors = {b: rel_error(gradients(model, batch, loss_fn, q(b)), exact) for b in (16, 8, 4, 2)}
+    assert errors[16] < errors[8] < errors[4] < errors[2]
+    # measured over quantize.seed 0-7: 16 bits 0.185%, 8 bits 0.78-0.79%, 4 bits 15.4-15.5%,
+    # 2 bits 239-246% (2 bits needs the drift check; see test_drift)
+    assert errors[16] < 0.0025 and errors[8] < 0.009 and errors[4] < 0.17 and errors[2] < 2.7
 
 
 def test_32_bits_is_bit_for_bit_identical():
@@ -222,17 +225,18 @@ def test_remove_restores_the_model_exactly():
     hooks_before = {
         n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
     }
+    exact = gradients(model, batch, loss_fn)  # before apply
     opt = MemoryOptimizer(q(4))
     opt.apply(model)
     loss_fn(model, batch).backward()
+    assert rel_error(gradients(model, batch, loss_fn), exact) > 0.01  # 4 bits acted
     opt.remove()
     assert list(model.state_dict()) == keys
     assert {
         n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
     } == hooks_before
-    model.zero_grad()
-    exact = gradients(model, batch, loss_fn)
     again = gradients(model, batch, loss_fn)
+    assert again.keys() == exact.keys()
     assert all(torch.equal(exact[k], again[k]) for k in exact)
     again_opt = MemoryOptimizer(q(4))
     again_opt.apply(model)  # can be patched again after remove
@@ -344,3 +348,18 @@ def test_unpack_returns_the_size_and_strides_that_were_saved(layout, bits):
     else:
         step = (t.max() - t.min()) / 255
         assert (out - t).abs().max() <= (step if bits == 8 else 0.01 * t.abs().max())
+
+
+def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
+    """The README's "never compressed" list: bool tensors and tensors under ``min_numel`` are
+    kept as they are; a tensor saved as several views is stored once."""
+    hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1000)
+    small, mask = torch.rand(999), torch.rand(64, 256) > 0.5
+    assert hooks.pack(small, 8) is small and hooks.pack(mask, 8) is mask
+    a = torch.rand(64, 256)
+    plain = hooks.pack(a, 8)
+    assert hooks.pack(a, 8) is plain and plain.nbytes < a.numel() * a.element_size() / 3
+    flat = hooks.pack(a.view(-1), 8)  # a (contiguous) view of the same elements
+    assert flat.payload is plain  # the one compressed copy, reshaped on unpack
+    out = hooks.unpack(flat)
+    assert out.shape == (64 * 256,) and (out - a.view(-1)).abs().max() <= a.max() / 255

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -32,7 +31,7 @@ def _data(rank: int) -> torch.Tensor:
     return torch.randint(0, 4, (16, 256), generator=g).float()
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
@@ -46,7 +45,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{Path(out) / 'store'}",  # no port to race for
         rank=rank,
         world_size=WORLD,
         timeout=timedelta(seconds=30),
@@ -82,23 +81,17 @@ def _worker(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_ranks_agree_on_an_escalation_only_one_rank_would_trigger(tmp_path):
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(str(tmp_path),), nprocs=WORLD, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + 50
+    deadline = time.monotonic() + 300  # a hung collective fails sooner: the 30 s group timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("the 2-process drift check did not finish within 50 s")
+            pytest.fail("the 2-process drift check did not finish within 300 s")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
 
     # alone, only rank 0 would escalate; rank 1's gradients are exact at 2 bits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -324,3 +325,14 @@ def test_swap_keeps_names_types_and_state_dict_and_remove_restores_exactly():
     assert all(restored[n] is originals[n] for n in originals)
     assert shared.p == 0.5 and not shared.training
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_a_dropout_replaced_after_apply_is_left_with_a_warning(caplog):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2))
+    opt = MemoryOptimizer({"dropout": {"mode": "bitmask"}})
+    opt.apply(model)
+    mine = model[1] = nn.Identity()
+    with caplog.at_level(logging.WARNING, logger="memopt"):
+        opt.remove()
+    assert "Sequential.1 was replaced by someone else since apply" in caplog.text
+    assert model[1] is mine

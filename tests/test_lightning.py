@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from memopt_plugins.callbacks import MemOptCallback
 from torch import nn
@@ -292,8 +293,19 @@ def test_stochastic_weight_averaging_copies_the_patched_module(tmp_path):
     trainer = make_trainer(tmp_path, [memopt, swa], max_steps=-1, max_epochs=2)
     trainer.fit(module, loader(16))
     assert trainer.current_epoch == 2
-    assert swa._average_model is not None
-    assert all(torch.isfinite(p).all() for p in module.parameters())
+    average = swa._average_model
+    assert average is not None and swa.n_averaged is not None and int(swa.n_averaged) > 0
+    # the average computes what an unpatched module with its weights computes, bit for bit
+    plain = GPT2Module()
+    plain.load_state_dict(average.state_dict())
+    (tokens,) = next(iter(loader()))
+    grads = []
+    for copy in (average, plain):
+        copy.train().zero_grad(set_to_none=True)
+        copy.loss_fn(copy, tokens).backward()
+        grads.append({n: p.grad for n, p in copy.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[1])
 
 
 class LateGPT2Module(GPT2Module):
@@ -328,6 +340,18 @@ def test_fsdp_checkpointing_policy_with_recompute_section_is_refused(tmp_path):
     no_recompute.setup(trainer, module := GPT2Module(), "fit")  # compression alone is fine
     assert no_recompute.optimizer.model is module
     no_recompute.teardown(trainer, module, "fit")
+
+
+def test_a_model_built_in_configure_model_is_refused_under_fsdp1():
+    # FSDP needs a GPU to build a Trainer; the check only reads trainer.strategy.
+    trainer = SimpleNamespace(strategy=FSDPStrategy())
+    memopt = MemOptCallback({"quantize": {"bits": 8}})
+    module = LateGPT2Module()
+    memopt.setup(trainer, module, "fit")
+    module.configure_model()
+    with pytest.raises(MisconfigurationException, match="built in configure_model under FSDP"):
+        memopt.on_fit_start(trainer, module)
+    assert _hooks(module) == 0
 
 
 class ManualModule(GPT2Module):
@@ -411,6 +435,15 @@ class RecordBits(Callback):
         path.write_text(json.dumps(self.memopt.state_dict()))
 
 
+class RankOneExactModule(GPT2Module):
+    """Rank 1's loss is zero: its gradients are exact at any bits and its check measures nothing,
+    so only the reduce over ranks can make it escalate as rank 0 does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 0 if self.global_rank == 1 else loss
+
+
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_keeps_identical_bits(tmp_path):
     memopt = MemOptCallback(yaml_config(tmp_path))
@@ -418,11 +451,13 @@ def test_ddp_on_two_cpu_processes_keeps_identical_bits(tmp_path):
         tmp_path,
         [memopt, RecordBits(memopt, str(tmp_path))],
         devices=2,
-        strategy="ddp_fork",  # fork: the children skip re-importing torch (3x faster)
+        # fork: the children skip re-importing torch (3x faster); a hung collective fails in
+        # 2 minutes instead of the default 30
+        strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=120)),
         max_steps=2,
         logger=False,
     )
-    trainer.fit(GPT2Module(), loader())
+    trainer.fit(RankOneExactModule(), loader())
     states = [json.loads((tmp_path / f"bits{rank}.json").read_text()) for rank in (0, 1)]
     assert states[0]["bits"] == states[1]["bits"]
     assert max(states[0]["bits"].values()) > 2
