@@ -17,7 +17,8 @@ from memopt_plugins.config import (
     load_config,
 )
 
-# The schema block of DESIGN.md ("Config schema (contract)"), written out as data.
+# The schema block of DESIGN.md ("Config schema (contract)"), written out as data, plus
+# quantize.seed (the drift/reproducibility issue; not in DESIGN.md).
 DESIGN_DEFAULTS: dict[str, Any] = {
     "recompute": {"modules": [], "types": [], "auto": None},
     "quantize": {
@@ -28,6 +29,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "group_size": 256,
         "rounding": "stochastic",
         "min_numel": 4096,
+        "seed": None,
     },
     "drift": {
         "enabled": True,
@@ -52,6 +54,7 @@ CUSTOM: dict[str, Any] = {
         "group_size": 64,
         "rounding": "nearest",
         "min_numel": 0,
+        "seed": 7,
     },
     "drift": {
         "enabled": False,
@@ -142,7 +145,7 @@ def test_unknown_key_line_names_path_suggestion_and_allowed_keys():
     err = error_of({"quantize": {"bitz": 4}})
     assert err.problems == (
         "quantize.bitz: unknown key. Did you mean 'bits'? Allowed keys: bits, modules, exclude, "
-        "overrides, group_size, rounding, min_numel",
+        "overrides, group_size, rounding, min_numel, seed",
     )
 
 
