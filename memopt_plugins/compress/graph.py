@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from ..config import HALF_BITS, OFF_BITS
-from .bitpack import _LANES_DTYPE
 from .bits import BitTable
 
 if TYPE_CHECKING:
@@ -91,16 +90,18 @@ def _one_call(fn: Callable[[Any], Any], name: str) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(nn.Module(), graph)
 
 
-def _lane_shifts(bits: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(8 // bits, device=device, dtype=_LANES_DTYPE[8 // bits]) * bits
-
-
 def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
     """Codes, scale and zero point of contiguous ``x`` at round-to-nearest, in traceable ops.
 
-    The bytes of :func:`.reference.quantize` with ``seed=None`` for every group it encodes; the
-    groups it keeps exactly get scale 0 and the top code as zero point (decoded as NaN), and a
-    constant group its value rounded up to one first level of a bfloat16 step.
+    The scale and zero point of :func:`.reference.quantize` with ``seed=None``, and its codes,
+    for every group it encodes; the groups it keeps exactly get scale 0 and the top code as zero
+    point (decoded as NaN, whatever their codes), and a constant group its value rounded up to
+    one first level of a bfloat16 step. Below 8 bits a group's codes are packed by
+    :func:`_pack_planes`, not in the reference's order.
+
+    Written for inductor's vectorizer: the codes depend on the group only through the stored
+    scale and zero point (outputs, so computed once per group), rounding picks the sign with
+    ``where`` and the codes go to ``uint8`` in one conversion.
     """
     top, first = 2**bits - 1, FIRST_LEVEL[bits]
     work = work_dtype(x.dtype)
@@ -112,22 +113,43 @@ def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, .
     mins, maxs = groups.amin(1), groups.amax(1)
     params = group_params(mins, maxs, bits, x.dtype)
     lost = params.exact | (params.const & ~torch.isfinite(maxs))
-    step = params.scale.to(work)
-    inverse = torch.where(params.const & ~lost, 1 / step, params.inverse)[:, None]
-    zero_point = params.zero_point[:, None]
-    codes = (groups * inverse).abs().sub(first).clamp_min(0).add(0.5).floor().add(1)
-    codes = (codes * torch.sign(groups) + zero_point).clamp(0, top)
-    codes = torch.where(lost[:, None], 0.0, codes).to(torch.int16).to(torch.uint8).view(-1)
-    if bits < 8:
-        per_byte = 8 // bits
-        tail = -codes.numel() % per_byte
-        if tail:
-            codes = torch.cat((codes, codes.new_zeros(tail)))
-        lanes = codes.view(-1, per_byte).to(_LANES_DTYPE[per_byte])
-        codes = (lanes << _lane_shifts(bits, x.device)).sum(1).to(torch.uint8)
     scale = torch.where(lost, 0.0, params.scale.to(work)).to(torch.bfloat16)
     zero_point = torch.where(lost, float(top), params.zero_point).to(torch.uint8)
-    return codes, scale, zero_point
+    # The reference's inverse is 1 / step for every group it encodes; a step of 0 (a lost or an
+    # all-zero group) gives NaN or +-inf here, which the comparisons send to the zero point or
+    # the clamp's ends, and whose codes decode to NaN (lost) or 0 (step 0) regardless.
+    scaled = groups * (1 / scale.to(work))[:, None]
+    zp = zero_point.to(work)[:, None]
+    away = (scaled.abs() - first).clamp_min(0).add(0.5).floor().add(1)
+    codes = torch.where(scaled > 0, zp + away, torch.where(scaled < 0, zp - away, zp))
+    codes = codes.clamp(0, top).to(torch.uint8)
+    if bits < 8:
+        codes = _pack_planes(codes, bits)
+    return codes.view(-1), scale, zero_point
+
+
+def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each group's ``(n_groups, group_size)`` codes in ``group_size * bits / 8`` bytes: byte
+    ``j`` holds codes ``j, j + m, j + 2m, ...`` (``m``: bytes per group), lowest bits first.
+
+    Planes of a group, not neighbours (the reference's order): every lane is read and written
+    contiguously, so inductor vectorizes packing and unpacking (neighbour lanes made it fall
+    back to scalar loops, ten times slower).
+    """
+    per_byte = 8 // bits
+    planes = codes.view(codes.shape[0], per_byte, -1)
+    packed = planes[:, 0]
+    for lane in range(1, per_byte):
+        packed = packed | (planes[:, lane] << lane * bits)
+    return packed
+
+
+def _unpack_planes(packed: torch.Tensor, bits: int, n_groups: int) -> torch.Tensor:
+    """The ``(n_groups, group_size)`` codes :func:`_pack_planes` packed."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8)[:, None] * bits
+    planes = (packed.view(n_groups, 1, -1) >> shifts) & (2**bits - 1)
+    return planes.view(n_groups, -1)
 
 
 def decode(c: _Coded) -> torch.Tensor:
@@ -135,13 +157,11 @@ def decode(c: _Coded) -> torch.Tensor:
     top, pull = 2**c.bits - 1, 1 - FIRST_LEVEL[c.bits]
     work = work_dtype(c.dtype)
     n_groups = c.scale.numel()
-    codes = c.codes
     if c.bits < 8:
-        per_byte = 8 // c.bits
-        wide = codes.to(_LANES_DTYPE[per_byte])[:, None] >> _lane_shifts(c.bits, codes.device)
-        codes = (wide & top).view(-1)
-    offset = codes[: n_groups * c.group_size].view(n_groups, c.group_size).to(work)
-    offset = offset - c.zero_point.to(work)[:, None]
+        codes = _unpack_planes(c.codes, c.bits, n_groups)
+    else:
+        codes = c.codes.view(n_groups, c.group_size)
+    offset = codes.to(work) - c.zero_point.to(work)[:, None]
     levels = (offset - torch.sign(offset) * pull) * c.scale.to(work)[:, None]
     lost = (c.scale == 0) & (c.zero_point == top)
     levels = torch.where(lost[:, None], float("nan"), levels)
@@ -280,7 +300,11 @@ class GraphHooks:
             return t  # not dense (a slice with gaps): kept as it is
         dense = t if order is None else t.permute(order)
         inverse = None if order is None else tuple(sorted(range(t.dim()), key=order.__getitem__))
-        codes, scale, zero_point = encode(dense, bits, self.group_size)
+        # Its memory as one flat run: inductor indexes that directly, where a reshape of
+        # ``dense`` into groups that straddle its dims gave index expressions (divisions and
+        # remainders) it could not simplify, and gathers element by element.
+        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
+        codes, scale, zero_point = encode(flat, bits, self.group_size)
         return _Coded(
             codes, scale, zero_point, bits, self.group_size, t.numel(), t.dtype,
             tuple(dense.shape), inverse,

@@ -84,12 +84,20 @@ class Groups:
 
 
 def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (non-negative) in bfloat16, rounded toward +inf so a step never shrinks."""
-    y = x.to(torch.bfloat16)
-    # For non-negative bfloat16 the bit pattern + 1 is the next value up (the largest finite
-    # value goes to inf); integer arithmetic works on every backend, unlike nextafter for bf16.
-    next_up = (y.view(torch.int16) + 1).view(torch.bfloat16)
-    return torch.where(y.to(x.dtype) < x, next_up, y)
+    """``x`` (non-negative, float32 or float64) in bfloat16, rounded toward +inf so a step
+    never shrinks.
+
+    By the float32 bits: a bfloat16 is a float32 whose low 16 bits are 0, so adding ``0xFFFF``
+    and clearing them is the ceiling (the largest finite value goes to inf). Integer arithmetic
+    works on every backend, unlike ``nextafter`` for bfloat16, and survives ``torch.compile``:
+    inductor drops the round trip of a comparison ``x.to(bfloat16).to(x.dtype) < x`` (it keeps
+    low-precision intermediates in float32), which rounded the step to nearest instead.
+    """
+    if x.dtype == torch.float64:  # first to the float32 at or above x
+        down = x.to(torch.float32)
+        x = torch.where(down.to(x.dtype) < x, torch.nextafter(down, down.new_tensor(torch.inf)), down)
+    bits = x.view(torch.int32)
+    return ((bits + 0xFFFF) & -0x10000).view(torch.float32).to(torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
