@@ -97,7 +97,7 @@ def test_the_in_graph_codec_compiles_to_the_same_bytes(bits):
         return graph.encode(y.as_strided((y.numel(),), (1,)), bits, 256)
 
     eager, compiled = encode(x), torch.compile(encode)(x)
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
 
 
 def _held(reading) -> int:

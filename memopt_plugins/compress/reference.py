@@ -95,7 +95,9 @@ def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dtype == torch.float64:  # first to the float32 at or above x
         down = x.to(torch.float32)
-        x = torch.where(down.to(x.dtype) < x, torch.nextafter(down, down.new_tensor(torch.inf)), down)
+        x = torch.where(
+            down.to(x.dtype) < x, torch.nextafter(down, down.new_tensor(torch.inf)), down
+        )
     bits = x.view(torch.int32)
     return ((bits + 0xFFFF) & -0x10000).view(torch.float32).to(torch.bfloat16)
 
