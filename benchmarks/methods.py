@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import re
+import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -124,6 +125,12 @@ class Patched:
         """After ``optimizer.step()``: count the step (drift schedule, BatchNorm warm-up)."""
         if self.optimizer is not None:
             self.optimizer.count_step()
+
+    def mean_bits(self) -> float | None:
+        """The compressed modules' mean bits now (``None`` without compression)."""
+        if self.optimizer is None or not self.optimizer.bits:
+            return None
+        return statistics.fmean(self.optimizer.bits.values())
 
     def training_summary(self) -> str:
         """Drift checks, escalations and the bits at the end (modules per width), for a table."""
@@ -267,6 +274,14 @@ def _bits(bits: int) -> dict[str, Any]:
     return {"quantize": {"bits": bits, "modules": ["*"]}, "drift": {"enabled": False}}
 
 
+def _drift(metric: str) -> dict[str, Any]:
+    """4 bits, drift-checked under ``metric`` (the settings of ``configs/int4_drift.yaml``)."""
+    return {
+        "quantize": {"bits": 4, "modules": ["*"]},
+        "drift": {"metric": metric, "threshold": 0.05, "check_every": 25, "sample_size": 8},
+    }
+
+
 def _budget(budget: float) -> dict[str, Any]:
     return {"recompute": {"auto": {"budget": budget}}}
 
@@ -275,9 +290,11 @@ BASELINE = "baseline"
 CHECKPOINT = "checkpoint every block"
 INT8, INT4, INT2 = "memopt int8", "memopt int4", "memopt int2"
 INT4_DRIFT = "memopt int4 + drift"
+#: The drift issue's comparison: the bits each metric settles at, and the loss trained there.
+DRIFT_REL_L2, DRIFT_NOISE = "memopt int4 + drift rel_l2", "memopt int4 + drift noise"
 PLANNER_05 = "memopt planner 0.5"
 #: The methods whose final loss the benchmark issue bounds (within 1% of the baseline's).
-LOSS_BARS = (INT8, INT4_DRIFT)
+LOSS_BARS = (INT8, INT4_DRIFT, DRIFT_NOISE)
 
 METHODS: list[Method] = [
     Method(BASELINE, PYTORCH, _baseline, exact=True),
@@ -288,6 +305,8 @@ METHODS: list[Method] = [
     Method(INT4, MEMOPT, memopt(_bits(4), "int4")),
     Method(INT2, MEMOPT, memopt(_bits(2), "int2")),
     Method(INT4_DRIFT, MEMOPT, memopt(CONFIGS / "int4_drift.yaml", "int4 + drift")),
+    Method(DRIFT_REL_L2, MEMOPT, memopt(_drift("rel_l2"), "int4 + drift rel_l2")),
+    Method(DRIFT_NOISE, MEMOPT, memopt(_drift("noise"), "int4 + drift noise")),
     Method(PLANNER_05, MEMOPT, memopt(_budget(0.5), "planner 0.5"), exact=True),
     Method("memopt planner 0.3", MEMOPT, memopt(_budget(0.3), "planner 0.3"), exact=True),
     Method("memopt combined preset", MEMOPT, memopt(lambda w: w.preset, "preset")),

@@ -34,6 +34,7 @@ class Row:
     short_loss: float | None = None  # held-out loss after the short schedule, mean over seeds
     short_paired: Paired | None = None  # the same comparison on the short schedule
     training: str = "-"
+    mean_bits: float | None = None  # compressed modules' mean bits after training, over seeds
     error: str | None = None
     compile_seconds: float | None = None  # compiled methods: the first step's (it compiles)
 

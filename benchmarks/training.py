@@ -219,4 +219,6 @@ def summarize_runs(row: Row, runs: list[TrainingRun], losses: dict[int, tuple]) 
         row.train_loss = statistics.fmean(sum(run.losses[-tail:]) / tail for run in runs)
         row.train_seconds = sum(run.seconds for run in runs) / sum(len(r.losses) for r in runs)
         row.training = runs[0].patched.training_summary()  # the first seed's
+        bits = [run.patched.mean_bits() for run in runs]
+        row.mean_bits = None if None in bits else statistics.fmean(bits)
     unpatch(runs)
