@@ -352,7 +352,8 @@ def test_unpack_returns_the_size_and_strides_that_were_saved(layout, bits):
 
 def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
     """The README's "never compressed" list: bool tensors and tensors under ``min_numel`` are
-    kept as they are; a tensor saved as several views is stored once."""
+    kept as they are; a tensor saved as several contiguous views is stored once, a view with
+    other strides (a transpose) a second time."""
     hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1000)
     small, mask = torch.rand(999), torch.rand(64, 256) > 0.5
     assert hooks.pack(small, 8) is small and hooks.pack(mask, 8) is mask
@@ -363,3 +364,6 @@ def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
     assert flat.payload is plain  # the one compressed copy, reshaped on unpack
     out = hooks.unpack(flat)
     assert out.shape == (64 * 256,) and (out - a.view(-1)).abs().max() <= a.max() / 255
+    transposed = hooks.pack(a.t(), 8)
+    assert transposed is not plain and getattr(transposed, "payload", None) is not plain
+    assert hooks.unpack(transposed).stride() == a.t().stride()

@@ -15,7 +15,6 @@ import csv
 import functools
 import gc
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -457,18 +456,21 @@ def _lightning(rank: int, root: Path) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
-    # What a launcher sets: Lightning then takes the processes as created for it.
+    # What a launcher sets: Lightning then takes the processes as created for it. The group
+    # meets in a file (no port to race for); Lightning finds it initialized and uses it.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT="29500",  # read by Lightning's environment, never bound
         WORLD_SIZE=str(WORLD),
         NODE_RANK="0",
         LOCAL_RANK=str(rank),
         RANK=str(rank),
     )
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD, timeout=TIMEOUT
+    )
     gc.freeze()  # the meter's gc.collect() would walk every object of the imports (0.6 s a call)
     results: dict = {}
     try:
@@ -492,18 +494,12 @@ def _worker(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     """One spawned 2-process gloo run of everything below; each rank's results."""
     out = tmp_path_factory.mktemp("fsdp2")
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + 300
     while not ctx.join(timeout=1):

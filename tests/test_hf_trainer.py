@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -408,12 +407,6 @@ def test_lora_model_trains_under_the_trainer_with_its_adapters_checked(tmp_path)
 
 
 # --------------------------------------------------------------------------- the example, DDP
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_example_under_ddp_keeps_ranks_identical_and_checkpoints_state(tmp_path):
     """Two processes over gloo, LoRA, accumulation 2: same checks, bits and weights everywhere."""
@@ -421,8 +414,8 @@ def test_example_under_ddp_keeps_ranks_identical_and_checkpoints_state(tmp_path)
     config.write_text("quantize: {bits: 2}\ndrift: {threshold: 0.05, check_every: 2}\n")
     report = tmp_path / "summary.json"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(_free_port()),
+        # --standalone: the rendezvous store binds a free port itself (no port to race for)
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "examples" / "train_hf_trainer.py"), "--cpu", "--config", str(config),
         "--max-steps", "3", "--dim", "64", "--depth", "1", "--block-size", "32",
         "--batch-size", "4", "--accumulate", "2", "--lora", "4",
