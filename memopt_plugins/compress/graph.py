@@ -13,7 +13,8 @@ Each compression scope therefore enters hooks that are GraphModules of one call 
 before. Traced by AOTAutograd, the call sees the graph node of the saved tensor, finds the
 innermost compressed module that produced it (``nn_module_stack`` keys are module ids) and emits
 the codec in PyTorch operations that inductor compiles into the graph, at that module's bits:
-the levels, bfloat16 scale and zero point of :mod:`.reference`, at round-to-nearest.
+the codes, bfloat16 scale and zero point of :mod:`.reference`, at round-to-nearest (below 8
+bits packed in planes, see :func:`_pack_planes`), in the same bytes compiled as eager.
 
 Inside a graph, compared with eager:
 
@@ -23,7 +24,8 @@ Inside a graph, compared with eager:
 * only what the graph computes itself is compressed (AOTAutograd's ``donated`` filter): the
   parameters never, and neither the inputs of the graph it saves (with one compiled graph per
   block, each block's input);
-* memopt's byte counters (``SavedStats``) do not see what the graph packs.
+* the bytes held (``SavedStats.held_bytes``) do not see what the graph packs; what it saves
+  is counted from the sizes it was traced with (``SavedStats.compiled``, per compiled frame).
 
 The bits are read when a graph is compiled; a change of bits gives every scope new hook objects,
 so ``torch.compile``'s guard on the hooks recompiles the graphs at their next call.
