@@ -8,6 +8,7 @@ import torch
 
 from memopt_plugins.compress import native
 from memopt_plugins.compress.codec import dequantize, quantize
+from memopt_plugins.compress.reference import FIRST_LEVEL, graph_params
 
 BITS = (2, 4, 8)
 
@@ -78,6 +79,33 @@ def test_kernels_write_the_same_bytes_as_the_torch_path(
         assert _same_bits(getattr(fused, field), getattr(reference, field)), field
     assert _same_bits(fused_decoded, dequantize(fused))  # the torch decoder reads kernel output
     assert _same_bits(fused_decoded, dequantize(reference))
+
+
+# Group extremes at the edges the parameters test: zeros of both signs, float32's and float16's
+# subnormals, float16's rounding boundary to 0 (2^-25), float16's and float32's limits, Inf and
+# NaN. (bfloat16's boundary, 2^-134, lies below every invertible step: no group reaches it.)
+_EDGES = [
+    0.0, -0.0, 1e-45, 1e-41, 2.0**-25, 2.0**-25 * (1 + 2**-23), 2.0**-24, 1e-30,
+    0.5, 1.0, 3.0, 6.0e4, 65504.0, 7.0e4, 3.0e38, float("inf"), float("nan"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", BITS)
+def test_the_graph_parameters_kernel_writes_the_reference_bits(dtype, bits) -> None:
+    edges = torch.tensor(_EDGES)
+    edges = torch.cat((edges, -edges))
+    lo, hi = edges.repeat_interleave(len(edges)), edges.repeat(len(edges))
+    g = _generator(bits)
+    spread = 10.0 ** torch.randint(-40, 38, (5000,), generator=g).float()
+    mn = torch.randn(5000, generator=g) * spread
+    mx = mn + torch.rand(5000, generator=g) * spread
+    mn = torch.cat((torch.minimum(lo, hi), mn, mx[:100]))  # every pair of edges; constants
+    mx = torch.cat((torch.maximum(lo, hi), mx, mx[:100]))
+    kernel = native.graph_params(mn, mx, bits, FIRST_LEVEL[bits], dtype)
+    expected = graph_params(mn, mx, bits, dtype)
+    assert _same_bits(kernel[0], expected[0]) and _same_bits(kernel[1], expected[1])
+    assert ((expected[0] == 0) & (expected[1] == 2**bits - 1)).any()  # lost groups are met
 
 
 @pytest.mark.parametrize("stochastic", [False, True])

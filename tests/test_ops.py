@@ -35,6 +35,12 @@ def test_quantize_and_dequantize_pass_opcheck(bits, dtype, special):
     torch.library.opcheck(dequantize_op, (*packed, bits, 256, NUMEL, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_params_passes_opcheck(dtype):
+    groups = _input(dtype, special=True)[:768].float().view(-1, 256)
+    torch.library.opcheck(ops.graph_params_op, (groups.amin(1), groups.amax(1), 4, dtype))
+
+
 def test_the_seed_is_the_only_source_of_rounding_noise():
     x = torch.randn(NUMEL)
     a, b = quantize_op(x, 4, 256, 11), quantize_op(x, 4, 256, 11)

@@ -14,7 +14,12 @@ before. Traced by AOTAutograd, the call sees the graph node of the saved tensor,
 innermost compressed module that produced it (``nn_module_stack`` keys are module ids) and emits
 the codec in PyTorch operations that inductor compiles into the graph, at that module's bits:
 the codes, bfloat16 scale and zero point of :mod:`.reference`, at round-to-nearest (below 8
-bits packed in planes, see :func:`_pack_planes`), in the same bytes compiled as eager.
+bits packed in planes, see :func:`_pack_planes`), in the same bytes compiled as eager. The
+groups' minima and maxima, codes and packing are fused into the kernels around them; the
+parameters between them are, on the CPU, one opaque operator (``memopt::graph_params``, a C
+kernel): inlined, their few dozen operations went into every kernel that saves a tensor, and
+compiling took four times as long. On other devices they stay inlined (the operator would run
+them there as a few dozen small kernels, eagerly).
 
 Inside a graph, compared with eager:
 
@@ -46,7 +51,8 @@ from .bits import BitTable
 
 if TYPE_CHECKING:
     from .hooks import SavedStats
-from .reference import FIRST_LEVEL, group_params, work_dtype
+from .ops import graph_params_op
+from .reference import FIRST_LEVEL, graph_params, work_dtype
 
 log = logging.getLogger("memopt")
 
@@ -102,8 +108,8 @@ def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, .
     :func:`_pack_planes`, not in the reference's order.
 
     Written for inductor's vectorizer: the codes depend on the group only through the stored
-    scale and zero point (outputs, so computed once per group), rounding picks the sign with
-    ``where`` and the codes go to ``uint8`` in one conversion.
+    scale and zero point (once per group), rounding picks the sign with ``where`` and the codes
+    go to ``uint8`` in one conversion.
     """
     top, first = 2**bits - 1, FIRST_LEVEL[bits]
     work = work_dtype(x.dtype)
@@ -112,11 +118,8 @@ def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, .
     if pad:  # the last element repeated, as Groups.of pads
         flat = torch.cat((flat, flat[-1:].expand(pad)))
     groups = flat.view(-1, group_size).to(work)
-    mins, maxs = groups.amin(1), groups.amax(1)
-    params = group_params(mins, maxs, bits, x.dtype)
-    lost = params.exact | (params.const & ~torch.isfinite(maxs))
-    scale = torch.where(lost, 0.0, params.scale.to(work)).to(torch.bfloat16)
-    zero_point = torch.where(lost, float(top), params.zero_point).to(torch.uint8)
+    params = graph_params_op if x.device.type == "cpu" else graph_params
+    scale, zero_point = params(groups.amin(1), groups.amax(1), bits, x.dtype)
     # The reference's inverse is 1 / step for every group it encodes; a step of 0 (a lost or an
     # all-zero group) gives NaN or +-inf here, which the comparisons send to the zero point or
     # the clamp's ends, and whose codes decode to NaN (lost) or 0 (step 0) regardless.

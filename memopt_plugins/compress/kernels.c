@@ -83,10 +83,13 @@ static void minmax(const float *v, int64_t n, float *mn, float *mx) {
     *mx = nan ? __builtin_nanf("") : from_order_key(hi);
 }
 
-/* f (>= 0) as bfloat16, rounded toward +inf so a step never shrinks: codec._bf16_round_up. */
-static inline uint16_t bf16_round_up(float f) {
-    uint16_t y = to_bf16(f);
-    return from_bf16(y) < f ? (uint16_t)(y + 1) : y;
+/* f (>= 0) as bfloat16 bits, rounded toward +inf so a step never shrinks:
+ * codec._bf16_round_up. In 32 bits, so that loops over groups vectorize. */
+static inline uint32_t bf16_round_up(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t y = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* to_bf16 */
+    return from_bf16((uint16_t)y) < f ? y + 1 : y;
 }
 
 enum { EXACT = 1, CONSTANT = 2, MAX_BLOCK = 16 };
@@ -99,9 +102,13 @@ static int64_t block_of(int64_t group_size) {
     return block < 1 ? 1 : block > MAX_BLOCK ? MAX_BLOCK : block;
 }
 
-/* Whether f (finite, >= 0) stays nonzero when rounded to the element type. */
+/* Whether f (>= 0, not NaN) stays nonzero when rounded to nearest even in the element type:
+ * above half of its smallest subnormal (2^-25 in float16; in bfloat16 the bits of float32's
+ * 2^-134). Comparisons, not conversions, so that loops over groups vectorize. */
 static inline int nonzero_in(int dtype, float f) {
-    return dtype == F32 ? f != 0.0f : dtype == BF16 ? to_bf16(f) != 0 : (_Float16)f != 0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return dtype == F32 ? f != 0.0f : dtype == BF16 ? u > 0x8000u : f > 0x1p-25f;
 }
 
 /* The step of a mixed-sign group with zero point zp: k codes reach (k - 1 + first) steps. */
@@ -111,56 +118,58 @@ static inline float mixed_step(float mn, float mx, float zp, float top, float fi
 }
 
 /* A group's parameters from its minimum and maximum: codec._group_params, operation for
- * operation in float32, so both give the same bits. */
+ * operation in float32, so both give the same bits. Every case is computed and one chosen, with
+ * 32-bit fields: no branches, so that loops over groups vectorize. */
 typedef struct {
     float inverse;    /* 1 / the step, 1 where the codes need none */
     float zero_point; /* integer-valued */
-    uint16_t scale;   /* bfloat16 bits of the stored step; 0 for a group kept exactly */
-    uint8_t flags;    /* EXACT: kept exactly; CONSTANT: its value goes in the side table */
+    uint32_t scale;   /* bfloat16 bits of the stored step; 0 for a group kept exactly */
+    uint32_t flags;   /* EXACT: kept exactly; CONSTANT: its value goes in the side table */
 } params_t;
 
-static params_t group_params(float mn, float mx, int bits, float first, int dtype,
-                             float dtype_max) {
+static inline __attribute__((always_inline)) params_t
+group_params(float mn, float mx, int bits, float first, int dtype, float dtype_max) {
     const float top = (float)((1 << bits) - 1);
-    const int finite = __builtin_isfinite(mn) && __builtin_isfinite(mx);
+    const int finite = __builtin_isfinite(mn) & __builtin_isfinite(mx);
     const int constant = mn == mx;
-    if (!finite) mn = mx = 0.0f;
-    float zero_point, scale;
-    if (constant) { /* v >= 0 or v < 0: one-sided */
-        zero_point = mn >= 0.0f ? 0.0f : top;
-        scale = __builtin_fabsf(mx) / first;
-    } else if (mn >= 0.0f) {
-        zero_point = 0.0f;
-        scale = mx / (top - 1.0f + first);
-    } else if (mx <= 0.0f) {
-        zero_point = top;
-        scale = -mn / (top - 1.0f + first);
-    } else { /* mixed signs: the better of the two zero points beside the balance point */
-        const float balance = (-mn / (mx - mn)) * (top - 2.0f + 2.0f * first) + (1.0f - first);
-        float low_zp = __builtin_floorf(balance);
-        low_zp = low_zp < 1.0f ? 1.0f : low_zp > top - 1.0f ? top - 1.0f : low_zp;
-        const float high_zp = low_zp + 1.0f > top - 1.0f ? top - 1.0f : low_zp + 1.0f;
-        const float low_step = mixed_step(mn, mx, low_zp, top, first);
-        const float high_step = mixed_step(mn, mx, high_zp, top, first);
-        const int higher = high_step < low_step;
-        zero_point = higher ? high_zp : low_zp;
-        scale = higher ? high_step : low_step;
-    }
-    const uint16_t stored = bf16_round_up(scale);
-    const float step = from_bf16(stored);
+    mn = finite ? mn : 0.0f;
+    mx = finite ? mx : 0.0f;
+    /* Mixed signs: the better of the two zero points beside the balance point. */
+    const float balance = (-mn / (mx - mn)) * (top - 2.0f + 2.0f * first) + (1.0f - first);
+    float low_zp = __builtin_floorf(balance);
+    low_zp = low_zp < 1.0f ? 1.0f : low_zp > top - 1.0f ? top - 1.0f : low_zp;
+    const float high_zp = low_zp + 1.0f > top - 1.0f ? top - 1.0f : low_zp + 1.0f;
+    const float low_step = mixed_step(mn, mx, low_zp, top, first);
+    const float high_step = mixed_step(mn, mx, high_zp, top, first);
+    const int higher = high_step < low_step;
+    /* A constant v >= 0 or v < 0, and a group of one sign, are one-sided. */
+    const float one_sided = top - 1.0f + first;
+    const float zero_point = constant ? (mn >= 0.0f ? 0.0f : top)
+                             : mn >= 0.0f ? 0.0f
+                             : mx <= 0.0f ? top
+                             : higher     ? high_zp
+                                          : low_zp;
+    const float scale = constant ? __builtin_fabsf(mx) / first
+                        : mn >= 0.0f ? mx / one_sided
+                        : mx <= 0.0f ? -mn / one_sided
+                        : higher     ? high_step
+                                     : low_step;
+    const uint32_t stored = bf16_round_up(scale);
+    const float step = from_bf16((uint16_t)stored);
     const float inverse = 1.0f / step;
     const int invertible = __builtin_isfinite(inverse);
     const float reach =
         ((zero_point > top - zero_point ? zero_point : top - zero_point) - 1.0f + first) * step;
-    const int encodable = !constant && finite && invertible && nonzero_in(dtype, step * first) &&
-                          reach <= dtype_max;
-    const int const_by_codes = constant && finite && step * first == __builtin_fabsf(mx);
+    const int encodable = (!constant) & finite & invertible & nonzero_in(dtype, step * first) &
+                          (reach <= dtype_max);
+    const int const_by_codes = constant & finite & (step * first == __builtin_fabsf(mx));
     const int exact = !constant && !encodable;
     params_t p;
-    p.inverse = invertible && (encodable || const_by_codes) ? inverse : 1.0f;
+    p.inverse = invertible & (encodable | const_by_codes) ? inverse : 1.0f;
     p.zero_point = exact ? 0.0f : zero_point;
-    p.scale = exact ? 0 : stored;
-    p.flags = (uint8_t)((exact ? EXACT : 0) | (constant && !const_by_codes ? CONSTANT : 0));
+    p.scale = exact ? 0u : stored;
+    p.flags = (exact ? (uint32_t)EXACT : 0u) |
+              (constant & !const_by_codes ? (uint32_t)CONSTANT : 0u);
     return p;
 }
 
@@ -300,9 +309,9 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
             p[j] = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
         for (int64_t j = 0; j < nb; j++) {
             const int64_t g = gb + j;
-            scale[g] = p[j].scale;
+            scale[g] = (uint16_t)p[j].scale;
             zero_point[g] = (uint8_t)p[j].zero_point;
-            flags[g] = p[j].flags;
+            flags[g] = (uint8_t)p[j].flags;
             flagged += p[j].flags != 0;
             if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
             round_group(v[j], stochastic ? noise : NULL, group_size, p[j].inverse, first,
@@ -369,6 +378,24 @@ int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_s
         free(codes);
     }
     return failed ? -1 : flagged;
+}
+
+/* The scale (bfloat16 bits) and zero point that compiled graphs store for groups with minima
+ * `mins` and maxima `maxs` (float32, n groups): group_params's, except that a group the eager
+ * codec keeps exactly (or a constant that is not finite) gets scale 0 and the top code, which
+ * decode to NaN (graph.encode). One thread, in vector lanes: a group takes a few nanoseconds. */
+void memopt_graph_params(const float *restrict mins, const float *restrict maxs, int64_t n,
+                         int bits, float first, int dtype, float dtype_max,
+                         uint16_t *restrict scale, uint8_t *restrict zero_point) {
+    const uint32_t top = (1u << bits) - 1;
+#pragma omp simd
+    for (int64_t g = 0; g < n; g++) {
+        const params_t p = group_params(mins[g], maxs[g], bits, first, dtype, dtype_max);
+        const uint32_t not_finite = -(uint32_t)!__builtin_isfinite(maxs[g]); /* 0 or all ones */
+        const uint32_t lost = (p.flags & EXACT) | (p.flags & CONSTANT & not_finite);
+        scale[g] = (uint16_t)(lost ? 0u : p.scale);
+        zero_point[g] = (uint8_t)(lost ? top : (uint32_t)(int32_t)p.zero_point);
+    }
 }
 
 /* One-byte codes of elements [first, first + n) from the packed stream. */

@@ -47,6 +47,7 @@ _SIGNATURES = {
         ctypes.c_int64,
     ),
     "memopt_decode": ((_P, _INT, _F, _I64, _I64, _P, _P, _INT, _P, _INT), _INT),
+    "memopt_graph_params": ((_P, _P, _I64, _INT, _F, _INT, _F, _P, _P), None),
 }
 
 # Group flags written by memopt_quantize.
@@ -195,3 +196,20 @@ def decode(
     if failed:
         raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
     return out
+
+
+def graph_params(
+    mins: torch.Tensor, maxs: torch.Tensor, bits: int, first: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bfloat16 scale and uint8 zero point that :func:`.graph.encode` stores for groups of
+    ``dtype`` values with float32 minima ``mins`` and maxima ``maxs``
+    (:func:`.reference.graph_params`, in the same bits)."""
+    lib = library()
+    mins, maxs = mins.contiguous(), maxs.contiguous()
+    scale = torch.empty(mins.shape, dtype=torch.bfloat16)
+    zero_point = torch.empty(mins.shape, dtype=torch.uint8)
+    lib.memopt_graph_params(
+        mins.data_ptr(), maxs.data_ptr(), mins.numel(), bits, first, _DTYPE_CODES[dtype],
+        torch.finfo(dtype).max, scale.data_ptr(), zero_point.data_ptr(),
+    )  # fmt: skip
+    return scale, zero_point

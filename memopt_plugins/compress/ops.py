@@ -1,4 +1,6 @@
-"""The codec as PyTorch operators: ``memopt::quantize`` and ``memopt::dequantize``.
+"""The codec as PyTorch operators: ``memopt::quantize`` and ``memopt::dequantize`` (and
+``memopt::graph_params``, the group parameters of the codec that compiled graphs run,
+:mod:`.graph`).
 
 Operators (``torch.library.custom_op``) are what ``torch.compile`` can trace: each has a fake
 implementation that states the shapes of its outputs, so a compiled graph can quantize a saved
@@ -207,6 +209,29 @@ def _quantize_fake(x: torch.Tensor, bits: int, group_size: int, seed: int | None
         x.new_empty(n_const, **index),
         x.new_empty(n_const),
     )
+
+
+def graph_params(
+    mins: torch.Tensor, maxs: torch.Tensor, bits: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale and zero point compiled graphs store for groups of ``dtype`` values with minima
+    ``mins`` and maxima ``maxs`` (:func:`.reference.graph_params`): the C kernel where it serves
+    (float32 minima on the CPU), the reference otherwise."""
+    if mins.dtype == torch.float32 and _codec(mins.device, dtype) == "native":
+        return native.graph_params(mins, maxs, bits, FIRST_LEVEL[bits], dtype)
+    return reference.graph_params(mins, maxs, bits, dtype)
+
+
+#: The operator compiled graphs call: opaque to inductor, which would otherwise compile the
+#: parameters' few dozen operations into every kernel that saves a tensor (minutes of compiling).
+graph_params_op = torch.library.custom_op("memopt::graph_params", graph_params, mutates_args=())
+
+
+@graph_params_op.register_fake
+def _graph_params_fake(
+    mins: torch.Tensor, maxs: torch.Tensor, bits: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(mins, dtype=torch.bfloat16), torch.empty_like(mins, dtype=torch.uint8)
 
 
 def dequantize(
