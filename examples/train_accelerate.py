@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         path.write_text(json.dumps(summary))
     if accelerator.is_main_process and losses:
         print(f"final training loss: {losses[-1]:.4f} after {plugin.steps} steps", flush=True)
+    accelerator.wait_for_everyone()  # no rank tears the process group down while another uses it
     accelerator.end_training()
     return summary
 

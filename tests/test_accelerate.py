@@ -160,7 +160,9 @@ def _launch(tmp_path: Path, name: str, *script_args: str) -> list[dict]:
         "--cpu", "--dim", "32", "--depth", "1", "--block-size", "32", "--batch-size", "4",
         "--report", str(report), *script_args,
     ]  # fmt: skip
+    # PYTHONFAULTHANDLER: a rank that crashes prints every thread's Python stack.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONFAULTHANDLER"] = "1"
     for _ in range(3):
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
         if "address already in use" not in done.stderr.lower():
