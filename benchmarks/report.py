@@ -3,7 +3,7 @@
 Works on the rows ``run.py`` measured (duck-typed: ``WorkloadResult`` with ``Row`` items), so the
 two files always come from the same numbers. ``python benchmarks/report.py [results.json]``
 redraws ``pareto.png`` beside a ``results.json`` from its rows (after a change to the plot's look,
-without rerunning the bench).
+without rerunning the bench); ``--compiled-from`` puts in the compiled rows of a later run.
 """
 
 from __future__ import annotations
@@ -610,6 +610,14 @@ def write_results(path: Path, results: Sequence[Any], meta: dict[str, Any]) -> P
         "names the device that produced it.",
         "",
     ]
+    rerun = meta.get("compiled_rerun")
+    if rerun:
+        lines += [
+            f"The compiled rows come from a later run of the compiled methods alone "
+            f"({rerun['command']}, {rerun['seconds'] / 60:.1f} min, after the compiled codec "
+            "changed), put in by `report.py --compiled-from`; the eager rows from the whole run.",
+            "",
+        ]
     if meta["quick"]:
         lines += ["**Quick smoke run: tiny models and few steps; the numbers mean little.**", ""]
     lines += [
@@ -756,15 +764,52 @@ def write_plot(path: Path, results: Sequence[Any]) -> Path:
     return path
 
 
+def _load(path: Path) -> SimpleNamespace:
+    return json.loads(path.read_text(), object_hook=lambda d: SimpleNamespace(**d))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its namespaces as dicts again (for ``json.dumps``)."""
+    if isinstance(value, SimpleNamespace):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    return [_plain(v) for v in value] if isinstance(value, list) else value
+
+
+def merge_compiled(results: Path, rerun: Path, command: str) -> Path:
+    """Replace the compiled rows of ``results`` (a whole run's ``results.json``) by those of
+    ``rerun`` (a run of the compiled methods alone, ``command``) and rewrite ``results.md``,
+    ``pareto.png`` and ``results.json`` beside ``results``."""
+    payload, later = _load(results), _load(rerun)
+    compiled = {w.key: w.compiled for w in later.workloads if w.compiled}
+    for w in payload.workloads:
+        w.compiled = compiled.get(w.key, w.compiled)
+    meta = _plain(payload.meta)
+    meta["compiled_rerun"] = {"command": command, "seconds": later.meta.seconds}
+    path = write_results(results.with_name("results.md"), payload.workloads, meta)
+    write_plot(results.with_name("pareto.png"), payload.workloads)
+    payload.meta = meta
+    results.write_text(json.dumps(_plain(payload), indent=1) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> Path:
-    """Redraw ``pareto.png`` from the ``results.json`` beside it, without rerunning the bench."""
+    """Redraw ``pareto.png`` from the ``results.json`` beside it, without rerunning the bench;
+    with ``--compiled-from``, put in the compiled rows of a later run (:func:`merge_compiled`)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument(
         "results", nargs="?", type=Path, default=Path(__file__).with_name("results.json")
     )
+    parser.add_argument(
+        "--compiled-from",
+        type=Path,
+        help="the results.json of a run of the compiled methods alone (run.py --methods ...)",
+    )
+    parser.add_argument("--command", default="`benchmarks/run.py --methods <compiled methods>`")
     args = parser.parse_args(argv)
-    payload = json.loads(args.results.read_text(), object_hook=lambda d: SimpleNamespace(**d))
-    path = write_plot(args.results.with_name("pareto.png"), payload.workloads)
+    if args.compiled_from:
+        path = merge_compiled(args.results, args.compiled_from, args.command)
+    else:
+        path = write_plot(args.results.with_name("pareto.png"), _load(args.results).workloads)
     print(f"wrote {path}")
     return path
 

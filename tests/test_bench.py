@@ -237,6 +237,28 @@ def test_pareto_png_is_redrawn_from_a_results_json(tmp_path):
     assert int.from_bytes(png[16:20], "big") >= 500 * workloads  # a panel per workload
 
 
+def test_a_later_run_of_the_compiled_methods_replaces_the_compiled_rows(tmp_path):
+    whole = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    whole["meta"].pop("compiled_rerun", None)
+    later = json.loads(json.dumps(whole))
+    later["meta"]["seconds"] = 600.0
+    for w in later["workloads"]:
+        for row in w["compiled"]:
+            row["compile_seconds"] = 12345.6
+    results, rerun = tmp_path / "results.json", tmp_path / "later" / "results.json"
+    rerun.parent.mkdir()
+    results.write_text(json.dumps(whole))
+    rerun.write_text(json.dumps(later))
+    markdown = redraw_pareto([str(results), "--compiled-from", str(rerun)]).read_text()
+    merged = json.loads(results.read_text())
+    compiled = [row for w in merged["workloads"] for row in w["compiled"]]
+    assert compiled and all(row["compile_seconds"] == 12345.6 for row in compiled)
+    assert merged["meta"]["compiled_rerun"]["seconds"] == 600.0
+    assert markdown.count("| 12345.6 |") == len(compiled)  # the first-step column, every row
+    assert "from a later run of the compiled methods alone" in markdown
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_paired_change_has_a_student_t_interval():
     # changes +10%, -10%, +30%: mean +10%, stdev 20%, t(0.975, 2) = 4.303
     paired = Paired.of([(1.1, 1.0), (0.9, 1.0), (2.6, 2.0)])
