@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from memory import compile_blocks, compile_whole, gradients, measure, rel_error
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 from zoo import hf_gpt2
 
 from memopt_plugins import MemoryOptimizer
@@ -98,6 +99,20 @@ def test_the_in_graph_codec_compiles_to_the_same_bytes(bits):
 
     eager, compiled = encode(x), torch.compile(encode)(x)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+@pytest.mark.parametrize("codec", ["auto", "torch"])
+def test_the_group_parameters_are_one_operator_where_the_c_kernels_serve(codec, monkeypatch):
+    """Where the C kernels serve, the traced codec calls ``memopt::graph_params`` once (it is
+    opaque to inductor); elsewhere the parameters are traced inline, with the same bytes."""
+    monkeypatch.setenv("MEMOPT_CODEC", codec)
+    x = torch.randn(4096)
+    traced = make_fx(lambda t: graph.encode(t, 4, 256))(x)
+    calls = [n for n in traced.graph.nodes if n.target == torch.ops.memopt.graph_params.default]
+    native = codec == "auto" and ops.codec_for(x.device) == "native"
+    assert len(calls) == (1 if native else 0)
+    monkeypatch.setenv("MEMOPT_CODEC", "torch")
+    assert all(torch.equal(a, b) for a, b in zip(traced(x), graph.encode(x, 4, 256), strict=True))
 
 
 def _held(reading) -> int:
