@@ -86,9 +86,7 @@ static void minmax(const float *v, int64_t n, float *mn, float *mx) {
 /* f (>= 0) as bfloat16 bits, rounded toward +inf so a step never shrinks:
  * codec._bf16_round_up. In 32 bits, so that loops over groups vectorize. */
 static inline uint32_t bf16_round_up(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t y = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* to_bf16 */
+    const uint32_t y = to_bf16(f);
     return from_bf16((uint16_t)y) < f ? y + 1 : y;
 }
 
@@ -103,8 +101,8 @@ static int64_t block_of(int64_t group_size) {
 }
 
 /* Whether f (>= 0, not NaN) stays nonzero when rounded to nearest even in the element type:
- * above half of its smallest subnormal (2^-25 in float16; in bfloat16 the bits of float32's
- * 2^-134). Comparisons, not conversions, so that loops over groups vectorize. */
+ * above half of its smallest subnormal (float16: 2^-25; bfloat16: 2^-134, float32 bits 0x8000).
+ * Comparisons, not conversions, so that loops over groups vectorize. */
 static inline int nonzero_in(int dtype, float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
