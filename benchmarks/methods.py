@@ -21,10 +21,11 @@ transformers, ``configs/convnet.yaml`` for the CNN).
 
 Compiled (:data:`COMPILED_METHODS`, the transformers only, benched by ``compiled.py``): the whole
 model under ``model.compile()`` (inductor) -- the compiled baseline; memopt ``int8``, ``int4`` and
-the planner at 0.5, applied before compiling (what the compiled graph saves is compressed at run
-time by the saved-tensor hooks of the model's root, which runs outside the graph); and
-torch.compile's own knob, ``torch._functorch.config.activation_memory_budget`` at 0.5 and 0.3,
-set while each model's graphs are compiled (:func:`inductor`).
+the planner at 0.5, applied before compiling (the model root's scope, entered outside the graph,
+holds the traceable saved-tensor hooks that AOTAutograd inlines: the graph compresses what it
+saves); torch.compile's own knob, ``torch._functorch.config.activation_memory_budget`` at 0.5
+and 0.3, set while each model's graphs are compiled (:func:`inductor`); and the two together,
+memopt int8 on the graph partitioned at 0.3 (the hooks act on what the partitioner still saves).
 """
 
 from __future__ import annotations
@@ -376,6 +377,9 @@ C_INT8, C_INT4 = "compiled memopt int8", "compiled memopt int4"
 C_PLANNER_05 = "compiled memopt planner 0.5"
 C_BUDGET_05 = "compiled activation_memory_budget 0.5"
 C_BUDGET_03 = "compiled activation_memory_budget 0.3"
+#: memopt's compression on top of torch.compile's knob: the partitioner recomputes what is cheap
+#: to recompute, and memopt compresses what it still saves.
+C_INT8_BUDGET_03 = "compiled memopt int8 + activation_memory_budget 0.3"
 #: The eager baseline again, timed round-robin with the compiled methods: the compile speed-up.
 C_EAGER = "eager baseline (for scale)"
 #: The workloads that get compiled rows (the CNN is left out to bound the bench's time).
@@ -393,5 +397,10 @@ COMPILED_METHODS: list[Method] = [
     # with fresh random numbers (pytorch/pytorch#190758), which the gradient error shows.
     Method(C_BUDGET_05, PYTORCH, compiled(_baseline, 0.5, "activation_memory_budget 0.5")),
     Method(C_BUDGET_03, PYTORCH, compiled(_baseline, 0.3, "activation_memory_budget 0.3")),
+    Method(
+        C_INT8_BUDGET_03,
+        MEMOPT,
+        compiled(memopt(_bits(8), "int8"), 0.3, "8 bits; activation_memory_budget 0.3"),
+    ),
     Method(C_EAGER, PYTORCH, _eager),  # eager's own dropout masks: no gradient comparison
 ]
