@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from memory import compile_blocks, compile_whole, gradients, measure, rel_error
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.proxy_tensor import make_fx
 from zoo import hf_gpt2
 
@@ -211,6 +212,30 @@ class _ConvNet(nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x).flatten(1))
+
+
+def test_compressed_modules_inside_a_recomputed_block_stay_in_the_compiled_graph():
+    """The recompute planner and compression together, the whole model compiled: the scopes of
+    the modules inside a recomputed block (traced into torch.compile's checkpoint, where nothing
+    outside may be mutated) note nothing there, so the block stays in the model's graph.
+    (Noting broke the graph at every such module: 18 frames here, and past dynamo's recompile
+    limit the blocks ran eagerly.)"""
+    config = {**INT8, "recompute": {"auto": {"budget": 0.5}}}
+    exact = gradients(*_tiny_gpt2())
+    model, batch, loss_fn = _tiny_gpt2()
+    opt = MemoryOptimizer(config)
+    opt.apply(model)  # every module's scope watched for compression, then the planner chooses
+    assert opt.plan_recompute(lambda: loss_fn(model, batch)).chosen
+    counter = CompileCounterWithBackend("inductor")
+    model.compile(backend=counter)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+    # the root's scope runs eagerly (a frame before the model's forward), and the first step's
+    # note of the traced scopes recompiles the forward once: three frames
+    assert counter.frame_count == 3, counter.frame_count
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert rel_error(got, exact) <= 0.02
 
 
 def test_dropout_and_batchnorm_modes_inside_a_compiled_model():

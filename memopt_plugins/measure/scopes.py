@@ -30,6 +30,15 @@ def eagerly() -> Any:
     return torch.compiler.set_stance("force_eager")
 
 
+class UntracedRegions:
+    """How deep the code being traced is inside recomputed regions (``depth``, raised by the
+    recompute wrapper): torch.compile traces those into its checkpoint operator, inside which
+    nothing from outside may be mutated, so scopes there do not note that they were traced
+    (nothing in a recomputed region is compressed: the note has nothing to say of them)."""
+
+    depth = 0
+
+
 class ScopeObserver(Protocol):
     """Told when a watched module's forward starts and ends."""
 
@@ -60,7 +69,8 @@ class _Hooked:
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
-            self.traced.add(self.fqn)  # traced into a compiled graph: scopes act around it only
+            if not UntracedRegions.depth:  # traced into a compiled graph: scopes act around it only
+                self.traced.add(self.fqn)
             return
         for observer in tuple(self.observers):
             observer.enter(self.fqn, module, args, kwargs)
@@ -150,8 +160,9 @@ class ScopeTracker:
             del type(self)._of[root]
 
     def traced(self) -> list[str]:
-        """Fqns of the watched modules that ran inside a ``torch.compile``'d graph: their scopes
-        cannot act there (what the graph saves meets the scope active around it)."""
+        """Fqns of the watched modules that ran inside a ``torch.compile``'d graph, outside
+        recomputed regions (:class:`UntracedRegions`): their scopes cannot act there (what the
+        graph saves meets the scope active around it)."""
         return sorted(self._traced)
 
     def hooked(self, module: nn.Module) -> bool:

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError, RecomputeConfig
 from ..measure import tensor_version
+from ..measure.scopes import UntracedRegions
 from ..patching import InstanceForward
 from ..select import check_globs, check_types, outermost, parent_fqns, select_modules, within
 from ..tree import tensors_in
@@ -278,7 +279,11 @@ class _RecomputedForward(InstanceForward):
         if torch.compiler.is_compiling():
             # Inside a compiled graph: torch.compile's own checkpoint, which it recomputes in the
             # compiled backward (the eager wrapper's bookkeeping cannot be traced).
-            return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
+            UntracedRegions.depth += 1
+            try:
+                return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
+            finally:
+                UntracedRegions.depth -= 1
         inputs = list(tensors_in((args, kwargs)))
         versions = [tensor_version(t) for t in inputs]
         # kwargs go through a closure: checkpoint() reserves some keyword names for itself.
