@@ -583,9 +583,9 @@ NOTES = """\
   each workload's compiled methods. Each copy takes two untimed steps first (the first
   compiles: its seconds are the "first step" column, lower where inductor's on-disk cache
   already holds the graph from an earlier run or from an identical graph); memory, gradient
-  and step time as for the eager
-  rows, ratios to the compiled baseline; `eager baseline (for scale)` is the eager model timed
-  round-robin with them (the compile speed-up, on the same clock). The gradient reference is
+  and step time as for the eager rows, ratios to the compiled baseline; `eager baseline (for
+  scale)` is the eager model timed round-robin with them (the compile speed-up, on the same
+  clock). The gradient reference is
   the compiled baseline's gradient under the same seed, because inductor draws its own dropout
   masks, not eager's (so the eager row has no gradient error). `activation_memory_budget` below
   1 may recompute dropout in backward with fresh random numbers, which corrupts its gradients
@@ -597,8 +597,9 @@ NOTES = """\
   machine one thread avoids OpenMP threads waiting on busy cores, which distorts timings. The
   compiled memopt graphs run more parallel kernels than the baseline's (the codec's passes), so
   their step ratio grows with the machine's load: on this 2-core VM GPT's compiled int8 took
-  1.12-1.26x the compiled baseline's in the bench's runs and 1.05-1.20x timed alone with it,
-  higher where the baseline ran slower (busier machine), and 1.09x on one thread.
+  1.13-1.26x the compiled baseline's in the bench's runs and 1.05-1.20x timed alone with it,
+  higher where the baseline ran slower (busier machine); on one thread the compiled rows give
+  1.10x on GPT and 1.14x on HF GPT-2 ([compiled_one_thread.md](compiled_one_thread.md)).
 """
 
 
