@@ -17,7 +17,7 @@ the codes, bfloat16 scale and zero point of :mod:`.reference`, at round-to-neare
 bits packed in planes, see :func:`_pack_planes`), in the same bytes compiled as eager. The
 groups' minima and maxima, codes and packing are fused into the kernels around them; the
 parameters between them are one opaque operator (``memopt::graph_params``) where the C kernels
-serve the tensor (:func:`.ops.codec_for`): inlined, their few dozen operations went into every
+serve the tensor (:func:`.ops.native_params`): inlined, their few dozen operations went into every
 kernel that saves a tensor, and compiling took four times as long. Elsewhere (CUDA, float64,
 ``MEMOPT_CODEC=torch``, no C compiler) they stay inlined: the operator would run them as a few
 dozen small tensor operations, eagerly, at every call.
@@ -52,7 +52,7 @@ from .bits import BitTable
 
 if TYPE_CHECKING:
     from .hooks import SavedStats
-from .ops import KERNEL_DTYPES, codec_for, graph_params_op
+from .ops import graph_params_op, native_params
 from .reference import FIRST_LEVEL, graph_params, work_dtype
 
 log = logging.getLogger("memopt")
@@ -119,7 +119,7 @@ def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, .
     if pad:  # the last element repeated, as Groups.of pads
         flat = torch.cat((flat, flat[-1:].expand(pad)))
     groups = flat.view(-1, group_size).to(work)
-    params = graph_params_op if _native_params(x) else graph_params
+    params = graph_params_op if native_params(x.device, x.dtype) else graph_params
     scale, zero_point = params(groups.amin(1), groups.amax(1), bits, x.dtype)
     # The reference's inverse is 1 / step for every group it encodes; a step of 0 (a lost or an
     # all-zero group) gives NaN or +-inf here, which the comparisons send to the zero point or
@@ -132,11 +132,6 @@ def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, .
     if bits < 8:
         codes = _pack_planes(codes, bits)
     return codes.view(-1), scale, zero_point
-
-
-def _native_params(x: torch.Tensor) -> bool:
-    """Whether the C kernel computes ``x``'s group parameters (:data:`.ops.graph_params_op`)."""
-    return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and codec_for(x.device) == "native"
 
 
 def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -211,13 +211,20 @@ def _quantize_fake(x: torch.Tensor, bits: int, group_size: int, seed: int | None
     )
 
 
+def native_params(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the C kernel computes the group parameters of ``dtype`` tensors on ``device``:
+    where it does, compiled graphs call :data:`graph_params_op`; elsewhere they inline
+    :func:`.reference.graph_params`, which the operator would run eagerly, op by op."""
+    return device.type == "cpu" and _codec(device, dtype) == "native"
+
+
 def graph_params(
     mins: torch.Tensor, maxs: torch.Tensor, bits: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale and zero point compiled graphs store for groups of ``dtype`` values with minima
     ``mins`` and maxima ``maxs`` (:func:`.reference.graph_params`): the C kernel where it serves
-    (float32 minima on the CPU), the reference otherwise."""
-    if mins.dtype == torch.float32 and _codec(mins.device, dtype) == "native":
+    (float32 minima, :func:`native_params`), the reference otherwise."""
+    if mins.dtype == torch.float32 and native_params(mins.device, dtype):
         return native.graph_params(mins, maxs, bits, FIRST_LEVEL[bits], dtype)
     return reference.graph_params(mins, maxs, bits, dtype)
 
