@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from memory import gradients, measure, rel_error
 from torch import nn
-from zoo import hf_gpt2, hf_resnet
+from zoo import hf_clip, hf_gpt2, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.compress.bits import BitTable
-from memopt_plugins.compress.codec import PackedTensor
+from memopt_plugins.compress.codec import PackedTensor, quantize
 from memopt_plugins.compress.hooks import CompressionHooks
 
 
@@ -68,6 +68,44 @@ def test_8bit_gradient_error(build, limit):
     err = rel_error(gradients(model, batch, loss_fn, q(8)), exact)
     assert err <= limit
     assert err > 0  # something was compressed
+
+
+def test_clip_8bit_gradient_error():
+    """Two towers into one contrastive loss: the image embeddings that the similarity matmul
+    saves transposed are grouped in their index order (measured 1.82% at nearest rounding;
+    grouped in memory order, per sample, 2.25%)."""
+    model, batch, loss_fn = hf_clip()
+    exact = gradients(model, batch, loss_fn)
+    err = rel_error(gradients(model, batch, loss_fn, q(8, rounding="nearest")), exact)
+    assert 0 < err <= 0.019
+
+
+class _Towers(nn.Module):
+    """Two projections into one similarity matrix, the pattern of CLIP's loss."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x, y):
+        a, b = self.a(x), self.b(y)
+        return F.cross_entropy(a @ b.t(), torch.arange(len(x)))
+
+
+def test_a_transposed_saved_view_is_grouped_in_its_index_order():
+    """``a @ b.t()`` saves ``b.t()``. When ``b``'s rows are nearly alike (a shared direction, as
+    an untrained CLIP's embeddings are), groups along the samples see only their small spread,
+    and groups along a row see the whole shared direction. Only the matmul's saved tensors are
+    compressed here: measured 2.03% error in index order, 7.2% in memory order."""
+    model = _Towers()
+    x, y = torch.randn(256, 64), torch.randn(1, 64) + 0.05 * torch.randn(256, 64)
+    exact = gradients(model, (x, y), lambda m, b: m(*b))
+    config = q(8, rounding="nearest", exclude=["a", "b"])
+    err = rel_error(gradients(model, (x, y), lambda m, b: m(*b), config), exact)
+    assert 0 < err <= 0.025
+    hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1)
+    transposed = hooks._compress(y.t(), 8)
+    assert torch.equal(transposed.payload.codes, quantize(y.t().contiguous(), 8, 256, False).codes)
 
 
 def test_lower_bits_give_larger_but_bounded_error():

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from transformers import (
     BertConfig,
     BertForMaskedLM,
+    CLIPConfig,
+    CLIPModel,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -98,3 +100,25 @@ def hf_resnet(batch_size=16, size=64, depths=(3, 4, 6, 3), seed=0):
     model = ResNetForImageClassification(cfg)
     batch = (torch.randn(batch_size, 3, size, size), torch.randint(0, 10, (batch_size,)))
     return model, batch, _image_loss
+
+
+def _clip_loss(model, batch):
+    input_ids, pixel_values = batch
+    return model(input_ids=input_ids, pixel_values=pixel_values, return_loss=True).loss
+
+
+def hf_clip(batch_size=16, seq=32, dim=64, layers=2, size=64, seed=0):
+    """CLIP (transformers) built from a small config: a text and a vision tower feeding one
+    contrastive loss (the projections keep their default width, 512)."""
+    torch.manual_seed(seed)
+    tower = dict(
+        hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers, num_attention_heads=4
+    )
+    cfg = CLIPConfig(
+        text_config=dict(tower, vocab_size=256, max_position_embeddings=seq),
+        vision_config=dict(tower, image_size=size, patch_size=8),
+    )
+    cfg._attn_implementation = "eager"
+    model = CLIPModel(cfg)
+    batch = (torch.randint(0, 256, (batch_size, seq)), torch.randn(batch_size, 3, size, size))
+    return model, batch, _clip_loss

@@ -83,7 +83,7 @@ class _Coded(NamedTuple):
     numel: int
     dtype: torch.dtype
     shape: tuple
-    inverse_order: tuple | None  # to permute the decoded tensor back to the saved layout
+    stride: tuple | None  # the saved tensor's strides, when it was not contiguous
 
     def saved(self) -> tuple:
         return (_CODED, *self)
@@ -244,7 +244,11 @@ class GraphHooks:
         if tag == _CODED:
             coded = _Coded(*saved[1:])
             out = decode(coded)
-            return out if coded.inverse_order is None else out.permute(coded.inverse_order)
+            if coded.stride is None:
+                return out
+            return torch.empty_strided(
+                coded.shape, coded.stride, dtype=out.dtype, device=out.device
+            ).copy_(out)
         if tag == _HALVED:
             return saved[1].to(saved[2])
         return self.eager_unpack(saved)
@@ -301,17 +305,19 @@ class GraphHooks:
         self._note_version()
         if bits == HALF_BITS:
             return t if t.element_size() <= 2 else (_HALVED, t.to(torch.bfloat16), t.dtype)
-        order = None if t.is_contiguous() else memory_order(t)
-        if order is None and not t.is_contiguous():
+        if t.is_contiguous():
+            # Its memory as one flat run: inductor indexes that directly, where a reshape of
+            # ``t`` into groups that straddle its dims gave index expressions (divisions and
+            # remainders) it could not simplify, and gathers element by element.
+            flat, stride = t.as_strided((t.numel(),), (1,), t.storage_offset()), None
+        elif memory_order(t) is not None:
+            # A transposed or permuted dense tensor: grouped in its index order, as in eager
+            # (:meth:`.hooks.CompressionHooks._compress`), and decoded back to its strides.
+            flat, stride = t.reshape(-1), t.stride()
+        else:
             return t  # not dense (a slice with gaps): kept as it is
-        dense = t if order is None else t.permute(order)
-        inverse = None if order is None else tuple(sorted(range(t.dim()), key=order.__getitem__))
-        # Its memory as one flat run: inductor indexes that directly, where a reshape of
-        # ``dense`` into groups that straddle its dims gave index expressions (divisions and
-        # remainders) it could not simplify, and gathers element by element.
-        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
         codes, scale, zero_point = encode(flat, bits, self.group_size)
         return _Coded(
             codes, scale, zero_point, bits, self.group_size, t.numel(), t.dtype,
-            tuple(dense.shape), inverse,
+            tuple(t.shape), stride,
         ).saved()  # fmt: skip
