@@ -1,12 +1,13 @@
 """The ``memopt`` command.
 
 ``memopt profile --model FILE.py:factory [--config YAML] [--out DIR] [--top N]`` prints the
-per-module memory table of one training step and writes ``DIR/report.md``, ``DIR/memory.png`` and
-``DIR/report.json``. ``memopt plan --model FILE.py:factory --budget 0.4 [--bits N]`` prints a
-config (YAML) that keeps at most that fraction of the saved-activation bytes: the modules the
-recompute planner picks (the same as ``recompute.auto``), plus compression at ``N`` bits, or at
-the bits needed when recompute alone cannot reach the budget. The factory takes no arguments
-and returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
+per-module memory table of one training step and writes ``DIR/report.md``, ``DIR/memory.png``,
+``DIR/timeline.png`` (the step's memory over time) and ``DIR/report.json``. ``memopt plan
+--model FILE.py:factory --budget 0.4 [--bits N]`` prints a config (YAML) that keeps at most
+that fraction of the saved-activation bytes: the modules the recompute planner picks (the same
+as ``recompute.auto``), plus compression at ``N`` bits, or at the bits needed when recompute
+alone cannot reach the budget. The factory takes no arguments and returns
+``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
 """
 
 from __future__ import annotations
@@ -188,9 +189,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     written, image, warning = [], None, None
     try:
         written.append(report.plot(out / "memory.png", top=min(args.top, 20)))
+        written.append(report.plot_timeline(out / "timeline.png"))
         image = "memory.png"
     except ImportError as err:
-        warning = f"memopt: memory.png not written: {err}"
+        warning = f"memopt: memory.png and timeline.png not written: {err}"
     shown = min(args.top, len(report.modules))
     markdown = report.to_markdown(args.top, image=image)
     markdown += f"\nThe {shown} largest of {len(report.modules)} rows; report.json has all.\n"

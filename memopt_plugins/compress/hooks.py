@@ -31,6 +31,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..config import HALF_BITS, OFF_BITS
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
+from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from .bits import BitTable
 from .codec import NoiseGenerators, dequantize, narrow_int, quantize, tensor_nbytes, widen_int
 from .graph import GraphHooks
@@ -305,7 +306,8 @@ class CompressionHooks:
 
     def pack(self, t: torch.Tensor, bits: int) -> object:
         """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself or a compact copy."""
-        saved, added = self._pack(t, bits)
+        with mark(PACK_RANGE):
+            saved, added = self._pack(t, bits)
         if self.observer is not None:
             self.observer.packed(t, saved, added)
         return saved
@@ -369,5 +371,6 @@ class CompressionHooks:
     @staticmethod
     def unpack(saved: object) -> torch.Tensor:
         if isinstance(saved, _Saved):
-            return saved.decode(saved.payload)
+            with mark(UNPACK_RANGE):
+                return saved.decode(saved.payload)
         return saved

@@ -1,4 +1,5 @@
-"""The measurement layer: module scopes, storage identity and one measured forward.
+"""The measurement layer: module scopes, storage identity, one measured forward and the
+allocator's timeline of a step (:mod:`.timeline`).
 
 Shared by compression, the drift check, the recompute planner and the profiler.
 """
@@ -6,19 +7,23 @@ Shared by compression, the drift check, the recompute planner and the profiler.
 from .scopes import ScopeObserver, ScopeTracker, Watch, eagerly
 from .step import Measurement, ModuleCost, SavedStorage, StepRecorder, measure
 from .storage import ModelStorages, StorageKey, storage_key, tensor_version
+from .timeline import PeakSite, StepTimeline, record_step
 
 __all__ = [
     "Measurement",
     "ModelStorages",
     "ModuleCost",
+    "PeakSite",
     "SavedStorage",
     "ScopeObserver",
     "ScopeTracker",
     "StepRecorder",
+    "StepTimeline",
     "StorageKey",
     "Watch",
     "eagerly",
     "measure",
+    "record_step",
     "storage_key",
     "tensor_version",
 ]

@@ -2,8 +2,9 @@
 
 * :mod:`.meter` -- bytes retained for backward and the peak of a step (RSS on CPU, the allocator
   on CUDA);
-* :mod:`.run` -- :func:`profile_model`, the step measured per module, as is and under a config;
-* :mod:`.report` and :mod:`.plot` -- its table, Markdown, JSON and PNG;
+* :mod:`.run` -- :func:`profile_model`, the step measured per module and on the allocator's
+  timeline (peak, where it is, what is alive there, per sample), as is and under a config;
+* :mod:`.report` and :mod:`.plot` -- its table, Markdown, JSON and PNGs (bars, timeline);
 * :mod:`.plan` -- :func:`suggest_config`, a config for a memory budget.
 """
 

@@ -11,8 +11,10 @@ per-group tables (a 1 MiB tensor has 8 KiB of scales), and blocks under the thre
 from heap pages that are already resident, which RSS does not see. Smaller blocks still hide;
 tests therefore take ``max(retained, packed)`` as what a compressed step holds.
 
-The per-module report built on this meter (``profile_model``, tables, PNG, the planner behind
-``memopt plan``) lives in :mod:`memopt_plugins.report`.
+This is the reading of a fresh process (the benchmarks and the memory tests spawn one per
+figure). ``memopt profile`` reads the allocator's own live bytes instead
+(:mod:`memopt_plugins.measure.timeline`): in a process that has run other work, RSS also counts
+library code a first call pages in and heap pages the allocator keeps.
 """
 
 from __future__ import annotations

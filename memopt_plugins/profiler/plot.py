@@ -78,3 +78,47 @@ def plot_report(report: ProfileReport, path: Path, top: int) -> Path:
         if has_after:
             ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1), ncols=2)
     return path
+
+
+#: The timeline's kinds, bottom to top, with their colours: what the forward left (as it is or
+#: packed) lies under what the backward adds (decoded, replayed, gradients).
+_KIND_COLOURS = {
+    "activations": style.BASELINE,
+    "packed": style.MEMOPT,
+    "decoded": style.BITS[4],
+    "recomputed": style.PYTORCH,
+    "backward": "#A8ADB5",
+}
+
+
+def plot_timeline(report: ProfileReport, path: Path) -> Path:
+    """Write the step's live bytes over time, by kind, without and with the plan, to ``path``."""
+    steps = [("without memopt", report.step)]
+    if report.step_after is not None:
+        steps.append(("with the plan", report.step_after))
+    largest = max(step.timeline.peak for _, step in steps) or 1
+    unit, scale = _axis_unit(largest)
+    with style.chart(path, (7.5, 2.3 * len(steps) + 0.8)) as fig:
+        axes = fig.subplots(len(steps), 1, sharey=True, squeeze=False)[:, 0]
+        for ax, (name, step) in zip(axes, steps, strict=True):
+            timeline = step.timeline
+            times = [t * 1e3 for t in timeline.times]
+            layers = [[v / scale for v in timeline.kinds[k]] for k in _KIND_COLOURS]
+            ax.stackplot(
+                times,
+                layers,
+                labels=list(_KIND_COLOURS),
+                colors=list(_KIND_COLOURS.values()),
+                step="post",
+                linewidth=0,
+            )
+            ax.axvline(timeline.backward_start * 1e3, color="0.5", linestyle="--", linewidth=0.8)
+            peak_ms = timeline.peak_time * 1e3
+            ax.plot([peak_ms], [timeline.peak / scale], marker="v", color=style.LIMIT)
+            ax.set_title(f"{name}: peak {human_bytes(timeline.peak)} {timeline.site}", fontsize=8.5)
+            ax.set_ylabel(f"live ({unit})")
+        axes[-1].set_xlabel("time in the step (ms; dashed: the backward begins)")
+        axes[0].set_ylim(0, largest / scale * 1.15)
+        axes[0].legend(loc="lower center", bbox_to_anchor=(0.5, 1.18), ncols=len(_KIND_COLOURS))
+        fig.suptitle("One training step's memory, as the allocator saw it")
+    return path

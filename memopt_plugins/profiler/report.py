@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import OFF_BITS, MemOptConfig
 from ..engine import COMPRESS, KEEP
 from ..measure import Measurement
 from .meter import MemoryReading
+
+if TYPE_CHECKING:
+    from .run import StepMemory
 
 ROOT = "<root>"  # how the whole model (fqn "") is shown
 LOSS_ROW = "<loss_fn>"  # saved outside every module: the loss computed by loss_fn itself
@@ -72,11 +75,33 @@ class ProfileReport:
     """
 
     modules: list[ModuleProfile]
-    reading: MemoryReading  # measured without the plan
-    after: MemoryReading | None  # measured with the plan (None: no config given)
+    step: StepMemory  # measured without the plan
+    step_after: StepMemory | None  # measured with the plan (None: no config given)
     config: MemOptConfig
-    measurement: Measurement  # the step without the plan, which estimates and plans read
     has_optimizer: bool = False
+
+    @property
+    def reading(self) -> MemoryReading:
+        return self.step.reading
+
+    @property
+    def after(self) -> MemoryReading | None:
+        return self.step_after.reading if self.step_after is not None else None
+
+    @property
+    def measurement(self) -> Measurement:
+        """The step without the plan, which estimates and plans read."""
+        return self.step.measurement
+
+    @property
+    def fits(self) -> float | None:
+        """How many times larger a batch fits with the plan: the ratio of the peak per sample
+        without and with it (``None`` without a plan or a per-sample slope)."""
+        before = self.step.per_sample
+        after = self.step_after.per_sample if self.step_after is not None else None
+        if before is None or after is None or after.peak <= 0:
+            return None
+        return before.peak / after.peak
 
     def __getitem__(self, fqn: str) -> ModuleProfile:
         for row in self.modules:
@@ -108,7 +133,8 @@ class ProfileReport:
 
     # ----------------------------------------------------------------- text
     def summary(self) -> str:
-        """A few lines of totals: counted vs measured, and what the plan does."""
+        """A few lines of totals: counted vs measured, where the step peaks, and what the plan
+        does, per sample too."""
         r = self.reading
         total = self.saved_total
         lines = [
@@ -116,21 +142,34 @@ class ProfileReport:
             f"saved activations: {human_bytes(total)} counted in "
             f"{sum(row.tensors for row in self.modules if row.fqn in ('', LOSS_ROW))} tensors; "
             f"measured retained {human_bytes(r.retained)}, peak {human_bytes(r.peak)}",
+            _peak_line(self.step),
             f"parameters {human_bytes(self.modules[0].params)}, "
             f"gradients {human_bytes(self.modules[0].grads)}"
             + (
                 f", optimizer state {human_bytes(self.modules[0].optimizer_state)}"
                 if self.has_optimizer
                 else ""
-            ),
+            )
+            + " (held before the step, not in its figures)",
         ]
-        if self.after is not None:
+        if self.step_after is not None:
+            after_step = self.step_after
             after = self.saved_after_total or 0
             ratio = f" ({total / after:.1f}x less)" if after else ""
             lines.append(
                 f"with the plan: {human_bytes(after)} counted{ratio}; measured retained "
-                f"{human_bytes(self.after.retained)}, peak {human_bytes(self.after.peak)}, "
-                f"compressed payloads {human_bytes(self.after.packed)}"
+                f"{human_bytes(after_step.reading.retained)}, peak "
+                f"{human_bytes(after_step.reading.peak)}, compressed payloads "
+                f"{human_bytes(after_step.reading.packed)}"
+            )
+            lines.append("with the plan, " + _peak_line(after_step))
+        if self.fits is not None:
+            before, after_ps = self.step.per_sample, self.step_after.per_sample
+            lines.append(
+                f"a batch {self.fits:.1f}x larger fits: peak per sample {human_bytes(before.peak)}"
+                f" -> {human_bytes(after_ps.peak)} (retained per sample "
+                f"{human_bytes(before.retained)} -> {human_bytes(after_ps.retained)}; slope "
+                f"between batches of {before.samples[0]} and {before.samples[1]})"
             )
         return "\n".join(lines)
 
@@ -181,6 +220,7 @@ class ProfileReport:
         out = ["# Memory profile", "", *(f"- {s}" for s in self.summary().splitlines()[1:]), ""]
         if image:
             out += [f"![saved activations by module]({image})", ""]
+            out += ["![the step's memory over time](timeline.png)", ""]
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join("---:" if num else "---" for num in numeric) + "|")
         out += ["| " + " | ".join([f"`{r[0]}`", *r[1:]]) + " |" for r in rows]
@@ -200,6 +240,9 @@ class ProfileReport:
                 "saved_after": self.saved_after_total,
                 "measured": asdict(self.reading),
                 "measured_after": asdict(self.after) if self.after is not None else None,
+                "peak": _peak_dict(self.step),
+                "peak_after": _peak_dict(self.step_after) if self.step_after else None,
+                "fits": self.fits,
             },
             "modules": [asdict(row) for row in self.modules],
         }
@@ -216,3 +259,30 @@ class ProfileReport:
         from .plot import plot_report
 
         return plot_report(self, Path(path), top)
+
+    def plot_timeline(self, path: str | Path) -> Path:
+        """Write a PNG of the step's live bytes over time, by kind, without and with the plan
+        (the picture of PyTorch's memory snapshot viewer). Needs matplotlib."""
+        from .plot import plot_timeline
+
+        return plot_timeline(self, Path(path))
+
+
+def _peak_line(step: StepMemory) -> str:
+    """Where the step peaks and what is alive there, e.g. ``peak in the backward of lm_head,
+    MmBackward0 (aten::mm): activations 40.0 MiB, decoded 2.0 MiB, backward 12.0 MiB``."""
+    timeline = step.timeline
+    alive = ", ".join(f"{k} {human_bytes(v)}" for k, v in timeline.alive_at_peak.items() if v > 0)
+    return f"peak {timeline.site}: {alive or 'nothing'}"
+
+
+def _peak_dict(step: StepMemory) -> dict[str, Any]:
+    site = step.timeline.site
+    return {
+        "phase": site.phase,
+        "op": site.op,
+        "node": site.node,
+        "module": site.module,
+        "alive": dict(step.timeline.alive_at_peak),
+        "per_sample": asdict(step.per_sample) if step.per_sample is not None else None,
+    }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,10 @@ from torch import nn
 from ..config import MemOptConfig, load_config
 from ..engine import MemoryOptimizer, PackObserver, patched_by
 from ..measure import Measurement, SavedStorage, StepRecorder
+from ..measure.timeline import StepTimeline, record_step
 from ..select import layer_kind, parent_fqns
-from ..tree import tensors_in
-from .meter import MemoryMeter, MemoryReading
+from ..tree import slice_batch, tensors_in
+from .meter import MemoryReading
 from .report import LOSS_ROW, ModuleProfile, ProfileReport
 
 
@@ -75,28 +77,87 @@ def _roll_up_saved(
                 row.tensors += 1
 
 
-def _measured_step(
-    meter: MemoryMeter,
+@dataclass(frozen=True)
+class StepMemory:
+    """One profiled step: the allocator's reading, the per-module count, the timeline, and the
+    per-sample slope of the peak and retained bytes (``None`` for a batch of one sample)."""
+
+    reading: MemoryReading
+    measurement: Measurement
+    timeline: StepTimeline
+    per_sample: PerSample | None
+
+
+@dataclass(frozen=True)
+class PerSample:
+    """Bytes per sample: the slope between the full batch and its first half, so that what
+    does not grow with the batch (weights, gradients, optimizer state, workspaces) cancels."""
+
+    samples: tuple[int, int]  # the two batch sizes
+    retained: float
+    peak: float
+
+
+def _one_step(
     model: nn.Module,
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    optimizer: MemoryOptimizer | None = None,
-) -> tuple[MemoryReading, Measurement]:
-    """One forward and backward, metered and recorded (under ``optimizer`` when given)."""
-    measured: list[Measurement] = []
+    device: torch.device,
+    optimizer: MemoryOptimizer | None,
+    measured: list[Measurement] | None = None,
+) -> tuple[MemoryReading, StepTimeline]:
+    """One forward and backward on the allocator's timeline (recorded per module into
+    ``measured`` when given)."""
     hooks = optimizer.hooks if optimizer is not None else None
+    packed = [0]
 
     def forward() -> torch.Tensor:
-        recorder = StepRecorder(model, tensors_in(batch))
-        observer: PackObserver = recorder
-        with hooks.observed(observer) if hooks is not None else nullcontext():
-            with recorder:
-                loss = loss_fn(model, batch)
-                measured.append(recorder.stop())
+        if measured is None:
+            loss = loss_fn(model, batch)
+        else:
+            recorder = StepRecorder(model, tensors_in(batch))
+            observer: PackObserver = recorder
+            with hooks.observed(observer) if hooks is not None else nullcontext():
+                with recorder:
+                    loss = loss_fn(model, batch)
+                    measured.append(recorder.stop())
+        packed[0] = hooks.stats.held_bytes if hooks is not None else 0
         return loss
 
-    reading = meter.measure(forward, hooks.stats if hooks is not None else None)
-    return reading, measured[0]
+    timeline = record_step(model, forward, device)
+    return MemoryReading(timeline.retained, timeline.peak, packed[0], str(device)), timeline
+
+
+def _measured_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    device: torch.device,
+    optimizer: MemoryOptimizer | None = None,
+) -> StepMemory:
+    """A warm-up step, the measured one, and one on the first half of the batch."""
+    loss_fn(model, batch).backward()  # gradients and lazy state exist first
+    measured: list[Measurement] = []
+    reading, timeline = _one_step(model, batch, loss_fn, device, optimizer, measured)
+    n = batch_size(batch)
+    per_sample = None
+    if n is not None and n >= 2:
+        half = slice_batch(batch, n // 2)
+        loss_fn(model, half).backward()
+        small, _ = _one_step(model, half, loss_fn, device, optimizer)
+        samples = n - n // 2
+        per_sample = PerSample(
+            (n // 2, n),
+            (reading.retained - small.retained) / samples,
+            (reading.peak - small.peak) / samples,
+        )
+    return StepMemory(reading, measured[0], timeline, per_sample)
+
+
+def batch_size(batch: Any) -> int | None:
+    """The length of dim 0 of the batch's first tensor (``None`` without one)."""
+    first = next((t for t in tensors_in(batch) if t.dim() > 0), None)
+    return None if first is None else first.shape[0]
 
 
 def profile_model(
@@ -112,8 +173,12 @@ def profile_model(
 
     Counts parameters, gradients, optimizer state (when ``optimizer`` is given; one ``step()`` is
     taken to create it and then undone) and the bytes each module saves for backward, next to the
-    retained and peak memory of the :class:`MemoryMeter`. With ``config`` the step runs again
-    under :class:`MemoryOptimizer` and every module's bytes are counted again ("after"). The model
+    step's memory over time as the allocator saw it (:func:`~memopt_plugins.measure.timeline.
+    record_step`: retained and peak bytes, where the peak is and what is alive there) and the
+    per-sample slope of both from a second step on half the batch. Each measured step follows a
+    warm-up step, so one-time allocations of a first step are not counted. With ``config`` the
+    steps run again under :class:`MemoryOptimizer` and every module's bytes are counted again
+    ("after"). The model
     must not be patched already. Its parameters, buffers, gradients, the optimizer state and the
     global RNG are as before when this returns.
     """
@@ -127,7 +192,6 @@ def profile_model(
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
-    meter = MemoryMeter(device)
     named = list(model.named_modules())
     rows = {fqn: ModuleProfile(fqn, layer_kind(m)) for fqn, m in named}
     rows[LOSS_ROW] = ModuleProfile(LOSS_ROW, "loss")
@@ -135,18 +199,16 @@ def profile_model(
     if device.type == "cuda":
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
 
-    after = measured_after = None
+    after: StepMemory | None = None
     plan = {}
     with _model_preserved(model, optimizer), torch.random.fork_rng(devices=rng_devices):
-        loss_fn(model, batch).backward()  # warm-up: gradients and lazy state exist first
-        reading, measurement = _measured_step(meter, model, batch, loss_fn)
+        before = _measured_step(model, batch, loss_fn, device)
         if config is not None:
             opt = MemoryOptimizer(cfg)
             opt.apply(model)
             try:
                 plan = opt.plan
-                loss_fn(model, batch).backward()  # warm-up under the plan as well
-                after, measured_after = _measured_step(meter, model, batch, loss_fn, opt)
+                after = _measured_step(model, batch, loss_fn, device, opt)
             finally:
                 opt.remove()
         for name, p in model.named_parameters():
@@ -161,20 +223,20 @@ def profile_model(
                 nbytes = sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
                 _add_up(rows, name.rpartition(".")[0], "optimizer_state", nbytes)
 
-    for fqn, cost in measurement.costs.items():
+    for fqn, cost in before.measurement.costs.items():
         row = rows[fqn]
         row.forward_s, row.freeable, row.kept_inputs = (
             cost.seconds,
             cost.saved_bytes,
             cost.kept_inputs,
         )
-    _roll_up_saved(rows, measurement.storages, after=False)
-    if measured_after is not None:
-        _roll_up_saved(rows, measured_after.storages, after=True)
+    _roll_up_saved(rows, before.measurement.storages, after=False)
+    if after is not None:
+        _roll_up_saved(rows, after.measurement.storages, after=True)
     for fqn, p in plan.items():
         if fqn in rows:
             rows[fqn].action, rows[fqn].bits = p.action, p.bits
     modules = [rows[fqn] for fqn, _ in named]
     if rows[LOSS_ROW].saved or rows[LOSS_ROW].saved_after:
         modules.append(rows[LOSS_ROW])
-    return ProfileReport(modules, reading, after, cfg, measurement, optimizer is not None)
+    return ProfileReport(modules, before, after, cfg, optimizer is not None)

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ConfigError, RecomputeConfig
 from ..measure import tensor_version
 from ..measure.scopes import UntracedRegions
+from ..measure.timeline import REPLAY_RANGE, mark
 from ..patching import InstanceForward
 from ..select import check_globs, check_types, outermost, parent_fqns, select_modules, within
 from ..tree import tensors_in
@@ -326,6 +327,7 @@ class _RecomputedForward(InstanceForward):
                     ]
                     return output
                 stack.enter_context(_scratch_buffers(self.module, changed))
+                stack.enter_context(mark(REPLAY_RANGE))
                 try:
                     return self.original(*args, **kwargs)
                 except Exception as err:

@@ -1,0 +1,95 @@
+"""The step's peak: the allocator's timeline, where the peak is, what is alive there, per sample."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from memory import measure
+from torch import nn
+from zoo import hf_gpt2
+
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.measure.timeline import record_step
+from memopt_plugins.profiler import profile_model
+
+MIB = 1 << 20
+
+
+def _timeline(model, loss, config=None):
+    opt = MemoryOptimizer(config) if config is not None else None
+    if opt is not None:
+        opt.apply(model)
+    loss().backward()  # warm-up: the gradients exist
+    timeline = record_step(model, loss)
+    if opt is not None:
+        opt.remove()
+    return timeline
+
+
+def test_the_loss_head_peaks_with_three_logits_alive():
+    """Cross-entropy over a wide head: in its backward the saved log-softmax, its gradient and
+    the logits' gradient are alive together (256 x 8192 fp32 = 8 MiB each)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8192))
+    x, y = torch.randn(256, 64), torch.randint(0, 8192, (256,))
+    timeline = _timeline(model, lambda: F.cross_entropy(model(x), y))
+    logits = 256 * 8192 * 4
+    assert abs(timeline.peak - 3 * logits) <= 0.1 * logits  # and the MLP's 0.5 MiB
+    assert abs(timeline.retained - logits) <= 0.1 * logits  # the log-softmax, and a little more
+    site = timeline.site
+    assert (site.phase, site.node, site.module) == ("backward", "LogSoftmaxBackward0", None)
+    assert abs(timeline.alive_at_peak["backward"] - 2 * logits) <= 1024
+    assert timeline.times == tuple(sorted(timeline.times))
+    assert timeline.backward_start <= timeline.peak_time
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64))
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.head(self.mlp(x))
+
+
+def test_the_timeline_tells_packed_decoded_and_recomputed_bytes_apart():
+    """An MLP of 512 x 1024 fp32 intermediates (2 MiB each): compressed at 8 bits, its two
+    saved intermediates are packed (~1/4 each) and decoded in backward one at a time; recomputed,
+    the replay brings both back."""
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(512, 64)
+    loss = lambda: model(x).square().mean()  # noqa: E731
+    inner = 512 * 1024 * 4
+    plain = _timeline(model, loss)
+    assert max(plain.kinds["packed"]) == max(plain.kinds["decoded"]) == 0
+    assert max(plain.kinds["recomputed"]) == 0
+    packed = _timeline(model, loss, {"quantize": {"bits": 8}})
+    assert 0.5 * inner <= max(packed.kinds["packed"]) <= 0.6 * inner  # two 8-bit copies + scales
+    assert max(packed.kinds["decoded"]) == inner
+    assert max(packed.kinds["recomputed"]) == 0
+    assert packed.retained < 0.35 * plain.retained
+    replayed = _timeline(model, loss, {"recompute": {"modules": ["mlp"]}})
+    assert max(replayed.kinds["recomputed"]) == 2 * inner
+    assert replayed.retained < 0.1 * plain.retained
+
+
+def test_the_profilers_figures_agree_with_a_fresh_process():
+    """``memopt profile``'s retained and peak bytes, as is and with the plan, are those of a
+    fresh process after a warm-up step (within 10%), not of a first step in a busy one; the
+    report says where the step peaks and how much larger a batch fits."""
+    config = {"quantize": {"bits": 4}}
+    model, batch, loss_fn = hf_gpt2()
+    report = profile_model(model, batch, loss_fn, config)
+    for mine, fresh in (
+        (report.reading, measure(hf_gpt2)),
+        (report.after, measure(hf_gpt2, config)),
+    ):
+        assert abs(mine.retained - max(fresh.retained, fresh.packed)) <= 0.1 * mine.retained
+        assert abs(mine.peak - fresh.peak) <= 0.1 * mine.peak, (mine, fresh)
+    assert report.step.timeline.site.phase in ("forward", "backward")
+    assert "peak in the" in report.summary() and "a batch" in report.summary()
+    before, after = report.step.per_sample, report.step_after.per_sample
+    assert before.samples == (4, 8)
+    assert 1.5 <= report.fits == before.peak / after.peak
+    assert before.retained > 4 * after.retained
