@@ -26,6 +26,7 @@ from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import distributed, max_over_ranks
 from .drift import DriftMonitor, DriftReport
 from .dropout import DropoutPatch
+from .measure.process import peak_bytes, reset_peak
 from .recompute import (
     IN_RECOMPUTE,
     RECOMPUTE,
@@ -375,9 +376,11 @@ class MemoryOptimizer:
 
         ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
         ``memopt/bits/<fqn>``, ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
-        bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept).
-        The root module is named ``<root>``. ``drift=False`` leaves out ``memopt/drift/*``:
-        integrations log drift values only at the step of their check.
+        bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept),
+        ``memopt/peak_bytes`` (the most memory held since the previous call: on CUDA the
+        allocator's ``max_memory_allocated``, on the CPU the process's resident high-water mark;
+        each call starts a new one). The root module is named ``<root>``. ``drift=False`` leaves
+        out ``memopt/drift/*``: integrations log drift values only at the step of their check.
         """
         out = self._drift.metrics()
         if not drift:
@@ -387,6 +390,10 @@ class MemoryOptimizer:
         if self._hooks is not None:
             out["memopt/saved_bytes"] = float(self._hooks.stats.saved_stored)
             out["memopt/saved_ratio"] = float(self._hooks.stats.forward_ratio)
+        if self._model is not None:
+            device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
+            out["memopt/peak_bytes"] = float(peak_bytes(device))
+            reset_peak(device)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from torch import nn
 from zoo import hf_gpt2
 
 from memopt_plugins import MemoryOptimizer
+from memopt_plugins.measure.process import current_bytes
 from memopt_plugins.measure.timeline import record_step
 from memopt_plugins.profiler import profile_model
 
@@ -93,3 +94,23 @@ def test_the_profilers_figures_agree_with_a_fresh_process():
     assert before.samples == (4, 8)
     assert 1.5 <= report.fits == before.peak / after.peak
     assert before.retained > 4 * after.retained
+
+
+def test_peak_bytes_is_logged_and_restarts_at_each_reading():
+    """``memopt/peak_bytes``: the most the process held since the previous reading (CPU: its
+    resident high-water mark), so a 256 MiB tensor made and freed between two readings shows in
+    the second and is gone from the third."""
+    model, x = _Net(), torch.randn(512, 64)
+    opt = MemoryOptimizer({"quantize": {"bits": 8}})
+    opt.apply(model)
+    model(x).square().mean().backward()
+    first = opt.metrics()["memopt/peak_bytes"]
+    held = current_bytes(torch.device("cpu"))
+    assert first >= held
+    big = torch.ones(64 << 20)  # 256 MiB, written so that its pages are resident
+    del big
+    second = opt.metrics()["memopt/peak_bytes"]
+    assert second >= held + (256 << 20) * 0.95
+    third = opt.metrics()["memopt/peak_bytes"]
+    assert third < second - (200 << 20)
+    opt.remove()

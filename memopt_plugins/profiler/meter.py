@@ -23,13 +23,13 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..compress.hooks import SavedStats
+from ..measure.process import current_bytes, peak_bytes, reset_peak
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -57,41 +57,6 @@ def _release_free_heap() -> None:
         libc.malloc_trim(0)
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _cpu_current() -> int:
-    kib = _status_kib("VmRSS")
-    if kib is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return kib * 1024
-
-
-def _cpu_reset_peak() -> bool:
-    """Reset the kernel's RSS high-water mark; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _cpu_peak() -> int:
-    kib = _status_kib("VmHWM")
-    if kib is None:
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib * 1024
-
-
 @dataclass(frozen=True)
 class MemoryReading:
     """One training step's memory, in bytes above what was held before the step."""
@@ -111,20 +76,13 @@ class MemoryMeter:
             _glibc()  # tune malloc before the first reading
 
     def current(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        return _cpu_current()
+        return current_bytes(self.device)
 
     def reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            _cpu_reset_peak()
+        reset_peak(self.device)
 
     def peak(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return _cpu_peak()
+        return peak_bytes(self.device)
 
     def _settle(self) -> None:
         gc.collect()
