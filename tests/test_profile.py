@@ -268,11 +268,14 @@ def test_plan_estimate_agrees_with_the_engine_running_it(bert_report):
     model, batch, loss_fn = hf_bert()
     report = profile_model(model, batch, loss_fn, suggestion.config)
     assert abs(report.saved_after_total - suggestion.estimate) <= 0.10 * suggestion.estimate
+    containers = 0
     for fqn in suggestion.recompute:
         assert report[fqn].action == "recompute"
         inside = [r for r in report.modules if r.fqn.startswith(fqn + ".")]
-        assert inside and all(r.action == "in-recompute" for r in inside)
+        assert all(r.action == "in-recompute" for r in inside)
         assert all(r.self_saved_after == 0 for r in inside)  # a region holds nothing inside
+        containers += bool(inside)
+    assert containers >= 2  # BERT's attention blocks (and leaves: LayerNorms, cheap to replay)
 
 
 def test_a_patched_model_is_refused():

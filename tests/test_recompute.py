@@ -354,8 +354,8 @@ def measured(*costs: ModuleCost, baseline: int = 100, unsafe=()) -> Measurement:
     return Measurement(baseline, {c.fqn: c for c in costs}, frozenset(unsafe))
 
 
-def cost(fqn, saved, seconds, before=0, start=0, end=0) -> ModuleCost:
-    return ModuleCost(fqn, "container", saved, seconds, before, start, end)
+def cost(fqn, saved, flops, before=0, start=0, end=0) -> ModuleCost:
+    return ModuleCost(fqn, "container", saved, flops, before, start, end)
 
 
 # A stem, then a stage of two blocks; the stage also frees the tensor between its blocks (5).
@@ -372,9 +372,9 @@ def test_planner_prefers_blocks_to_a_stage_whose_replay_is_the_peak():
     plan = choose(measured(*STAGED), budget=0.3)
     assert plan.chosen == ("stem", "stage.0", "stage.1")
     assert plan.kept_bytes == 30 and plan.peak_bytes == 30
-    # by freed bytes per second alone the stage (27.5/s) beats a block (25/s); but its replay
+    # by freed bytes per operation alone the stage (27.5) beats a block (25); but its replay
     # would hold 55 bytes on top of what is kept before it, a peak of 55 instead of 30
-    assert STAGED[1].bytes_per_second > STAGED[2].bytes_per_second
+    assert STAGED[1].bytes_per_flop > STAGED[2].bytes_per_flop
 
 
 def test_planner_upgrades_to_a_container_and_drops_the_picks_inside():

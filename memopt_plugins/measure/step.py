@@ -14,8 +14,10 @@ profiler all read. Rules of the count:
 * Recomputing a module frees the saved storages inside it that are not its own inputs, and costs
   the inputs that nothing else keeps (a checkpoint holds its inputs): ``ModuleCost.saved_bytes``
   is the difference, ``kept_inputs`` the second term.
-* Time is each module's inclusive forward time (on CPU the thread's CPU time, which other
-  processes do not inflate; elsewhere wall time after a device synchronize).
+* The price of recomputing a module is its inclusive count of operations (:class:`OpCounter`),
+  which does not depend on the clock, so the same model and batch give the same plan; its
+  forward time (on CPU the thread's CPU time, elsewhere wall time after a device synchronize)
+  is recorded for display.
 * A module that changed one of its inputs in place is *unsafe*: a replay would see other values.
 
 Addresses are reused as soon as memory is freed, so a storage is recognised by its address only
@@ -36,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from ..select import layer_kind
 from ..tree import tensors_in
@@ -52,16 +56,38 @@ class ModuleCost:
     fqn: str
     kind: str
     saved_bytes: int  # bytes no longer held for backward if recomputed (may be <= 0)
-    seconds: float  # its forward time: the price of a replay
+    flops: float  # its forward's operations (see :class:`OpCounter`): the price of a replay
     before_bytes: int = 0  # saved by the forward before this module started
     start: int = 0  # distinct saved storages when it first started / last ended: its place
     end: int = 0
     self_bytes: int = 0  # saved while it was the innermost watched module running
     kept_inputs: int = 0  # input bytes a checkpoint would keep that are freed otherwise
+    seconds: float = 0.0  # its forward time in this measurement (shown, never planned with)
 
     @property
-    def bytes_per_second(self) -> float:
-        return self.saved_bytes / max(self.seconds, 1e-9)
+    def bytes_per_flop(self) -> float:
+        return self.saved_bytes / max(self.flops, 1e-9)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the operations of a forward as it runs, the clock-free price of a replay:
+    matmuls, convolutions and attention by ``torch.utils.flop_counter``'s formulas (what
+    torch.compile's memory budget ranks by), every other op one per output element, views none.
+    The same model and batch give the same count on every run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        elif not func.is_view:
+            self.total += sum(t.numel() for t in tensors_in(out))
+        return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +211,9 @@ class StepRecorder:
         self._starts: list[float] = []
         self._calls: list[list[tuple[torch.Tensor, int | None]]] = []
         self._seconds: dict[str, float] = defaultdict(float)
+        self._flops: dict[str, float] = defaultdict(float)
+        self._flop_starts: list[float] = []
+        self._counter = OpCounter()
         self._span: dict[str, list[int]] = {}
         self._ran: list[str] = []
         self._unsafe: set[str] = set()
@@ -202,6 +231,7 @@ class StepRecorder:
         names = [f for f, _ in self.model.named_modules() if f or self.watch_root]
         self._watch = ScopeTracker.of(self.model).watch(self, names)
         self._contexts.enter_context(saved_tensors_hooks(self._pack, _same))
+        self._contexts.enter_context(self._counter)
         return self
 
     def stop(self) -> Measurement:
@@ -233,7 +263,11 @@ class StepRecorder:
             )
             start, end = self._span[fqn]
             kind = layer_kind(modules[fqn]) if fqn in modules else "other"
-            costs.append(ModuleCost(fqn, kind, 0, self._seconds[fqn], 0, start, end, 0, kept))
+            costs.append(
+                ModuleCost(
+                    fqn, kind, 0, self._flops[fqn], 0, start, end, 0, kept, self._seconds[fqn]
+                )
+            )
         order = {f: i for i, f in enumerate(modules)}
         costs.sort(key=lambda c: order.get(c.fqn, len(order)))
         self._records.clear()
@@ -311,12 +345,14 @@ class StepRecorder:
         self._span.setdefault(fqn, [len(self._saved), 0])
         self._sync()
         self._starts.append(self._clock())
+        self._flop_starts.append(self._counter.total)
 
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._starts:
             return
         self._sync()
         self._seconds[fqn] += self._clock() - self._starts.pop()
+        self._flops[fqn] += self._counter.total - self._flop_starts.pop()
         self._span[fqn][1] = len(self._saved)
         self._stack.pop()
         self._ran.append(fqn)

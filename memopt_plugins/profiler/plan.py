@@ -54,7 +54,7 @@ class Suggestion:
     bits: int  # bits of the compressed rest (32: no compression)
     config: MemOptConfig
     freed: int = 0  # bytes the recompute frees (estimated, at these bits)
-    recompute_s: float = 0.0  # forward time of the recomputed modules, measured
+    recompute_flops: float = 0.0  # forward operations of the recomputed modules (clock-free)
 
     @property
     def reached(self) -> bool:
@@ -71,7 +71,7 @@ class Suggestion:
             f"# estimated with this config: {human_bytes(self.estimate)} ({share:.0%})"
             + ("" if self.reached else " - the budget is out of reach at these bits"),
             f"# recompute {len(self.recompute)} module(s): frees {human_bytes(self.freed)} for "
-            f"{1000 * self.recompute_s:.2f} ms of forward time recomputed per step",
+            f"{self.recompute_flops / 1e9:.3f} GFLOP of forward recomputed per step",
             "# compress: "
             + ("nothing" if self.bits >= OFF_BITS else f"the rest to {self.bits} bits"),
         ]
@@ -169,5 +169,5 @@ def suggest_config(
         bits=width,
         config=config,
         freed=compressed_only - plan.kept_bytes,
-        recompute_s=sum(report[fqn].forward_s for fqn in plan.chosen),
+        recompute_flops=sum(report.measurement.costs[fqn].flops for fqn in plan.chosen),
     )

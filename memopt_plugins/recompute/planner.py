@@ -3,7 +3,9 @@
 ``recompute.auto: {budget: b}`` (and ``memopt plan``) read one :class:`~memopt_plugins.measure.
 Measurement` of a forward: the bytes each module's recompute would free (storages saved only
 inside it, less the inputs the checkpoint must then keep), where it sits in the order of saves,
-and its forward time. :func:`choose` then picks modules by bytes freed per second of recompute
+and its forward's operations (FLOPs of matmuls and convolutions, one per element elsewhere:
+a cost that does not depend on the clock, so the same model, batch and budget give the same plan
+every time). :func:`choose` then picks modules by bytes freed per operation of recompute
 until at most ``b`` of the baseline saved bytes remain. Bytes freed count twice: off what is kept,
 and off the estimated backward peak -- a replay re-creates a module's activations on top of what
 is still held, so one big region can cost more peak than it saves. It never picks a module inside
@@ -82,7 +84,7 @@ class RecomputePlan:
             f"{len(self.chosen) + len(self.fixed)} modules"
         )
         regions = set(self.chosen) | set(self.fixed)
-        rows = [("module", "kind", "frees MiB", "forward ms", "MiB/s", "action")]
+        rows = [("module", "kind", "frees MiB", "MFLOP", "KiB/MFLOP", "action")]
         for c in self.candidates:
             if c.fqn in regions:
                 action = RECOMPUTE if c.fqn in self.chosen else f"{RECOMPUTE} (config)"
@@ -95,8 +97,8 @@ class RecomputePlan:
                     c.fqn,
                     c.kind,
                     f"{c.saved_bytes / mib:.2f}",
-                    f"{c.seconds * 1e3:.2f}",
-                    f"{c.bytes_per_second / mib:.0f}",
+                    f"{c.flops / 1e6:.2f}",
+                    f"{c.bytes_per_flop * 1e6 / 1024:.1f}",
                     action,
                 )
             )
@@ -125,7 +127,7 @@ def choose(measurement: Measurement, budget: float, fixed: Sequence[str] = ()) -
     """Pick modules to recompute until at most ``budget`` of the baseline saved bytes remain.
 
     Greedy, best rate first: a candidate's benefit is what it removes from the kept bytes plus
-    what it removes from the estimated backward peak (:func:`estimated_peak`), per second of
+    what it removes from the estimated backward peak (:func:`estimated_peak`), per operation of
     its forward; near the end the cheapest single pick that meets the budget is taken instead
     when it costs less than the best rate would need. A candidate that contains picked modules
     is judged by what it adds over them, and replaces them when picked; one that would raise
@@ -165,19 +167,19 @@ def choose(measurement: Measurement, budget: float, fixed: Sequence[str] = ()) -
             benefit = gain + peak - new_peak
             if benefit <= 0:
                 continue
-            seconds = max(c.seconds - sum(picked[p].seconds for p in inner), 1e-9)
-            if best is None or benefit / seconds > best[0]:
-                best = (benefit / seconds, c, inner, gain, new_peak)
-            if kept - gain <= target and (closer is None or seconds < closer[0]):
-                closer = (seconds, c, inner, gain, new_peak)
+            flops = max(c.flops - sum(picked[p].flops for p in inner), 1e-9)
+            if best is None or benefit / flops > best[0]:
+                best = (benefit / flops, c, inner, gain, new_peak)
+            if kept - gain <= target and (closer is None or flops < closer[0]):
+                closer = (flops, c, inner, gain, new_peak)
         if best is None:
             break
         # Do not overshoot: one pick that meets the budget wins when it costs no more than the
         # best-rate pick (when that one meets it too), or than the best rate would need for
         # the remaining bytes (when it does not).
-        best_seconds = max(best[1].seconds - sum(picked[p].seconds for p in best[2]), 1e-9)
+        best_flops = max(best[1].flops - sum(picked[p].flops for p in best[2]), 1e-9)
         gap = kept - target
-        needed = best_seconds if best[3] >= gap else gap * best_seconds / best[3]
+        needed = best_flops if best[3] >= gap else gap * best_flops / best[3]
         if closer is not None and closer[0] <= needed:
             best = closer
         _, c, inner, gain, peak = best
@@ -193,7 +195,7 @@ def choose(measurement: Measurement, budget: float, fixed: Sequence[str] = ()) -
         peak_bytes=peak,
         chosen=tuple(sorted(picked, key=order.index)),
         fixed=tuple(fixed),
-        candidates=tuple(sorted(pool, key=lambda c: -c.bytes_per_second)),
+        candidates=tuple(sorted(pool, key=lambda c: -c.bytes_per_flop)),
     )
 
 
