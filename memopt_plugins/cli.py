@@ -3,11 +3,12 @@
 ``memopt profile --model FILE.py:factory [--config YAML] [--out DIR] [--top N]`` prints the
 per-module memory table of one training step and writes ``DIR/report.md``, ``DIR/memory.png``,
 ``DIR/timeline.png`` (the step's memory over time) and ``DIR/report.json``. ``memopt plan
---model FILE.py:factory --budget 0.4 [--bits N]`` prints a config (YAML) that keeps at most
-that fraction of the saved-activation bytes: the modules the recompute planner picks (the same
-as ``recompute.auto``), plus compression at ``N`` bits, or at the bits needed when recompute
-alone cannot reach the budget. The factory takes no arguments and returns
-``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
+--model FILE.py:factory [--budget 0.4] [--memory 6GiB] [--bits N]`` prints a config (YAML) that
+keeps the step's peak at most that fraction of the baseline's peak (or the whole step under that
+cap, and then also the largest batch that fits), measured by running it: the modules the
+recompute planner picks, plus compression at ``N`` bits, or at the bits needed when recompute
+alone cannot reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
+returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ from torch import nn
 
 from .config import ConfigError, MemOptConfig, closest, load_config
 from .profiler import ProfileReport, profile_model, suggest_config
+from .profiler.fit import plan_peak
 from .tree import map_tensors
 
 EXPECTED = (
@@ -133,8 +136,27 @@ def _budget(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(
-            f"{text} is outside (0, 1]: the fraction of saved-activation bytes to keep, e.g. 0.4"
+            f"{text} is outside (0, 1]: a fraction of the baseline to keep, e.g. 0.4"
         )
+    return value
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+_UNITS.update({"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40})
+
+
+def _memory(text: str) -> int:
+    """``6GiB``, ``512MiB``, ``1.5G`` (binary), ``8GB`` (decimal) or a number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an amount of memory: e.g. 6GiB, 512MiB, 1.5G or 8000000000"
+        )
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is no memory at all")
     return value
 
 
@@ -213,11 +235,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """``memopt plan``: print (and optionally write) a config for the budget."""
+    """``memopt plan``: print (and optionally write) a config for the peak budget or cap."""
+    if args.budget is None and args.memory is None:
+        raise CliError("plan: give --budget (a fraction of the baseline's peak), --memory, or both")
     base = _config(args.config)
-    report = _profile(args.model, None, None, args.device)
-    suggestion = suggest_config(report, args.budget, base=base, bits=args.bits)
-    text = suggestion.to_yaml()
+    model, batch, loss_fn = build(args.model)
+    if args.device is not None:
+        model.to(args.device)
+        batch = map_tensors(lambda t: t.to(args.device), batch)
+    try:
+        plan = plan_peak(
+            model, batch, loss_fn, budget=args.budget, memory=args.memory, bits=args.bits,
+            base=base, device=args.device,
+        )  # fmt: skip
+    except ConfigError as err:
+        raise CliError(f"--config does not fit the model of {args.model}: {err}") from None
+    text = plan.to_yaml()
     print(text, end="")
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
@@ -250,7 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="propose a config for a memory budget, printed as YAML")
     p.add_argument("--model", required=True, metavar="FILE.py:factory", help=model_help)
     p.add_argument(
-        "--budget", type=_budget, required=True, help="fraction of saved bytes to keep, (0, 1]"
+        "--budget",
+        type=_budget,
+        help="the step's peak, as a fraction of the baseline's peak to keep, (0, 1]",
+    )
+    p.add_argument(
+        "--memory",
+        type=_memory,
+        metavar="BYTES",
+        help="a cap for the whole step (e.g. 6GiB): also prints the largest batch that fits",
     )
     p.add_argument(
         "--bits",

@@ -12,6 +12,8 @@ from memopt_plugins import MemoryOptimizer
 from memopt_plugins.measure.process import current_bytes
 from memopt_plugins.measure.timeline import record_step
 from memopt_plugins.profiler import profile_model
+from memopt_plugins.profiler.fit import largest_batch, plan_peak, resize_batch
+from memopt_plugins.profiler.run import step_memory
 
 MIB = 1 << 20
 
@@ -114,3 +116,26 @@ def test_peak_bytes_is_logged_and_restarts_at_each_reading():
     third = opt.metrics()["memopt/peak_bytes"]
     assert third < second - (200 << 20)
     opt.remove()
+
+
+def test_a_peak_budget_is_met_when_applied_and_planned_the_same_every_time():
+    """``memopt plan --budget 0.5``: the printed config, run, keeps the step's peak within the
+    budget + 5% of the baseline's peak, and two plans print the same config."""
+    model, batch, loss_fn = hf_gpt2()
+    plan = plan_peak(model, batch, loss_fn, budget=0.5)
+    assert plan.peak <= 0.55 * plan.baseline_peak and plan.met
+    applied = step_memory(model, batch, loss_fn, plan.suggestion.config)
+    assert applied.reading.peak <= 0.55 * plan.baseline_peak
+    assert plan_peak(model, batch, loss_fn, budget=0.5).to_yaml() == plan.to_yaml()
+
+
+def test_the_largest_batch_under_a_cap_fits_and_one_more_sample_does_not():
+    model, batch, loss_fn = hf_gpt2(batch_size=4, seq=64)
+    config = {"quantize": {"bits": 4}}
+    step = step_memory(model, batch, loss_fn, config)
+    fixed = 2 * sum(p.nbytes for p in model.parameters())  # parameters and gradients
+    cap = fixed + batch.nbytes + step.reading.peak + int(6.5 * step.per_sample.peak)
+    size, total = largest_batch(model, batch, loss_fn, config, cap, step, fixed)
+    assert size >= 8 and total <= cap
+    over = step_memory(model, resize_batch(batch, size + 1), loss_fn, config)
+    assert fixed + (size + 1) * batch[0].nbytes + over.reading.peak > cap

@@ -160,6 +160,44 @@ def batch_size(batch: Any) -> int | None:
     return None if first is None else first.shape[0]
 
 
+def step_memory(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    config: MemOptConfig | Mapping[str, Any] | str | Path | None = None,
+    *,
+    device: str | torch.device | None = None,
+) -> StepMemory:
+    """One step on the allocator's timeline, after a warm-up, with its per-sample slope, as is or
+    under ``config`` (applied, then removed); the model, its gradients and the global RNG are
+    left as they were. Unlike :func:`profile_model` it never runs the model without ``config``:
+    at a batch that only fits with memopt, that step would not fit."""
+    device = _device_of(model, device)
+    rng_devices = _rng_devices(device)
+    with _model_preserved(model, None), torch.random.fork_rng(devices=rng_devices):
+        if config is None:
+            return _measured_step(model, batch, loss_fn, device)
+        opt = MemoryOptimizer(load_config(config))
+        opt.apply(model)
+        try:
+            return _measured_step(model, batch, loss_fn, device, opt)
+        finally:
+            opt.remove()
+
+
+def _device_of(model: nn.Module, device: str | torch.device | None) -> torch.device:
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    return torch.device(device)
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def profile_model(
     model: nn.Module,
     batch: Any,
@@ -188,16 +226,11 @@ def profile_model(
             "before MemoryOptimizer.apply(model) or after remove()"
         )
     cfg = load_config(config)
-    if device is None:
-        first = next(model.parameters(), None)
-        device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = _device_of(model, device)
     named = list(model.named_modules())
     rows = {fqn: ModuleProfile(fqn, layer_kind(m)) for fqn, m in named}
     rows[LOSS_ROW] = ModuleProfile(LOSS_ROW, "loss")
-    rng_devices = []
-    if device.type == "cuda":
-        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    rng_devices = _rng_devices(device)
 
     after: StepMemory | None = None
     plan = {}

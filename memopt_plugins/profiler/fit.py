@@ -1,0 +1,192 @@
+"""What fits: a config for a budget on the step's peak (or an absolute cap), verified by running it,
+and the largest batch that fits under a cap.
+
+``memopt plan`` reads this. The peak of a step is what decides the batch that fits, and it is
+more than the bytes saved for backward: the backward adds gradients in flight and workspaces on top
+of what is still saved (``transient`` below), and a recompute region re-creates its activations.
+:func:`plan_peak` turns the peak target into a target on the saved bytes (the target less the
+baseline's transient), lets :func:`~.plan.suggest_config` choose for it, then runs a step under
+the config on the allocator's timeline; when the measured peak is over, it bisects the saved-bytes
+target for the largest one whose measured peak meets the peak target (or says none does).
+
+An absolute cap (``memory``) is for the whole step: what is allocated before it -- parameters,
+gradients, optimizer state, the batch -- plus the step's peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import MemOptConfig
+from ..tree import map_tensors, tensors_in
+from .plan import Suggestion, suggest_config
+from .report import ProfileReport, human_bytes
+from .run import StepMemory, batch_size, profile_model, step_memory
+
+#: Bisection steps of :func:`plan_peak` (each runs one config) and tries of :func:`largest_batch`.
+TRIES = 5
+#: The least share of the saved bytes :func:`plan_peak` asks the planner for.
+MIN_SHARE = 1e-3
+
+
+@dataclass(frozen=True)
+class PeakPlan:
+    """A config for a peak target, with what was measured running it."""
+
+    suggestion: Suggestion
+    baseline_peak: int  # the step's peak without memopt (above what is allocated before it)
+    target_peak: int  # the most the step's peak may be
+    peak: int  # measured under the config
+    held_before: int  # parameters, gradients, optimizer state and the batch
+    batch: int | None  # the factory's batch size
+    largest_batch: int | None = None  # under ``memory``, verified by a step at that size
+    largest_batch_total: int | None = None  # held before + peak, measured at that size
+    memory: int | None = None
+
+    @property
+    def met(self) -> bool:
+        return self.peak <= self.target_peak * 1.05
+
+    def to_yaml(self) -> str:
+        """The config with a commented header of the peak figures."""
+        lines = [
+            f"# memopt plan for the step's peak: {human_bytes(self.target_peak)} at most "
+            f"({self.target_peak / self.baseline_peak:.0%} of the baseline's "
+            f"{human_bytes(self.baseline_peak)}; batch {self.batch})",
+            f"# measured with this config: peak {human_bytes(self.peak)} "
+            f"({self.peak / self.baseline_peak:.0%})"
+            + ("" if self.met else " - over the target: no config of these options reaches it"),
+        ]
+        if self.memory is not None and self.largest_batch is not None:
+            lines += [
+                f"# under {human_bytes(self.memory)} for the whole step, the largest batch that "
+                f"fits is {self.largest_batch} (measured {human_bytes(self.largest_batch_total)})",
+                f"#   (parameters, gradients, optimizer state and the batch of {self.batch}: "
+                f"{human_bytes(self.held_before)} held before the step)",
+            ]
+        elif self.memory is not None:
+            lines.append(f"# no batch fits under {human_bytes(self.memory)} with this config")
+        return "\n".join(lines) + "\n" + self.suggestion.to_yaml()
+
+
+def model_bytes(report: ProfileReport) -> int:
+    """Parameters, gradients and optimizer state: held before a step, whatever the batch."""
+    root = report.modules[0]
+    return root.params + root.grads + root.optimizer_state
+
+
+def batch_bytes(batch: Any) -> int:
+    return sum(t.nbytes for t in tensors_in(batch))
+
+
+def plan_peak(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    budget: float | None = None,
+    memory: int | None = None,
+    bits: int | None = None,
+    base: MemOptConfig | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: str | torch.device | None = None,
+) -> PeakPlan:
+    """A config keeping the step's peak within ``budget`` of the baseline's peak, or the whole
+    step within ``memory`` bytes (both given: the tighter), verified by running it."""
+    if budget is None and memory is None:
+        raise ValueError("plan_peak needs a budget, a memory cap, or both")
+    report = profile_model(model, batch, loss_fn, optimizer=optimizer, device=device)
+    baseline_peak, baseline_saved = report.reading.peak, report.saved_total
+    fixed = model_bytes(report) + batch_bytes(batch)
+    targets = []
+    if budget is not None:
+        targets.append(budget * baseline_peak)
+    if memory is not None:
+        targets.append(memory - fixed)
+    target = max(min(targets), 1)
+    transient = max(baseline_peak - report.reading.retained, 0)
+    first = (target - transient) / baseline_saved if baseline_saved else 1.0
+    share = min(max(first, MIN_SHARE), 1.0)
+
+    def attempt(share: float) -> tuple[Suggestion, StepMemory]:
+        suggestion = suggest_config(report, share, base=base, bits=bits)
+        return suggestion, step_memory(model, batch, loss_fn, suggestion.config, device=device)
+
+    # The largest share of the saved bytes whose measured peak meets the target, by bisection
+    # from the estimate (the peak grows with what is kept, not exactly in proportion).
+    best = tried = attempt(share)
+    if best[1].reading.peak > target:
+        low, high = MIN_SHARE, share
+        for _ in range(TRIES):
+            share = (low + high) / 2
+            tried = attempt(share)
+            if tried[1].reading.peak <= target:
+                best, low = tried, share
+            else:
+                high = share
+        if best[1].reading.peak > target:  # nothing met it: the lowest share tried
+            best = tried if tried[1].reading.peak < best[1].reading.peak else best
+    suggestion, step = best
+    plan = PeakPlan(
+        suggestion, baseline_peak, int(target), step.reading.peak, fixed, batch_size(batch)
+    )
+    if memory is None:
+        return plan
+    found = largest_batch(
+        model, batch, loss_fn, suggestion.config, memory, step, model_bytes(report), device
+    )
+    if found is None:
+        return dataclasses.replace(plan, memory=memory)
+    size, total = found
+    return dataclasses.replace(plan, largest_batch=size, largest_batch_total=total, memory=memory)
+
+
+def resize_batch(batch: Any, n: int) -> Any:
+    """``batch`` with ``n`` samples: its tensors repeated along dim 0 and cut to ``n``."""
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        times = math.ceil(n / t.shape[0])
+        return t.repeat(times, *([1] * (t.dim() - 1)))[:n] if times > 1 else t[:n]
+
+    return map_tensors(resize, batch)
+
+
+def largest_batch(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    config: MemOptConfig,
+    memory: int,
+    step: StepMemory,
+    fixed: int,
+    device: str | torch.device | None = None,
+) -> tuple[int, int] | None:
+    """The largest batch whose whole step (``fixed`` model bytes, the batch, the step's peak)
+    fits in ``memory`` under ``config``, from the per-sample slope of ``step`` (measured under
+    it), verified by a step at that size: ``(size, measured bytes)``, or ``None`` when not even
+    one sample fits."""
+    n = batch_size(batch)
+    if n is None or step.per_sample is None or step.per_sample.peak <= 0:
+        return None
+    per_sample = step.per_sample.peak + batch_bytes(batch) / n
+    total_now = fixed + batch_bytes(batch) + step.reading.peak
+    size = n + math.floor((memory - total_now) / per_sample)
+    for _ in range(TRIES):
+        if size < 1:
+            return None
+        bigger = resize_batch(batch, size)
+        measured = step_memory(model, bigger, loss_fn, config, device=device)
+        total = fixed + batch_bytes(bigger) + measured.reading.peak
+        if total <= memory:
+            return size, total
+        size = min(size - 1, math.floor(size * memory / total))
+    return None
