@@ -126,7 +126,7 @@ class AutoRecomputeConfig(_Section):
         0.5,
         description=(
             "Keep at most this fraction of the baseline saved-activation bytes; the planner "
-            "recomputes the modules with the most bytes saved per second of recompute first."
+            "recomputes the modules with the most bytes saved per operation of recompute first."
         ),
     )
 
@@ -271,6 +271,38 @@ class BatchNormConfig(_Section):
     )
 
 
+FUSED_CHAINS = ("gelu", "swiglu", "geglu", "rmsnorm")
+
+
+class OpsConfig(_Section):
+    """Memory-lean operations (memopt_plugins.lean): exact, each saving only its inputs."""
+
+    loss: Literal["none", "chunked"] = Field(
+        "none",
+        description=(
+            "chunked: a Hugging Face causal LM's loss head and cross-entropy run in chunks of "
+            "tokens in training with labels (the full logits are never made; `logits` is None "
+            "then); none: the model's own loss."
+        ),
+    )
+    chunk_size: Annotated[int | None, Field(ge=1), _Allowed("null or an integer >= 1")] = Field(
+        None,
+        description="Tokens per chunk (null: chunks of logits about the hidden states' size).",
+    )
+    fuse: Annotated[
+        tuple[Literal["gelu", "swiglu", "geglu", "rmsnorm"], ...],
+        BeforeValidator(_glob_list),
+        _Allowed(f"a list of {', '.join(FUSED_CHAINS)}"),
+    ] = Field(
+        (),
+        description=(
+            "Activation and norm chains swapped for one node that saves its inputs: gelu "
+            "(tanh-GELU written in Python, as GPT-2's), swiglu and geglu (Llama/Gemma-style "
+            "gated MLPs), rmsnorm (Llama-style RMSNorm)."
+        ),
+    )
+
+
 # --------------------------------------------------------------------------- top level
 
 
@@ -294,8 +326,9 @@ class MemOptConfig(_Section):
     batchnorm: BatchNormConfig = Field(
         default_factory=BatchNormConfig, description="BatchNorm statistics."
     )
+    ops: OpsConfig = Field(default_factory=OpsConfig, description="Memory-lean operations.")
 
-    @field_validator("recompute", "quantize", "drift", "dropout", "batchnorm", mode="before")
+    @field_validator("recompute", "quantize", "drift", "dropout", "batchnorm", "ops", mode="before")
     @classmethod
     def _null_section_is_default(cls, value: Any) -> Any:
         return {} if value is None else value

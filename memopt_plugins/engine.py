@@ -26,6 +26,7 @@ from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import distributed, max_over_ranks
 from .drift import DriftMonitor, DriftReport
 from .dropout import DropoutPatch
+from .lean import LeanOps
 from .measure.process import peak_bytes, reset_peak
 from .recompute import (
     IN_RECOMPUTE,
@@ -76,6 +77,7 @@ class ModulePlan:
     kind: str
     action: str
     bits: int
+    lean: str | None = None  # the lean op it runs as (``ops``), e.g. "lean swiglu"
 
     def __iter__(self):  # (kind, action, bits), as DESIGN.md's plan tuple
         return iter((self.kind, self.action, self.bits))
@@ -85,15 +87,29 @@ class Plan(dict):
     """``{fqn: ModulePlan}`` for every module of the model; ``str(plan)`` is a table."""
 
     def __str__(self) -> str:
-        rows = [("module", "kind", "action", "bits")]
+        rows = [("module", "kind", "action", "bits", "op")]
         rows += [
-            (fqn or "<root>", p.kind, p.action, str(p.bits) if p.action == COMPRESS else "-")
+            (
+                fqn or "<root>",
+                p.kind,
+                p.action,
+                str(p.bits) if p.action == COMPRESS else "-",
+                p.lean or "-",
+            )
             for fqn, p in self.items()
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
         return "\n".join(
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         )
+
+
+def _count(actions: Mapping[str, str]) -> str:
+    """``{"a": "lean swiglu", "b": "lean swiglu"}`` -> ``"lean swiglu x2"``."""
+    counts: dict[str, int] = {}
+    for action in actions.values():
+        counts[action] = counts.get(action, 0) + 1
+    return ", ".join(f"{a} x{n}" if n > 1 else a for a, n in counts.items())
 
 
 def noise_seed(seed: int | None) -> int:
@@ -130,6 +146,7 @@ class MemoryOptimizer:
         self._pending_recompute: list[str] | None = None  # planner choice loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
+        self._lean = LeanOps(self.config.ops)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -153,14 +170,16 @@ class MemoryOptimizer:
         plan = Plan()
         regions = self._region_fqns()
         compressed = self._table.compressed
+        lean = self._lean.actions
         for fqn, module in model.named_modules():
             bits = compressed.get(fqn)
             if fqn in regions:
-                plan[fqn] = ModulePlan(layer_kind(module), regions[fqn], OFF_BITS)
+                action, bits = regions[fqn], OFF_BITS
             elif bits is not None:
-                plan[fqn] = ModulePlan(layer_kind(module), COMPRESS, bits)
+                action = COMPRESS
             else:
-                plan[fqn] = ModulePlan(layer_kind(module), KEEP, OFF_BITS)
+                action, bits = KEEP, OFF_BITS
+            plan[fqn] = ModulePlan(layer_kind(module), action, bits, lean.get(fqn))
         return plan
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -175,6 +194,10 @@ class MemoryOptimizer:
         targets = recompute_targets(model, self.config.recompute)  # validates before patching
         scopes = self._resolve_bits(model)
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
+        # Lean ops first: they validate against the model too, and recompute wraps what they make.
+        lean = self._lean.apply(model)
+        if lean:
+            log.info("memopt: %d modules run as memory-lean ops (%s)", len(lean), _count(lean))
         self._table.install({f: b for f, b in scopes.items() if f not in in_regions})
         # Dropout/BN patches go in before the hooks and recompute wrappers (removed after them).
         if self.config.dropout.mode != "keep":
@@ -237,6 +260,7 @@ class MemoryOptimizer:
         if self._dropout is not None:
             self._dropout.remove()
         self._batchnorm = self._dropout = None
+        self._lean.remove()
         _PATCHED.pop(self._model, None)
         self._model = None
         self._hooks = None

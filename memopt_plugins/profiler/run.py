@@ -98,34 +98,43 @@ class PerSample:
     peak: float
 
 
-def _one_step(
+def _timed_step(
     model: nn.Module,
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     device: torch.device,
     optimizer: MemoryOptimizer | None,
-    measured: list[Measurement] | None = None,
 ) -> tuple[MemoryReading, StepTimeline]:
-    """One forward and backward on the allocator's timeline (recorded per module into
-    ``measured`` when given)."""
+    """One forward and backward on the allocator's timeline."""
     hooks = optimizer.hooks if optimizer is not None else None
     packed = [0]
 
     def forward() -> torch.Tensor:
-        if measured is None:
-            loss = loss_fn(model, batch)
-        else:
-            recorder = StepRecorder(model, tensors_in(batch))
-            observer: PackObserver = recorder
-            with hooks.observed(observer) if hooks is not None else nullcontext():
-                with recorder:
-                    loss = loss_fn(model, batch)
-                    measured.append(recorder.stop())
+        loss = loss_fn(model, batch)
         packed[0] = hooks.stats.held_bytes if hooks is not None else 0
         return loss
 
     timeline = record_step(model, forward, device)
     return MemoryReading(timeline.retained, timeline.peak, packed[0], str(device)), timeline
+
+
+def _recorded_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer: MemoryOptimizer | None,
+) -> Measurement:
+    """One forward and backward recorded per module (a step of its own: the recorder's operation
+    counter, a dispatch mode, would hide memopt's ranges from the timeline)."""
+    hooks = optimizer.hooks if optimizer is not None else None
+    recorder = StepRecorder(model, tensors_in(batch))
+    observer: PackObserver = recorder
+    with hooks.observed(observer) if hooks is not None else nullcontext():
+        with recorder:
+            loss = loss_fn(model, batch)
+            measurement = recorder.stop()
+    loss.backward()
+    return measurement
 
 
 def _measured_step(
@@ -135,23 +144,24 @@ def _measured_step(
     device: torch.device,
     optimizer: MemoryOptimizer | None = None,
 ) -> StepMemory:
-    """A warm-up step, the measured one, and one on the first half of the batch."""
+    """A warm-up step, the measured one, one recorded per module, and one on the first half of
+    the batch."""
     loss_fn(model, batch).backward()  # gradients and lazy state exist first
-    measured: list[Measurement] = []
-    reading, timeline = _one_step(model, batch, loss_fn, device, optimizer, measured)
+    reading, timeline = _timed_step(model, batch, loss_fn, device, optimizer)
+    measurement = _recorded_step(model, batch, loss_fn, optimizer)
     n = batch_size(batch)
     per_sample = None
     if n is not None and n >= 2:
         half = slice_batch(batch, n // 2)
         loss_fn(model, half).backward()
-        small, _ = _one_step(model, half, loss_fn, device, optimizer)
+        small, _ = _timed_step(model, half, loss_fn, device, optimizer)
         samples = n - n // 2
         per_sample = PerSample(
             (n // 2, n),
             (reading.retained - small.retained) / samples,
             (reading.peak - small.peak) / samples,
         )
-    return StepMemory(reading, measured[0], timeline, per_sample)
+    return StepMemory(reading, measurement, timeline, per_sample)
 
 
 def batch_size(batch: Any) -> int | None:

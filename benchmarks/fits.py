@@ -1,0 +1,243 @@
+"""What fits: the step's peak per sample, and how much larger a batch fits, per method.
+
+The peak of a training step decides the batch that fits. For third-party models built from
+configs (Hugging Face GPT-2 and Llama, a ResNet-50-style CNN; no dropout) every method patches a
+fresh copy of the same model, and one step is read on the allocator's timeline
+(:func:`memopt_plugins.profiler.run.step_memory`: after a warm-up step, at the batch and at its
+first half) so that weights, gradients and workspaces cancel in the slope: the peak per sample.
+``fits`` is the baseline's peak per sample over the method's: how many times larger a batch fits
+in the memory the baseline's step needs. ``samples/s`` is measured at that batch (the median of a
+few steps after a warm-up, no profiler), so the price of the larger batch shows too.
+
+Beside memopt: PyTorch's checkpoint around every block (non-reentrant). The lean-ops rows chunk
+the language models' loss head and fuse their chains (``ops`` of the config; no rows for the CNN,
+which has neither). Writes ``fits.md`` and
+``fits.json`` to ``--out``.
+
+    python benchmarks/fits.py [--quick] [--out DIR] [--only gpt2,llama,resnet] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers is imported
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from methods import checkpoint_blocks  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ResNetConfig,
+    ResNetForImageClassification,
+)
+
+from memopt_plugins import MemoryOptimizer  # noqa: E402
+from memopt_plugins.profiler.fit import resize_batch  # noqa: E402
+from memopt_plugins.profiler.run import step_memory  # noqa: E402
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    build: Callable[[bool], tuple[torch.nn.Module, Any, Callable[..., torch.Tensor]]]
+    block_class: str
+    lean: dict[str, Any] | None = None  # the ``ops`` section that fits it (None: no lean op)
+
+
+def _lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _image_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(pixel_values=x).logits, y)
+
+
+def gpt2(quick: bool):
+    torch.manual_seed(0)
+    seq, dim, layers = (64, 128, 2) if quick else (256, 256, 4)
+    cfg = GPT2Config(
+        vocab_size=2048, n_positions=seq, n_embd=dim, n_layer=layers, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    return GPT2LMHeadModel(cfg), torch.randint(0, 2048, (16, seq)), _lm_loss
+
+
+def llama(quick: bool):
+    torch.manual_seed(0)
+    seq, dim, layers = (64, 128, 2) if quick else (256, 256, 3)
+    cfg = LlamaConfig(
+        vocab_size=4096, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq, use_cache=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg), torch.randint(0, 4096, (16, seq)), _lm_loss
+
+
+def resnet(quick: bool):
+    torch.manual_seed(0)
+    size, depths = (32, [1, 1, 1, 1]) if quick else (64, [3, 4, 6, 3])
+    cfg = ResNetConfig(
+        embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=depths,
+        layer_type="bottleneck", num_labels=10,
+    )  # fmt: skip
+    batch = (torch.randn(16, 3, size, size), torch.randint(0, 10, (16,)))
+    return ResNetForImageClassification(cfg), batch, _image_loss
+
+
+MODELS = {
+    "gpt2": Model("HF GPT-2", gpt2, "GPT2Block", {"loss": "chunked", "fuse": ["gelu"]}),
+    "llama": Model(
+        "HF Llama", llama, "LlamaDecoderLayer", {"loss": "chunked", "fuse": ["swiglu", "rmsnorm"]}
+    ),
+    "resnet": Model("ResNet-50-style", resnet, "ResNetBottleNeckLayer"),
+}
+
+#: (name, memopt config or None, checkpoint every block?)
+METHODS: list[tuple[str, dict[str, Any] | None, bool]] = [
+    ("baseline", None, False),
+    ("checkpoint every block", None, True),
+    ("memopt int8", {"quantize": {"bits": 8}}, False),
+    ("memopt int4", {"quantize": {"bits": 4}}, False),
+    ("memopt int2", {"quantize": {"bits": 2}}, False),
+    (
+        "memopt planner 0.3 + int8",
+        {"quantize": {"bits": 8}, "recompute": {"auto": {"budget": 0.3}}},
+        False,
+    ),
+]
+
+
+@dataclass
+class Row:
+    model: str
+    method: str
+    peak_per_sample: float
+    retained_per_sample: float
+    fits: float = 1.0
+    batch: int = 0
+    samples_per_s: float = 0.0
+    peak_at_batch: int = 0
+
+
+def _steps_per_second(model, batch, loss_fn, steps: int) -> float:
+    loss_fn(model, batch).backward()  # warm-up
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss_fn(model, batch).backward()
+        times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return 1.0 / statistics.median(times)
+
+
+def run(names: list[str], quick: bool) -> list[Row]:
+    rows: list[Row] = []
+    for key in names:
+        spec = MODELS[key]
+        model0, batch, loss_fn = spec.build(quick)
+        baseline: Row | None = None
+        for method, config, checkpointed in METHODS:
+            if config is not None and config.get("ops") == "lean":
+                if spec.lean is None:
+                    continue
+                config = {**config, "ops": spec.lean}
+            model = copy.deepcopy(model0)
+            if checkpointed:
+                checkpoint_blocks(model, spec.block_class)
+            opt = MemoryOptimizer({**config, "drift": {"enabled": False}}) if config else None
+            if opt is not None:
+                opt.apply(model)
+            step = step_memory(model, batch, loss_fn)
+            per = step.per_sample
+            row = Row(spec.name, method, per.peak, per.retained)
+            if baseline is None:
+                baseline = row
+            row.fits = baseline.peak_per_sample / row.peak_per_sample
+            n = len(batch[0]) if isinstance(batch, tuple) else len(batch)
+            row.batch = max(1, int(n * row.fits))
+            bigger = resize_batch(batch, row.batch)
+            row.samples_per_s = row.batch * _steps_per_second(
+                model, bigger, loss_fn, 2 if quick else 3
+            )
+            row.peak_at_batch = step.reading.peak
+            rows.append(row)
+            print(
+                f"{spec.name:16s} {method:28s} peak/sample {per.peak / MIB:7.3f} MiB  fits "
+                f"{row.fits:5.2f}x  batch {row.batch:4d}  {row.samples_per_s:7.1f} samples/s",
+                flush=True,
+            )
+            if opt is not None:
+                opt.remove()
+    return rows
+
+
+def markdown(rows: list[Row], quick: bool, seconds: float) -> str:
+    out = [
+        "# What fits: the step's peak per sample",
+        "",
+        "Generated by `benchmarks/fits.py`" + (" --quick" if quick else "") + f" on "
+        f"{torch.get_num_threads()} CPU threads in {seconds / 60:.1f} min (the module docstring "
+        "says how). `fits`: how many times larger a batch fits in the memory the baseline's "
+        "step needs at batch 16 (the baseline's peak per sample over the method's); `samples/s` "
+        "at that batch. Per sample: the slope between batches of 8 and 16, on the allocator's "
+        "timeline.",
+        "",
+        "| model | method | peak / sample | retained / sample | fits | batch | samples/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.model} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
+            f"{r.retained_per_sample / MIB:.3f} MiB | {r.fits:.2f}x | {r.batch} | "
+            f"{r.samples_per_s:.1f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
+    parser.add_argument("--out", default=str(HERE), help="folder for fits.md and fits.json")
+    parser.add_argument("--only", default=",".join(MODELS), help="models, comma-separated")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"--only: unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    start = time.perf_counter()
+    rows = run(names, args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fits.md").write_text(markdown(rows, args.quick, time.perf_counter() - start))
+    (out / "fits.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    print(f"wrote {out / 'fits.md'}, {out / 'fits.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Memory-lean operations: exact (up to floating-point rounding), each saving only its inputs and
+recomputing its cheap internals in backward, so that what they save is what memopt compresses.
+
+* :func:`linear_cross_entropy` -- the loss head and the cross-entropy in chunks of tokens;
+* :func:`swiglu`, :func:`geglu`, :func:`rms_norm` -- activation and norm chains;
+* :class:`LeanOps` -- the ``ops`` section of the config: swaps a model's modules for these where
+  the swap is exact, and a Hugging Face causal LM's loss for the chunked one.
+"""
+
+from .chains import geglu, rms_norm, swiglu
+from .loss import linear_cross_entropy
+from .patch import LeanOps
+
+__all__ = ["LeanOps", "geglu", "linear_cross_entropy", "rms_norm", "swiglu"]

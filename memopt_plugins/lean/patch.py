@@ -1,0 +1,258 @@
+"""The ``ops`` section: swap a model's chains and loss head for the memory-lean operations.
+
+* ``fuse``: modules are patched by what they are, and only where the swap is exact: each
+  candidate's new ``forward`` is run beside its own on a probe input at :meth:`LeanOps.apply`, and
+  a module whose outputs differ is left as it is (logged). ``gelu``: tanh-GELU modules written as
+  Python chains (Hugging Face's ``NewGELUActivation``, ``GELUTanh``, ``PytorchGELUTanh``) become
+  ``F.gelu(x, approximate="tanh")``; ``swiglu`` / ``geglu``: gated MLPs (``gate_proj``,
+  ``up_proj``, ``down_proj`` and a SiLU / tanh-GELU ``act_fn``: Llama, Mistral, Qwen2, Gemma)
+  compute ``down(swiglu(gate(x), up(x)))``; ``rmsnorm``: Llama-style RMSNorm modules (``weight``,
+  ``variance_epsilon``) call :func:`~.chains.rms_norm`.
+* ``loss: chunked``: a Hugging Face causal LM (an ``lm_head`` ``nn.Linear`` fed by its base model)
+  computes its loss with :func:`~.loss.linear_cross_entropy` in training with labels; its output's
+  ``logits`` is then ``None``. In eval mode, without labels (generation) or without gradients the
+  model's own forward runs.
+
+A name in ``fuse`` that matches no module, or a model ``loss: chunked`` cannot patch, is a
+:class:`~memopt_plugins.config.ConfigError`. :meth:`LeanOps.remove` puts every ``forward`` back.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, OpsConfig
+from ..patching import InstanceForward
+from .chains import geglu, rms_norm, swiglu
+from .loss import linear_cross_entropy
+
+log = logging.getLogger("memopt")
+
+_TANH_GELU = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"}
+_SILU = {"SiLU", "SiLUActivation"}
+#: Config attributes of causal LMs whose logits are scaled in ways the chunked loss does not do.
+_SCALED_LOGITS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+class _LeanForward(InstanceForward):
+    """A ``forward`` instance attribute set by :class:`LeanOps`."""
+
+    def __init__(self, module: nn.Module, forward: Callable[..., Any], action: str):
+        self.module = module
+        self.previous = module.__dict__.get("forward")
+        self.original = module.forward
+        self.forward = forward
+        self.action = action
+        module.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def restore(self) -> None:
+        slots = self.module.__dict__
+        if slots.get("forward") is not self:
+            log.warning("memopt: a forward patched by ops was replaced since; left as is")
+        elif self.previous is None:
+            del slots["forward"]
+        else:
+            slots["forward"] = self.previous
+
+
+def _tanh_gelu(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return name in _TANH_GELU or (isinstance(module, nn.GELU) and module.approximate == "tanh")
+
+
+def _gated_mlp(module: nn.Module) -> str | None:
+    """``swiglu`` / ``geglu`` for a Llama-style gated MLP, else ``None``."""
+    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(module, "act_fn", None)
+    if not all(isinstance(p, nn.Linear) for p in parts) or act is None:
+        return None
+    if type(act).__name__ in _SILU:
+        return "swiglu"
+    return "geglu" if _tanh_gelu(act) else None
+
+
+def _lean_forward(chain: str, module: nn.Module) -> Callable[..., Any] | None:
+    """The lean ``forward`` of ``module`` for ``chain``, or ``None`` when it is not one."""
+    if chain == "gelu" and _tanh_gelu(module) and not isinstance(module, nn.GELU):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if chain in ("swiglu", "geglu") and _gated_mlp(module) == chain:
+        product = swiglu if chain == "swiglu" else geglu
+        m: Any = module
+        return lambda x: m.down_proj(product(m.gate_proj(x), m.up_proj(x)))
+    if chain == "rmsnorm" and type(module).__name__.endswith("RMSNorm"):
+        weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+        if isinstance(weight, torch.Tensor) and isinstance(eps, float):
+            return lambda x: rms_norm(x, module.weight, module.variance_epsilon)
+    return None
+
+
+def _width(module: nn.Module) -> int:
+    gate = getattr(module, "gate_proj", None)
+    if isinstance(gate, nn.Linear):
+        return gate.in_features
+    weight = getattr(module, "weight", None)
+    return weight.shape[-1] if isinstance(weight, torch.Tensor) else 64
+
+
+def _exact(module: nn.Module, forward: Callable[..., Any]) -> bool:
+    """The lean forward gives the module's own outputs on a probe input."""
+    first = next(module.parameters(), None)
+    dtype = first.dtype if first is not None else torch.float32
+    device = first.device if first is not None else torch.device("cpu")
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(3, 5, _width(module), generator=generator).to(device, dtype)
+    with torch.no_grad():
+        mine, theirs = forward(probe), module(probe)
+    tolerance = 1e-5 if dtype in (torch.float32, torch.float64) else 1e-2
+    return mine.shape == theirs.shape and torch.allclose(
+        mine, theirs, rtol=tolerance, atol=tolerance
+    )
+
+
+class LeanOps:
+    """Applies the ``ops`` section to a model; :meth:`remove` undoes it."""
+
+    def __init__(self, config: OpsConfig):
+        self.config = config
+        self.actions: dict[str, str] = {}  # fqn -> "lean swiglu", "lean loss", ...
+        self._patched: list[_LeanForward] = []
+        self._told = False
+
+    @property
+    def active(self) -> bool:
+        return self.config.loss != "none" or bool(self.config.fuse)
+
+    def apply(self, model: nn.Module) -> dict[str, str]:
+        """Patch ``model``; returns ``{fqn: action}`` for every patched module."""
+        try:
+            for chain in self.config.fuse:
+                self._fuse(model, chain)
+            if self.config.loss == "chunked":
+                self._chunk_loss(model)
+        except BaseException:
+            self.remove()
+            raise
+        return dict(self.actions)
+
+    def remove(self) -> None:
+        for patched in reversed(self._patched):
+            patched.restore()
+        self._patched.clear()
+        self.actions.clear()
+
+    def _fuse(self, model: nn.Module, chain: str) -> None:
+        found, inexact = [], []
+        for fqn, module in model.named_modules():
+            if fqn in self.actions:
+                continue
+            forward = _lean_forward(chain, module)
+            if forward is None:
+                continue
+            if not _exact(module, forward):
+                inexact.append(fqn)
+                continue
+            self._patched.append(_LeanForward(module, forward, f"lean {chain}"))
+            self.actions[fqn] = f"lean {chain}"
+            found.append(fqn)
+        if inexact:
+            log.warning(
+                "memopt: ops.fuse %s left %d module(s) as they are: their outputs differ from the "
+                "lean op's (%s)",
+                chain,
+                len(inexact),
+                ", ".join(inexact[:3]) + (", ..." if len(inexact) > 3 else ""),
+            )
+        if not found and not inexact:
+            raise ConfigError(
+                f"ops.fuse: {chain!r} matches no module of {type(model).__name__} "
+                f"({_WHAT[chain]}); allowed here: "
+                + (", ".join(c for c in _WHAT if _any(model, c)) or "none of them")
+            )
+
+    def _chunk_loss(self, model: nn.Module) -> None:
+        head = getattr(model, "lm_head", None)
+        prefix = getattr(model, "base_model_prefix", None)
+        base = getattr(model, prefix, None) if isinstance(prefix, str) else None
+        config = getattr(model, "config", None)
+        why = None
+        if not isinstance(head, nn.Linear):
+            why = "it has no lm_head nn.Linear"
+        elif not isinstance(base, nn.Module):
+            why = "it has no base model (base_model_prefix) to feed the head"
+        elif any(getattr(config, name, None) not in (None, 1, 1.0) for name in _SCALED_LOGITS):
+            why = "its logits are scaled before the loss"
+        if why is not None:
+            raise ConfigError(
+                f"ops.loss: chunked needs a Hugging Face causal LM whose lm_head is fed by its "
+                f"base model; {type(model).__name__} cannot be patched: {why}. For a head of "
+                "your own call memopt_plugins.lean.linear_cross_entropy in the loss instead."
+            )
+        softcap = getattr(config, "final_logit_softcapping", None)
+        patched = _LeanForward(model, None, "lean loss")  # type: ignore[arg-type]
+        original = patched.original
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            labels = kwargs.get("labels")
+            if labels is None or not model.training or not torch.is_grad_enabled() or len(args) > 1:
+                return original(*args, **kwargs)
+            if not self._told:
+                self._told = True
+                log.info(
+                    "memopt: ops.loss chunked: %s computes its training loss in chunks of "
+                    "tokens; its output's logits are None in training (eval mode and "
+                    "generation run the model's own forward)",
+                    type(model).__name__,
+                )
+            kwargs = dict(kwargs)
+            labels = kwargs.pop("labels")
+            items = kwargs.pop("num_items_in_batch", None)
+            shifted = kwargs.pop("shift_labels", None)
+            kwargs.pop("logits_to_keep", None)
+            kwargs["return_dict"] = True
+            out = base(*args, **kwargs)
+            hidden = out.last_hidden_state
+            if shifted is None:
+                shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+            loss = linear_cross_entropy(
+                hidden,
+                head.weight,
+                shifted.to(hidden.device),
+                head.bias,
+                softcap=softcap,
+                chunk_size=self.config.chunk_size,
+                num_items_in_batch=items,
+            )
+            outputs = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
+            return outputs(
+                loss=loss,
+                logits=None,
+                past_key_values=getattr(out, "past_key_values", None),
+                hidden_states=getattr(out, "hidden_states", None),
+                attentions=getattr(out, "attentions", None),
+            )
+
+        patched.forward = forward
+        self._patched.append(patched)
+        self.actions[""] = "lean loss"
+
+
+_WHAT = {
+    "gelu": "tanh-GELU modules written in Python, e.g. transformers' NewGELUActivation",
+    "swiglu": "gated MLPs with gate_proj, up_proj, down_proj and a SiLU act_fn",
+    "geglu": "gated MLPs with gate_proj, up_proj, down_proj and a tanh-GELU act_fn",
+    "rmsnorm": "Llama-style RMSNorm modules with weight and variance_epsilon",
+}
+
+
+def _any(model: nn.Module, chain: str) -> bool:
+    return any(_lean_forward(chain, m) is not None for m in model.modules())

@@ -1,0 +1,227 @@
+"""Memory-lean ops: exact against the unfused computation, lighter at the peak, patched and
+removed on third-party models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from zoo import hf_gpt2, hf_llama
+
+from memopt_plugins import ConfigError, MemoryOptimizer
+from memopt_plugins.lean import geglu, linear_cross_entropy, rms_norm, swiglu
+from memopt_plugins.measure.timeline import record_step
+from memopt_plugins.profiler.run import step_memory
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _unfused(h, w, t, b=None, *, reduction="mean", smoothing=0.0, softcap=None, items=None):
+    z = F.linear(h, w, b).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if items is not None:
+        return F.cross_entropy(z, t, reduction="sum", label_smoothing=smoothing) / items
+    return F.cross_entropy(z, t, reduction=reduction, label_smoothing=smoothing)
+
+
+CASES = [
+    dict(),
+    dict(smoothing=0.1),
+    dict(softcap=5.0),
+    dict(reduction="sum"),
+    dict(reduction="none"),
+    dict(items=23),
+    dict(bias=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(c) or "mean")
+def test_linear_cross_entropy_equals_the_unfused_loss_and_gradients(case):
+    """Ragged chunks (37 tokens in chunks of 8), ignored targets, in fp32 within 1e-5."""
+    torch.manual_seed(0)
+    case = dict(case)
+    bias = case.pop("bias", False)
+    h = torch.randn(37, 24, requires_grad=True)
+    w = torch.randn(50, 24, requires_grad=True)
+    b = torch.randn(50, requires_grad=True) if bias else None
+    t = torch.randint(0, 50, (37,))
+    t[::4] = -100
+    inputs = [x for x in (h, w, b) if x is not None]
+    ref = _unfused(h, w, t, b, **case)
+    args = {"reduction": case.get("reduction", "mean"), "label_smoothing": case.get("smoothing", 0)}
+    mine = linear_cross_entropy(
+        h, w, t, b, softcap=case.get("softcap"), num_items_in_batch=case.get("items"), chunk_size=8,
+        **args,
+    )  # fmt: skip
+    assert mine.shape == ref.shape and _relative(mine, ref) <= 1e-5
+    grad_out = torch.randn_like(ref)
+    for a, r in zip(
+        torch.autograd.grad(mine, inputs, grad_out),
+        torch.autograd.grad(ref, inputs, grad_out),
+        strict=True,
+    ):
+        assert _relative(a, r) <= 1e-5
+
+
+def test_linear_cross_entropy_gradcheck_in_float64_and_tied_weights():
+    torch.manual_seed(0)
+    h = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([0, 3, -100, 6, 1, 1, 2, -100, 5])
+    loss = lambda h, w, b: linear_cross_entropy(  # noqa: E731
+        h, w, t, b, label_smoothing=0.1, softcap=3.0, chunk_size=4
+    )
+    assert torch.autograd.gradcheck(loss, (h, w, b))
+    # a head tied to the embedding: both uses reach the one weight
+    emb = nn.Embedding(7, 4).double()
+    ids = torch.randint(0, 7, (9,))
+    mine = linear_cross_entropy(emb(ids), emb.weight, t, chunk_size=4)
+    (g_mine,) = torch.autograd.grad(mine, emb.weight)
+    (g_ref,) = torch.autograd.grad(F.cross_entropy(emb(ids) @ emb.weight.t(), t), emb.weight)
+    assert _relative(g_mine, g_ref) <= 1e-12
+
+
+def test_linear_cross_entropy_under_bf16_autocast():
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(100, 32, requires_grad=True)
+    t = torch.randint(0, 100, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine = linear_cross_entropy(h, w, t, chunk_size=16)
+        ref = F.cross_entropy(F.linear(h, w).float(), t)
+    assert _relative(mine, ref) <= 1e-2
+    for a, r in zip(
+        torch.autograd.grad(mine, (h, w)), torch.autograd.grad(ref, (h, w)), strict=True
+    ):
+        assert _relative(a, r) <= 2e-2
+
+
+def test_the_chunked_loss_never_holds_the_logits():
+    """256 tokens x 8192 classes: unfused, three logits-sized fp32 tensors (8 MiB each) are
+    alive in the loss's backward; chunked by 32 tokens, less than half of one (the weight's
+    gradient, 2 MiB, and a chunk's logits, 1 MiB)."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 8192, bias=False)
+    h = torch.randn(256, 64, requires_grad=True)
+    t = torch.randint(0, 8192, (256,))
+    logits = 256 * 8192 * 4
+    plain = record_step(head, lambda: F.cross_entropy(head(h), t))
+    lean = record_step(head, lambda: linear_cross_entropy(h, head.weight, t, chunk_size=32))
+    assert plain.peak >= 3 * logits
+    assert lean.peak < 0.5 * logits
+
+
+@pytest.mark.parametrize(
+    "fn, act", [(swiglu, F.silu), (geglu, lambda g: F.gelu(g, approximate="tanh"))]
+)
+def test_gated_products_equal_the_chain(fn, act):
+    torch.manual_seed(0)
+    g, u = torch.randn(6, 40, requires_grad=True), torch.randn(6, 40, requires_grad=True)
+    mine, ref = fn(g, u), act(g) * u
+    assert _relative(mine, ref) <= 1e-6
+    grad = torch.randn_like(ref)
+    for a, r in zip(
+        torch.autograd.grad(mine, (g, u), grad), torch.autograd.grad(ref, (g, u), grad), strict=True
+    ):
+        assert _relative(a, r) <= 1e-5
+    g64, u64 = (x.detach().double().requires_grad_() for x in (g[:2, :5], u[:2, :5]))
+    assert torch.autograd.gradcheck(fn, (g64, u64))
+
+
+def test_rms_norm_equals_llamas():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(5, 7, 48, requires_grad=True)
+    mine, ref = rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)
+    assert _relative(mine, ref) <= 1e-6
+    grad = torch.randn_like(ref)
+    inputs = (x, norm.weight)
+    for a, r in zip(
+        torch.autograd.grad(mine, inputs, grad), torch.autograd.grad(ref, inputs, grad), strict=True
+    ):
+        assert _relative(a, r) <= 1e-5
+    x64, w64 = x[:2, :1].detach().double().requires_grad_(), norm.weight.detach().double()
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, 1e-6), (x64, w64.requires_grad_()))
+
+
+# --------------------------------------------------------------------------- on HF models
+LEAN = {
+    "hf_llama": {"loss": "chunked", "fuse": ["swiglu", "rmsnorm"]},
+    "hf_gpt2": {"loss": "chunked", "fuse": ["gelu"]},
+}
+
+
+@pytest.mark.parametrize("build", [hf_llama, hf_gpt2], ids=lambda b: b.__name__)
+def test_training_with_lean_ops_follows_the_unpatched_model(build):
+    """20 SGD steps side by side: the losses agree within 1e-5 relative; every chain was
+    swapped, the loss head chunked, and the step peaks lower per sample."""
+    model, batch, loss_fn = build()
+    plain = copy.deepcopy(model)
+    opt = MemoryOptimizer({"ops": LEAN[build.__name__]})
+    opt.apply(model)
+    lean = [fqn for fqn, p in opt.plan.items() if p.lean]
+    assert "" in lean and len(lean) >= 3
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, plain)]
+    for _ in range(20):
+        losses = []
+        for m, o in zip((model, plain), sgd, strict=True):
+            o.zero_grad()
+            loss = loss_fn(m, batch)
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    assert model(input_ids=batch, labels=batch).logits is None
+    with_ops = step_memory(model, batch, loss_fn).per_sample.peak
+    opt.remove()
+    without = step_memory(model, batch, loss_fn).per_sample.peak
+    assert with_ops < 0.9 * without
+
+
+def test_remove_restores_the_model_and_generation_is_unchanged():
+    model, batch, loss_fn = hf_llama()
+    before = copy.deepcopy(model.state_dict())
+    prompt = batch[:2, :8]
+    model.eval()
+    expected = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    reference = model(input_ids=batch).logits
+    opt = MemoryOptimizer({"ops": LEAN["hf_llama"]})
+    opt.apply(model)
+    assert torch.equal(model.generate(prompt, max_new_tokens=5, do_sample=False), expected)
+    assert model(input_ids=batch, labels=batch).logits is not None  # eval: the model's own
+    opt.remove()
+    assert "forward" not in model.__dict__
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model(input_ids=batch).logits, reference)
+
+
+def test_the_hidden_states_the_chunked_loss_saves_are_compressed():
+    model, batch, loss_fn = hf_llama()
+    lean = step_memory(model, batch, loss_fn, {"ops": {"loss": "chunked"}})
+    both = step_memory(model, batch, loss_fn, {"ops": {"loss": "chunked"}, "quantize": {"bits": 4}})
+    assert both.reading.retained < 0.3 * lean.reading.retained
+
+
+def test_what_cannot_be_patched_is_a_config_error():
+    model, _, _ = hf_gpt2()
+    with pytest.raises(
+        ConfigError, match="ops.fuse: 'swiglu' matches no module of GPT2LMHeadModel"
+    ):
+        MemoryOptimizer({"ops": {"fuse": ["swiglu"]}}).apply(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    mlp = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match="Sequential cannot be patched: it has no lm_head"):
+        MemoryOptimizer({"ops": {"loss": "chunked"}}).apply(mlp)
