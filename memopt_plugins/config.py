@@ -290,15 +290,16 @@ class OpsConfig(_Section):
         description="Tokens per chunk (null: chunks of logits about the hidden states' size).",
     )
     fuse: Annotated[
-        tuple[Literal["gelu", "swiglu", "geglu", "rmsnorm"], ...],
+        tuple[Literal["all", "gelu", "swiglu", "geglu", "rmsnorm"], ...],
         BeforeValidator(_glob_list),
-        _Allowed(f"a list of {', '.join(FUSED_CHAINS)}"),
+        _Allowed(f"a list of {', '.join(FUSED_CHAINS)}, or [all]"),
     ] = Field(
         (),
         description=(
             "Activation and norm chains swapped for one node that saves its inputs: gelu "
             "(tanh-GELU written in Python, as GPT-2's), swiglu and geglu (Llama/Gemma-style "
-            "gated MLPs), rmsnorm (Llama-style RMSNorm)."
+            "gated MLPs), rmsnorm (Llama-style RMSNorm). A chain named here must match a module "
+            "of the model; [all]: every chain the model has."
         ),
     )
 

@@ -11,7 +11,7 @@ import torch
 from memory import gradients, measure
 from models import cnn, gpt
 from torch import nn
-from zoo import hf_gpt2, hf_resnet
+from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import MemOptConfig, MemoryOptimizer
 
@@ -35,6 +35,7 @@ def test_the_presets_the_docs_name_exist():
         "auto_budget.yaml",
         "gpt_int4_auto.yaml",
         "gpt_int8.yaml",
+        "lean.yaml",
     } <= set(PRESETS)
 
 
@@ -70,9 +71,34 @@ def test_presets_say_what_they_promise():
     assert gpt_auto.recompute.auto is not None and gpt_auto.quantize.bits == 4
     assert preset("gpt_int8.yaml").quantize.bits == 8
 
+    lean = preset("lean.yaml")
+    assert (lean.ops.loss, lean.ops.fuse, lean.quantize.bits) == ("chunked", ("all",), 4)
+    assert lean.drift.enabled
+
 
 def _hook_count(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_the_lean_preset_fuses_what_each_causal_lm_has():
+    """``fuse: [all]``: GPT-2 gets its tanh-GELU, Llama its SwiGLU and RMSNorm, both the
+    chunked loss; what a model lacks is no error."""
+    for build, expected in (
+        (_small_hf_gpt2, {"lean gelu", "lean loss"}),
+        (lambda: hf_llama(batch_size=2, seq=16, dim=32, layers=1), LLAMA_LEAN),
+    ):
+        model, batch, loss_fn = build()
+        opt = MemoryOptimizer(CONFIGS / "lean.yaml")
+        opt.apply(model)
+        assert {p.lean for p in opt.plan.values() if p.lean} == expected
+        loss = loss_fn(model, batch)
+        loss.backward()
+        assert torch.isfinite(loss) and opt.bits
+        opt.remove()
+        assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+LLAMA_LEAN = {"lean loss", "lean rmsnorm", "lean swiglu"}
 
 
 # Which models each preset is written for: ours and a third-party one of the same family.

@@ -1,6 +1,7 @@
 """The ``ops`` section: swap a model's chains and loss head for the memory-lean operations.
 
-* ``fuse``: modules are patched by what they are, and only where the swap is exact: each
+* ``fuse`` (chain names, or ``[all]`` for every chain the model has): modules are patched by
+  what they are, and only where the swap is exact: each
   candidate's new ``forward`` is run beside its own on a probe input at :meth:`LeanOps.apply`, and
   a module whose outputs differ is left as it is (logged). ``gelu``: tanh-GELU modules written as
   Python chains (Hugging Face's ``NewGELUActivation``, ``GELUTanh``, ``PytorchGELUTanh``) become
@@ -135,8 +136,10 @@ class LeanOps:
     def apply(self, model: nn.Module) -> dict[str, str]:
         """Patch ``model``; returns ``{fqn: action}`` for every patched module."""
         try:
-            for chain in self.config.fuse:
-                self._fuse(model, chain)
+            every = "all" in self.config.fuse
+            chains = _WHAT if every else self.config.fuse
+            for chain in chains:
+                self._fuse(model, chain, required=not every)
             if self.config.loss == "chunked":
                 self._chunk_loss(model)
         except BaseException:
@@ -150,7 +153,7 @@ class LeanOps:
         self._patched.clear()
         self.actions.clear()
 
-    def _fuse(self, model: nn.Module, chain: str) -> None:
+    def _fuse(self, model: nn.Module, chain: str, required: bool) -> None:
         found, inexact = [], []
         for fqn, module in model.named_modules():
             if fqn in self.actions:
@@ -172,7 +175,7 @@ class LeanOps:
                 len(inexact),
                 ", ".join(inexact[:3]) + (", ..." if len(inexact) > 3 else ""),
             )
-        if not found and not inexact:
+        if required and not found and not inexact:
             raise ConfigError(
                 f"ops.fuse: {chain!r} matches no module of {type(model).__name__} "
                 f"({_WHAT[chain]}); allowed here: "

@@ -82,10 +82,6 @@ class StepTimeline:
     alive_at_peak: dict[str, int]  # KINDS -> bytes alive at the peak
     device: str
 
-    @property
-    def peak_phase(self) -> str:
-        return self.site.phase
-
 
 def _names(event: Any) -> Iterator[str]:
     """Names of the ranges and operators around ``event``, innermost first."""

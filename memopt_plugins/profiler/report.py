@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import OFF_BITS, MemOptConfig
 from ..engine import COMPRESS, KEEP
 from ..measure import Measurement
+from ..measure.timeline import StepTimeline
 from .meter import MemoryReading
-
-if TYPE_CHECKING:
-    from .run import StepMemory
 
 ROOT = "<root>"  # how the whole model (fqn "") is shown
 LOSS_ROW = "<loss_fn>"  # saved outside every module: the loss computed by loss_fn itself
@@ -35,6 +33,27 @@ def human_bytes(n: float) -> str:
         if abs(round(value, 1)) < 1024 or unit == UNITS[-1]:
             return f"{value:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """One profiled step: the allocator's reading, the per-module count, the timeline, and the
+    per-sample slope of the peak and retained bytes (``None`` for a batch of one sample)."""
+
+    reading: MemoryReading
+    measurement: Measurement
+    timeline: StepTimeline
+    per_sample: PerSample | None
+
+
+@dataclass(frozen=True)
+class PerSample:
+    """Bytes per sample: the slope between the full batch and its first half, so that what
+    does not grow with the batch (weights, gradients, optimizer state, workspaces) cancels."""
+
+    samples: tuple[int, int]  # the two batch sizes
+    retained: float
+    peak: float
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from ..measure.timeline import StepTimeline, record_step
 from ..select import layer_kind, parent_fqns
 from ..tree import slice_batch, tensors_in
 from .meter import MemoryReading
-from .report import LOSS_ROW, ModuleProfile, ProfileReport
+from .report import LOSS_ROW, ModuleProfile, PerSample, ProfileReport, StepMemory
 
 
 @contextmanager
@@ -75,27 +74,6 @@ def _roll_up_saved(
             setattr(row, total, getattr(row, total) + s.nbytes)
             if not after:
                 row.tensors += 1
-
-
-@dataclass(frozen=True)
-class StepMemory:
-    """One profiled step: the allocator's reading, the per-module count, the timeline, and the
-    per-sample slope of the peak and retained bytes (``None`` for a batch of one sample)."""
-
-    reading: MemoryReading
-    measurement: Measurement
-    timeline: StepTimeline
-    per_sample: PerSample | None
-
-
-@dataclass(frozen=True)
-class PerSample:
-    """Bytes per sample: the slope between the full batch and its first half, so that what
-    does not grow with the batch (weights, gradients, optimizer state, workspaces) cancels."""
-
-    samples: tuple[int, int]  # the two batch sizes
-    retained: float
-    peak: float
 
 
 def _timed_step(
