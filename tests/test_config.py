@@ -18,7 +18,8 @@ from memopt_plugins.config import (
 )
 
 # The schema block of DESIGN.md ("Config schema (contract)"), written out as data, plus
-# quantize.seed (the drift/reproducibility issue; not in DESIGN.md).
+# quantize.seed (the drift/reproducibility issue; not in DESIGN.md) and the keys of `ops` (DESIGN.md
+# leaves them to the lean-ops issue).
 DESIGN_DEFAULTS: dict[str, Any] = {
     "recompute": {"modules": [], "types": [], "auto": None},
     "quantize": {
@@ -41,6 +42,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     },
     "dropout": {"mode": "keep"},
     "batchnorm": {"mode": "batch", "warmup_steps": 0},
+    "ops": {"loss": "none", "chunk_size": None, "fuse": []},
 }
 
 # A config that differs from the defaults in every section.
@@ -66,6 +68,7 @@ CUSTOM: dict[str, Any] = {
     },
     "dropout": {"mode": "regenerate"},
     "batchnorm": {"mode": "running", "warmup_steps": 10},
+    "ops": {"loss": "chunked", "chunk_size": 512, "fuse": ["swiglu", "rmsnorm"]},
 }
 
 
