@@ -285,3 +285,19 @@ def test_the_planner_measures_compiled_models_eagerly(caplog):
     loss_fn(model, batch).backward()  # recomputed inside the compiled graph: exact gradients
     got = {n: p.grad for n, p in model.named_parameters()}
     assert rel_error(got, exact) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_lean_ops_compile_without_graph_breaks_and_keep_the_gradients(mode):
+    """The chunked loss head and the fused GELU under torch.compile: the chunks are unrolled
+    into the graph (no break per chunk, none at all for the whole model), gradients exact."""
+    from torch._dynamo.utils import counters
+
+    config = {"ops": {"loss": "chunked", "fuse": ["gelu"], "chunk_size": 32}}
+    model, batch, loss_fn = _tiny_gpt2()
+    exact = gradients(model, batch, loss_fn)
+    torch._dynamo.reset()
+    counters.clear()
+    got = gradients(model, batch, loss_fn, config, compile=MODES[mode])
+    assert rel_error(got, exact) <= 1e-5
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]

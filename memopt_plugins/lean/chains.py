@@ -4,7 +4,8 @@ Written as Python expressions (Hugging Face's ``LlamaMLP``: ``act(gate) * up``; 
 an fp32 upcast, a mean of squares, a reciprocal square root and two products), each op of a chain
 saves its own operands for backward: several tensors of the layer's width, every one decoded in
 backward with a gradient beside it. Each function here is one autograd node that saves its
-inputs and recomputes the rest in backward.
+inputs and recomputes the rest in backward, piece by piece (:data:`PIECE` elements), so that its
+backward holds its inputs, their gradients and a piece's temporaries.
 """
 
 from __future__ import annotations
@@ -21,20 +22,33 @@ def _work(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+#: Elements per piece of a chain's backward: its temporaries are a piece's size, not the layer's.
+PIECE = 1 << 20
+
+
+def _pieces(rows: int, width: int = 1) -> list[slice]:
+    """Slices of ``rows`` rows of ``width`` elements, about :data:`PIECE` elements each."""
+    step = max(1, PIECE // max(width, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def _gelu_tanh(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tanh-GELU of fp32 ``x`` and its derivative."""
-    inner = _SQRT_2_OVER_PI * (x + 0.044715 * x.pow(3))
-    t = torch.tanh(inner)
-    value = 0.5 * x * (1 + t)
-    slope = 0.5 * (1 + t) + 0.5 * x * (1 - t.square()) * _SQRT_2_OVER_PI * (
-        1 + 3 * 0.044715 * x.square()
-    )
+    """tanh-GELU of ``x`` and its derivative, with at most four layer-wide temporaries (the
+    backward's peak is what these ops are for)."""
+    t = x.pow(3).mul_(0.044715).add_(x).mul_(_SQRT_2_OVER_PI).tanh_()
+    value = t.add(1).mul_(x).mul_(0.5)
+    slope = t.add(1).mul_(0.5)
+    inner = x.square().mul_(3 * 0.044715).add_(1).mul_(_SQRT_2_OVER_PI)
+    slope.add_(t.square_().neg_().add_(1).mul_(inner).mul_(x).mul_(0.5))
     return value, slope
 
 
 def _silu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU of ``x`` and its derivative ``s * (1 + x * (1 - s))``, three temporaries at most."""
     s = torch.sigmoid(x)
-    return x * s, s * (1 + x * (1 - s))
+    value = x * s
+    slope = torch.sub(1, s).mul_(x).add_(1).mul_(s)
+    return value, slope
 
 
 class _GatedProduct(torch.autograd.Function):
@@ -51,10 +65,15 @@ class _GatedProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        value, slope = (_gelu_tanh if ctx.tanh_gelu else _silu)(_work(gate))
-        g = _work(grad)
-        grad_gate = (g * _work(up) * slope).to(gate.dtype)
-        grad_up = (g * value).to(up.dtype)
+        act = _gelu_tanh if ctx.tanh_gelu else _silu
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        flat = [t.reshape(-1) for t in (gate, up, grad, grad_gate, grad_up)]
+        for part in _pieces(gate.numel()):
+            gate_p, up_p, grad_p, grad_gate_p, grad_up_p = (t[part] for t in flat)
+            value, slope = act(_work(gate_p))
+            g = _work(grad_p)
+            grad_up_p.copy_(value.mul_(g))
+            grad_gate_p.copy_(slope.mul_(_work(up_p)).mul_(g))
         return grad_gate, grad_up, None
 
 
@@ -81,13 +100,21 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        rstd = ctx.rstd
-        normed = _work(x) * rstd
-        g = _work(grad)
-        grad_w = (g * _work(normed.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = g * _work(weight)
-        grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_w, None
+        width = x.shape[-1]
+        rows = [x.reshape(-1, width), grad.reshape(-1, width), ctx.rstd.reshape(-1, 1)]
+        grad_x = torch.empty_like(rows[0])
+        grad_w = torch.zeros(width, dtype=_work(weight).dtype, device=weight.device)
+        w = _work(weight)
+        for part in _pieces(rows[0].shape[0], width):
+            x_p, grad_p, rstd = (t[part] for t in rows)
+            normed = _work(x_p) * rstd
+            g = _work(grad_p)
+            # the weight multiplied ``normed`` rounded to x's dtype in the forward
+            grad_w += torch.mul(g, _work(normed.to(x.dtype))).sum(0)
+            gn = g * w
+            dot = (gn * normed).mean(-1, keepdim=True)
+            grad_x[part] = gn.sub_(normed.mul_(dot)).mul_(rstd)
+        return grad_x.view(x.shape), grad_w.to(weight.dtype), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

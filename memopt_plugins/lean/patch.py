@@ -20,6 +20,7 @@ A name in ``fuse`` that matches no module, or a model ``loss: chunked`` cannot p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -127,7 +128,6 @@ class LeanOps:
         self.config = config
         self.actions: dict[str, str] = {}  # fqn -> "lean swiglu", "lean loss", ...
         self._patched: list[_LeanForward] = []
-        self._told = False
 
     @property
     def active(self) -> bool:
@@ -190,6 +190,8 @@ class LeanOps:
         why = None
         if not isinstance(head, nn.Linear):
             why = "it has no lm_head nn.Linear"
+        elif "transformers" not in sys.modules:
+            why = "it is not a Hugging Face model (transformers is not imported)"
         elif not isinstance(base, nn.Module):
             why = "it has no base model (base_model_prefix) to feed the head"
         elif any(getattr(config, name, None) not in (None, 1, 1.0) for name in _SCALED_LOGITS):
@@ -201,6 +203,14 @@ class LeanOps:
                 "your own call memopt_plugins.lean.linear_cross_entropy in the loss instead."
             )
         softcap = getattr(config, "final_logit_softcapping", None)
+        outputs = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
+        names = {f.name for f in dataclasses.fields(outputs)} - {"loss", "logits"}
+        log.info(
+            "memopt: ops.loss chunked: %s computes its training loss in chunks of tokens; its "
+            "output's logits are None in training (eval mode and generation run the model's own "
+            "forward)",
+            type(model).__name__,
+        )
         patched = _LeanForward(model, None, "lean loss")  # type: ignore[arg-type]
         original = patched.original
 
@@ -208,14 +218,6 @@ class LeanOps:
             labels = kwargs.get("labels")
             if labels is None or not model.training or not torch.is_grad_enabled() or len(args) > 1:
                 return original(*args, **kwargs)
-            if not self._told:
-                self._told = True
-                log.info(
-                    "memopt: ops.loss chunked: %s computes its training loss in chunks of "
-                    "tokens; its output's logits are None in training (eval mode and "
-                    "generation run the model's own forward)",
-                    type(model).__name__,
-                )
             kwargs = dict(kwargs)
             labels = kwargs.pop("labels")
             items = kwargs.pop("num_items_in_batch", None)
@@ -235,14 +237,7 @@ class LeanOps:
                 chunk_size=self.config.chunk_size,
                 num_items_in_batch=items,
             )
-            outputs = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
-            return outputs(
-                loss=loss,
-                logits=None,
-                past_key_values=getattr(out, "past_key_values", None),
-                hidden_states=getattr(out, "hidden_states", None),
-                attentions=getattr(out, "attentions", None),
-            )
+            return outputs(loss=loss, logits=None, **{k: v for k, v in out.items() if k in names})
 
         patched.forward = forward
         self._patched.append(patched)

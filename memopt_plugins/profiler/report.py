@@ -73,6 +73,7 @@ class ModuleProfile:
     kept_inputs: int = 0  # input bytes a recompute region would keep that are freed otherwise
     action: str = KEEP
     bits: int = OFF_BITS
+    lean: str | None = None  # the memory-lean op it runs as (ops), e.g. "lean swiglu"
     saved_after: int | None = None
     self_saved_after: int | None = None
 
@@ -82,7 +83,8 @@ class ModuleProfile:
 
     @property
     def action_text(self) -> str:
-        return f"{self.action} {self.bits}" if self.action == COMPRESS else self.action
+        text = f"{self.action} {self.bits}" if self.action == COMPRESS else self.action
+        return text if self.lean is None else f"{text}, {self.lean}"
 
 
 @dataclass

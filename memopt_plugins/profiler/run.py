@@ -256,7 +256,7 @@ def profile_model(
         _roll_up_saved(rows, after.measurement.storages, after=True)
     for fqn, p in plan.items():
         if fqn in rows:
-            rows[fqn].action, rows[fqn].bits = p.action, p.bits
+            rows[fqn].action, rows[fqn].bits, rows[fqn].lean = p.action, p.bits, p.lean
     modules = [rows[fqn] for fqn, _ in named]
     if rows[LOSS_ROW].saved or rows[LOSS_ROW].saved_after:
         modules.append(rows[LOSS_ROW])
