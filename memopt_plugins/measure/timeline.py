@@ -25,8 +25,10 @@ records are not counted.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +132,26 @@ class _ModuleRanges:
         self._watch.remove()
 
 
+@contextmanager
+def _kineto_quiet() -> Iterator[None]:
+    """The process's stderr closed while the profiler starts or stops: the kineto build in
+    torch's wheels writes a "profiler_start" / "profiler_stop" line there each time, with no
+    switch to turn it off (a profiled step is no news to a user of ``memopt profile``)."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _all_events(tree: list[Any]) -> Iterator[Any]:
     stack = list(tree)
     while stack:
@@ -153,14 +175,18 @@ def record_step(
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     ranges = _ModuleRanges(model)
+    prof = profile(activities=activities, profile_memory=True)
     try:
-        with profile(activities=activities, profile_memory=True) as prof:
-            with torch.profiler.record_function(_FORWARD):
-                loss = forward()
-            with torch.profiler.record_function(_BACKWARD):
-                loss.backward()
-                del loss
+        with _kineto_quiet():
+            prof.start()
+        with torch.profiler.record_function(_FORWARD):
+            loss = forward()
+        with torch.profiler.record_function(_BACKWARD):
+            loss.backward()
+            del loss
     finally:
+        with _kineto_quiet():
+            prof.stop()
         ranges.remove()
     events = list(_all_events(prof.profiler.kineto_results.experimental_event_tree()))
     start = min(e.start_time_ns for e in events)
