@@ -437,3 +437,21 @@ def test_example_under_ddp_keeps_ranks_identical_and_checkpoints_state(tmp_path)
     assert (
         state["stateful_callbacks"]["MemOptTrainerCallback"][STATE_KEY]["bits"] == ranks[0]["bits"]
     )
+
+
+def test_lean_ops_under_the_trainer_train_as_the_model_does(tmp_path):
+    """The chunked loss head under the Trainer (which passes num_items_in_batch to the model):
+    the training losses are those of a Trainer without memopt, and evaluation, in eval mode,
+    runs the model's own forward (its loss equal too)."""
+    lean = {"ops": {"loss": "chunked", "fuse": ["gelu"]}}
+    runs = []
+    for callbacks in ([], [MemOptTrainerCallback(lean)]):
+        trainer = make_trainer(tmp_path / str(len(runs)), callbacks)
+        trainer.train()
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        runs.append((losses, trainer.evaluate(Tokens(16))["eval_loss"]))
+    (plain, plain_eval), (mine, mine_eval) = runs
+    assert len(mine) == 3 and all(
+        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mine, plain, strict=True)
+    )
+    assert abs(mine_eval - plain_eval) <= 1e-5 * abs(plain_eval)
