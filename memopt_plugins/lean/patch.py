@@ -216,8 +216,7 @@ class LeanOps:
             "forward)",
             type(model).__name__,
         )
-        patched = _LeanForward(model, None, "lean loss")  # type: ignore[arg-type]
-        original = patched.original
+        original = model.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             labels = kwargs.get("labels")
@@ -244,8 +243,7 @@ class LeanOps:
             )
             return outputs(loss=loss, logits=None, **{k: v for k, v in out.items() if k in names})
 
-        patched.forward = forward
-        self._patched.append(patched)
+        self._patched.append(_LeanForward(model, forward, "lean loss"))
         self.actions[""] = "lean loss"
 
 
