@@ -560,7 +560,7 @@ NOTES = """\
   40-step run the baseline's loss read 0.33 with the training averages and 0.18 re-estimated,
   and the paired changes of int8 and int4 moved about half as much from seed to seed (2.3-3.0%
   against 3.6-5.4%).
-- **Combined presets**: `configs/gpt_int4_auto.yaml` (planner at 0.5 + 4 bits + drift, cosine)
+- **Combined presets**: `configs/gpt_int4_auto.yaml` (4 bits + planner at 0.1 + drift, cosine)
   for the transformers, `configs/convnet.yaml` (BatchNorm on running statistics after 100
   warm-up steps, bit-packed dropout masks, 4 bits + drift) for the CNN. The memory, time and
   gradient rows show the CNN preset in its steady state (past the warm-up), with BatchNorm

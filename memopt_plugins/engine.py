@@ -21,6 +21,7 @@ from torch import nn
 from .batchnorm import BatchNormPatch
 from .compress.bits import BitTable
 from .compress.codec import NoiseGenerators
+from .compress.estimate import storage_ratio
 from .compress.hooks import CompressionHooks, PackObserver
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import distributed, max_over_ranks
@@ -222,8 +223,13 @@ class MemoryOptimizer:
         if targets:
             log.info("memopt: recomputing %d modules in backward", len(targets))
         if self.config.recompute.auto is not None:
+            q = self.config.quantize
             planner = RecomputePlanner(
-                self._recompute, self.config.recompute.auto.budget, self._recompute_changed
+                self._recompute,
+                self.config.recompute.auto.budget,
+                self._recompute_changed,
+                # what it keeps is counted compressed: recompute only for what compression leaves
+                ratio=storage_ratio(q.bits, q) if q.bits < OFF_BITS else None,
             )
             self._planner = planner
             pending, self._pending_recompute = self._pending_recompute, None

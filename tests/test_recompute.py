@@ -270,7 +270,7 @@ def test_only_the_boundary_input_is_compressed(how):
 
 def test_planner_parks_bits_of_modules_it_recomputes():
     model, batch, loss_fn = small_gpt(dropout=0.0)
-    opt = MemoryOptimizer({"quantize": {"bits": 8}, **rc(auto={"budget": 0.3})})
+    opt = MemoryOptimizer({"quantize": {"bits": 8}, **rc(auto={"budget": 0.15})})
     opt.apply(model)
     before = opt.bits
     opt.plan_recompute(lambda: loss_fn(model, batch))

@@ -5,7 +5,7 @@ Shared by compression, the drift check, the recompute planner and the profiler.
 """
 
 from .scopes import ScopeObserver, ScopeTracker, Watch, eagerly
-from .step import Measurement, ModuleCost, SavedStorage, StepRecorder, measure
+from .step import Measurement, ModuleCost, Ratio, SavedStorage, StepRecorder, measure
 from .storage import ModelStorages, StorageKey, storage_key, tensor_version
 from .timeline import PeakSite, StepTimeline, record_step
 
@@ -14,6 +14,7 @@ __all__ = [
     "ModelStorages",
     "ModuleCost",
     "PeakSite",
+    "Ratio",
     "SavedStorage",
     "ScopeObserver",
     "ScopeTracker",

@@ -10,14 +10,13 @@ compression leaves. Estimates use the codec's own storage cost (:func:`packed_nb
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import yaml
 
-from ..compress.codec import packed_nbytes
+from ..compress.estimate import storage_ratio
 from ..config import HALF_BITS, OFF_BITS, ConfigError, MemOptConfig, QuantizeConfig
-from ..measure import Measurement, SavedStorage
+from ..measure import Measurement
 from ..recompute import RecomputePlan, choose
 from .report import LOSS_ROW, ProfileReport, human_bytes
 
@@ -89,29 +88,6 @@ class Suggestion:
         return "\n".join(lines) + "\n" + text
 
 
-def storage_ratio(bits: int, quantize: QuantizeConfig) -> Callable[[SavedStorage], float]:
-    """Stored ÷ original bytes of each saved storage when the model compresses at ``bits``.
-
-    Only what the hooks would compress changes: floating tensors kept as they are, of at least
-    ``min_numel`` elements, saved inside the model (a loss computed outside it is not).
-    """
-
-    def ratio(s: SavedStorage) -> float:
-        if (
-            bits >= OFF_BITS
-            or not s.compressible
-            or s.owner is None
-            or s.numel < quantize.min_numel
-        ):
-            return 1.0
-        original = s.numel * s.element_size
-        if bits == HALF_BITS:
-            return min(1.0, 2 / s.element_size)
-        return packed_nbytes(s.numel, bits, quantize.group_size) / original
-
-    return ratio
-
-
 def estimate_saved(
     report: ProfileReport, recompute: set[str], bits: int, quantize: QuantizeConfig | None = None
 ) -> int:
@@ -126,10 +102,7 @@ def _plan_at(
     measurement: Measurement, bits: int, budget: float, q: QuantizeConfig
 ) -> RecomputePlan:
     """The planner's choice when everything compressible is stored at ``bits``."""
-    scaled = measurement.scaled(storage_ratio(bits, q)) if bits < OFF_BITS else measurement
-    target = budget * measurement.baseline_bytes
-    share = target / scaled.baseline_bytes if scaled.baseline_bytes else 1.0
-    return choose(scaled, min(1.0, share))
+    return choose(measurement, budget, ratio=storage_ratio(bits, q) if bits < OFF_BITS else None)
 
 
 def suggest_config(

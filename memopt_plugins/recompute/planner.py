@@ -21,6 +21,7 @@ buffers left as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from ..config import ConfigError
 from ..measure import (
     Measurement,
     ModuleCost,
+    Ratio,
     ScopeTracker,
     StepRecorder,
     Watch,
@@ -123,8 +125,17 @@ def estimated_peak(regions: Sequence[ModuleCost], kept: int) -> int:
     return peak
 
 
-def choose(measurement: Measurement, budget: float, fixed: Sequence[str] = ()) -> RecomputePlan:
+def choose(
+    measurement: Measurement,
+    budget: float,
+    fixed: Sequence[str] = (),
+    ratio: Ratio | None = None,
+) -> RecomputePlan:
     """Pick modules to recompute until at most ``budget`` of the baseline saved bytes remain.
+
+    ``ratio(storage)``: the share of its bytes a storage keeps under compression; then what is
+    kept is counted compressed (against the uncompressed baseline), so that recompute is only
+    chosen for what compression leaves: where compression alone meets the budget, nothing is.
 
     Greedy, best rate first: a candidate's benefit is what it removes from the kept bytes plus
     what it removes from the estimated backward peak (:func:`estimated_peak`), per operation of
@@ -137,6 +148,11 @@ def choose(measurement: Measurement, budget: float, fixed: Sequence[str] = ()) -
     """
     if not 0 < budget <= 1:
         raise ConfigError(f"recompute.auto.budget: {budget!r} is not a number in (0, 1]")
+    if ratio is not None:
+        scaled = measurement.scaled(ratio)
+        share = budget * measurement.baseline_bytes / max(scaled.baseline_bytes, 1)
+        plan = choose(scaled, min(1.0, share), fixed)
+        return dataclasses.replace(plan, budget=budget, baseline_bytes=measurement.baseline_bytes)
     costs = measurement.costs
     baseline = measurement.baseline_bytes
     fixed_costs = [costs[f] for f in fixed if f in costs]
@@ -206,6 +222,7 @@ class RecomputePlanner:
         recompute: the model's :class:`Recompute` (its wrapped modules are the fixed ones).
         budget: keep at most this fraction of the baseline saved bytes.
         on_plan: called after every change of the chosen modules.
+        ratio: what compression keeps of each saved storage (see :func:`choose`).
     """
 
     def __init__(
@@ -213,10 +230,12 @@ class RecomputePlanner:
         recompute: Recompute,
         budget: float,
         on_plan: Callable[[RecomputePlan | None], None] | None = None,
+        ratio: Ratio | None = None,
     ):
         self.recompute = recompute
         self.budget = budget
         self.on_plan = on_plan
+        self.ratio = ratio
         self.plan: RecomputePlan | None = None
         self.chosen: tuple[str, ...] = ()
         self._watch: Watch | None = None
@@ -267,7 +286,7 @@ class RecomputePlanner:
                 self.on_plan(None)
             raise
         budget = self.budget if budget is None else budget
-        return self._apply(choose(measurement, budget, self.fixed))
+        return self._apply(choose(measurement, budget, self.fixed, self.ratio))
 
     def adopt(self, fqns: Sequence[str]) -> None:
         """Recompute exactly these modules (a plan restored from a state dict), no measuring."""
@@ -309,7 +328,7 @@ class RecomputePlanner:
                 "model eagerly), or compile per block."
             )
             return
-        self._apply(choose(measurement, self.budget, self.fixed))
+        self._apply(choose(measurement, self.budget, self.fixed, self.ratio))
 
     def _apply(self, plan: RecomputePlan) -> RecomputePlan:
         self.chosen = tuple(self.recompute.wrap(plan.chosen))
