@@ -126,6 +126,11 @@ METHODS: list[tuple[str, dict[str, Any] | None, bool]] = [
         {"quantize": {"bits": 8}, "recompute": {"auto": {"budget": 0.3}}},
         False,
     ),
+    (  # int8 alone keeps about a quarter: under it, the planner recomputes on top
+        "memopt planner 0.1 + int8",
+        {"quantize": {"bits": 8}, "recompute": {"auto": {"budget": 0.1}}},
+        False,
+    ),
     ("memopt lean ops", {"ops": "lean"}, False),
     ("memopt lean ops + int4", {"ops": "lean", "quantize": {"bits": 4}}, False),
     ("memopt lean ops + int2", {"ops": "lean", "quantize": {"bits": 2}}, False),
