@@ -220,7 +220,7 @@ def test_compressed_modules_inside_a_recomputed_block_stay_in_the_compiled_graph
     outside may be mutated) note nothing there, so the block stays in the model's graph.
     (Noting broke the graph at every such module: 18 frames here, and past dynamo's recompile
     limit the blocks ran eagerly.)"""
-    config = {**INT8, "recompute": {"auto": {"budget": 0.5}}}
+    config = {**INT8, "recompute": {"auto": {"budget": 0.1}}}  # int8 alone keeps ~26%
     exact = gradients(*_tiny_gpt2())
     model, batch, loss_fn = _tiny_gpt2()
     opt = MemoryOptimizer(config)
