@@ -375,12 +375,17 @@ def test_dedup_cache_is_emptied_after_each_forward_even_when_the_root_is_not_cal
 )
 @pytest.mark.parametrize("bits", [16, 8, 2])
 def test_unpack_returns_the_size_and_strides_that_were_saved(layout, bits):
-    """A compiled backward checks the sizes and strides of what it saved: decoding gives both
-    back exactly (and values within the codec's error)."""
+    """Decoding gives back the saved size and layout exactly where the saved tensor is dense
+    (values within the codec's error); a slice with gaps comes back dense in its own dim order,
+    never in a buffer the size of the tensor it was sliced from."""
     hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1)
     t = layout(torch.randn(64, 48, 32))
     out = hooks.unpack(hooks._compress(t, bits))
-    assert out.shape == t.shape and out.stride() == t.stride() and out.dtype == t.dtype
+    assert out.shape == t.shape and out.dtype == t.dtype
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size() and not t.is_contiguous():
+        assert out.is_contiguous() and out.untyped_storage().nbytes() == t.numel() * 4
+    else:
+        assert out.stride() == t.stride()
     if bits == 2:  # four levels: only the sign pattern is asserted (the codec keeps it)
         assert torch.equal(torch.sign(out), torch.sign(t))
     else:

@@ -73,19 +73,35 @@ def _reshaped(shape: torch.Size) -> Callable[[object], torch.Tensor]:
 
 
 def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
-    dtype, shape, stride = t.dtype, t.shape, t.stride()
+    dtype, shape, stride = t.dtype, t.shape, _decoded_strides(t)
     return lambda half: _with_strides(half.to(dtype), shape, stride)  # .to keeps dense layouts
 
 
 def _decoder(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
-    """Decodes a :class:`PackedTensor` of ``t`` into a tensor of exactly ``t``'s size and
-    strides: a compiled backward checks both."""
-    shape, stride = t.shape, t.stride()
+    """Decodes a :class:`PackedTensor` of ``t`` into a tensor of ``t``'s size and layout (see
+    :func:`_decoded_strides`)."""
+    shape, stride = t.shape, _decoded_strides(t)
     return lambda packed: _with_strides(dequantize(packed), shape, stride)
 
 
+def _decoded_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides a decoded ``t`` gets: its own where it is dense (a transpose, a permutation,
+    a size-1 dim's odd stride), else dense strides in its own dim order. A slice with gaps --
+    attention's query, key and value, each a third of one projection's output -- would
+    otherwise decode into a buffer the size of the whole projection: three times the bytes,
+    alive together in attention's backward. Eager backward formulas take any strides."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))
+    dense, step = [0] * t.dim(), 1
+    for d in reversed(order):
+        dense[d] = step
+        step *= t.shape[d]
+    dense = tuple(dense)
+    same = all(s == d or n == 1 for s, d, n in zip(t.stride(), dense, t.shape, strict=True))
+    return t.stride() if same else dense
+
+
 def _with_strides(out: torch.Tensor, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
-    """``out`` itself when it has ``stride``, else a copy with it (a slice with gaps, a size-1
+    """``out`` itself when it has ``stride``, else a copy with it (another dim order, a size-1
     dim's stride)."""
     if out.stride() == stride:
         return out
