@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from ..buffers import mark_private
 from ..config import HALF_BITS, OFF_BITS
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
@@ -388,5 +389,6 @@ class CompressionHooks:
     def unpack(saved: object) -> torch.Tensor:
         if isinstance(saved, _Saved):
             with mark(UNPACK_RANGE):
-                return saved.decode(saved.payload)
+                # decoded for the one node unpacking it: the lean ops may write gradients into it
+                return mark_private(saved.decode(saved.payload))
         return saved

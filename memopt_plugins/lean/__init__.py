@@ -2,13 +2,13 @@
 recomputing its cheap internals in backward, so that what they save is what memopt compresses.
 
 * :func:`linear_cross_entropy` -- the loss head and the cross-entropy in chunks of tokens;
-* :func:`swiglu`, :func:`geglu`, :func:`rms_norm` -- activation and norm chains;
+* :func:`gelu`, :func:`swiglu`, :func:`geglu`, :func:`rms_norm` -- activation and norm chains;
 * :class:`LeanOps` -- the ``ops`` section of the config: swaps a model's modules for these where
   the swap is exact, and a Hugging Face causal LM's loss for the chunked one.
 """
 
-from .chains import geglu, rms_norm, swiglu
+from .chains import geglu, gelu, rms_norm, swiglu
 from .loss import linear_cross_entropy
 from .patch import LeanOps
 
-__all__ = ["LeanOps", "geglu", "linear_cross_entropy", "rms_norm", "swiglu"]
+__all__ = ["LeanOps", "geglu", "gelu", "linear_cross_entropy", "rms_norm", "swiglu"]

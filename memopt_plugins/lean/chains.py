@@ -5,7 +5,10 @@ an fp32 upcast, a mean of squares, a reciprocal square root and two products), e
 saves its own operands for backward: several tensors of the layer's width, every one decoded in
 backward with a gradient beside it. Each function here is one autograd node that saves its
 inputs and recomputes the rest in backward, piece by piece (:data:`PIECE` elements), so that its
-backward holds its inputs, their gradients and a piece's temporaries.
+backward holds its inputs, their gradients and a piece's temporaries. Where an input comes back
+from memopt's hooks as a freshly decoded buffer (:func:`~memopt_plugins.buffers.private`), its
+gradient is written into it, piece by piece as each piece is read: the backward then holds the
+inputs and nothing of their size beside them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from ..buffers import private
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -51,6 +56,38 @@ def _silu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return value, slope
 
 
+def _grad_buffer(saved: torch.Tensor) -> torch.Tensor:
+    """Where the gradient of ``saved`` goes: into ``saved`` itself when nothing else holds it."""
+    if private(saved):
+        return saved
+    return torch.empty_like(saved, memory_format=torch.contiguous_format)
+
+
+class _Gelu(torch.autograd.Function):
+    """``F.gelu(x, approximate)`` saving ``x``; its gradient goes into a decoded ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, approximate: str):
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate
+        return torch.nn.functional.gelu(x, approximate=approximate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        if not private(x):
+            return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None
+        # elementwise, so each element is read before its gradient overwrites it
+        torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=ctx.approximate, grad_input=x)
+        return x, None
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``F.gelu(x, approximate=approximate)`` as one node saving ``x`` (the same values and
+    gradients; in backward the gradient takes a decoded ``x``'s memory)."""
+    return _Gelu.apply(x, approximate)
+
+
 class _GatedProduct(torch.autograd.Function):
     """``act(gate) * up`` saving ``gate`` and ``up``."""
 
@@ -58,22 +95,23 @@ class _GatedProduct(torch.autograd.Function):
     def forward(ctx, gate, up, tanh_gelu: bool):
         ctx.save_for_backward(gate, up)
         ctx.tanh_gelu = tanh_gelu
-        if tanh_gelu:
-            return torch.nn.functional.gelu(gate, approximate="tanh") * up
-        return torch.nn.functional.silu(gate) * up
+        if tanh_gelu:  # in place: the activation's buffer becomes the product's
+            return torch.nn.functional.gelu(gate, approximate="tanh").mul_(up)
+        return torch.nn.functional.silu(gate).mul_(up)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         act = _gelu_tanh if ctx.tanh_gelu else _silu
-        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        grad_gate, grad_up = _grad_buffer(gate), _grad_buffer(up)
         flat = [t.reshape(-1) for t in (gate, up, grad, grad_gate, grad_up)]
         for part in _pieces(gate.numel()):
             gate_p, up_p, grad_p, grad_gate_p, grad_up_p = (t[part] for t in flat)
             value, slope = act(_work(gate_p))
             g = _work(grad_p)
+            slope.mul_(_work(up_p)).mul_(g)  # up's piece is read before its gradient takes it
             grad_up_p.copy_(value.mul_(g))
-            grad_gate_p.copy_(slope.mul_(_work(up_p)).mul_(g))
+            grad_gate_p.copy_(slope)
         return grad_gate, grad_up, None
 
 
@@ -102,7 +140,7 @@ class _RMSNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         width = x.shape[-1]
         rows = [x.reshape(-1, width), grad.reshape(-1, width), ctx.rstd.reshape(-1, 1)]
-        grad_x = torch.empty_like(rows[0])
+        grad_x = _grad_buffer(x).view(-1, width)
         grad_w = torch.zeros(width, dtype=_work(weight).dtype, device=weight.device)
         w = _work(weight)
         for part in _pieces(rows[0].shape[0], width):

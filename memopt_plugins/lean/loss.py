@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..buffers import private
+
 #: Per chunk, logits about this many times the hidden size (Liger-Kernel's choice).
 _CHUNK_TARGET = 1
 
@@ -75,7 +77,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse = ctx.lse
         n, vocab = hidden.shape[0], weight.shape[0]
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_h = None
+        if want_h:  # a decoded ``hidden`` is dead row by row: its gradient goes where it was
+            grad_h = hidden if private(hidden) else torch.empty_like(hidden)
         work = lse.dtype
         grad_w = torch.zeros(weight.shape, dtype=work, device=weight.device)
         grad_b = torch.zeros(vocab, dtype=work, device=weight.device)
@@ -97,10 +101,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if t_cap is not None:
                 g *= 1 - t_cap.square()
             g = g.to(hidden.dtype)
+            if want_w:  # before grad_h: it may overwrite ``h``
+                grad_w.addmm_(g.t().to(work), h.to(work))
             if want_h:
                 grad_h[rows] = g @ weight
-            if want_w:
-                grad_w.addmm_(g.t().to(work), h.to(work))
             if want_b and bias is not None:
                 grad_b += g.to(work).sum(0)
             del z, g  # before the next chunk's logits: one chunk alive at a time

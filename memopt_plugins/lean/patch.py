@@ -1,14 +1,19 @@
 """The ``ops`` section: swap a model's chains and loss head for the memory-lean operations.
 
 * ``fuse`` (chain names, or ``[all]`` for every chain the model has): modules are patched by
-  what they are, and only where the swap is exact: each
-  candidate's new ``forward`` is run beside its own on a probe input at :meth:`LeanOps.apply`, and
-  a module whose outputs differ is left as it is (logged). ``gelu``: tanh-GELU modules written as
-  Python chains (Hugging Face's ``NewGELUActivation``, ``GELUTanh``, ``PytorchGELUTanh``) become
-  ``F.gelu(x, approximate="tanh")``; ``swiglu`` / ``geglu``: gated MLPs (``gate_proj``,
-  ``up_proj``, ``down_proj`` and a SiLU / tanh-GELU ``act_fn``: Llama, Mistral, Qwen2, Gemma)
-  compute ``down(swiglu(gate(x), up(x)))``; ``rmsnorm``: Llama-style RMSNorm modules (``weight``,
-  ``variance_epsilon``) call :func:`~.chains.rms_norm`.
+  what they are, and only where the swap is exact: each candidate's new ``forward`` is run beside
+  its own on a probe input at :meth:`LeanOps.apply`, and a module whose outputs differ is left as
+  it is (logged). ``gelu``: GELU modules (``nn.GELU``, Hugging Face's ``GELUActivation`` and its
+  tanh-GELU written as Python chains: ``NewGELUActivation``, ``GELUTanh``, ``PytorchGELUTanh``)
+  call :func:`~.chains.gelu`; ``swiglu`` / ``geglu``: gated MLPs (``gate_proj``, ``up_proj``,
+  ``down_proj`` and a SiLU / tanh-GELU ``act_fn``: Llama, Mistral, Qwen2, Gemma) compute
+  ``down(swiglu(gate(x), up(x)))``; ``rmsnorm``: Llama-style RMSNorm modules (``weight``,
+  ``variance_epsilon``) call :func:`~.chains.rms_norm`; ``attention``: a Hugging Face model built
+  with eager attention switches to ``torch.nn.functional.scaled_dot_product_attention``
+  (``set_attn_implementation("sdpa")``): eager attention keeps its probabilities (batch x heads x
+  sequence x sequence) for backward and, in the decoder layer, alive through the MLP, where SDPA
+  saves its inputs, its output and one value per row. Not where attention dropout is on (SDPA
+  draws its own mask: the run would differ) or the model cannot switch.
 * ``loss: chunked``: a Hugging Face causal LM (an ``lm_head`` ``nn.Linear`` fed by its base model)
   computes its loss with :func:`~.loss.linear_cross_entropy` in training with labels; its output's
   ``logits`` is then ``None``. In eval mode, without labels (generation) or without gradients the
@@ -33,13 +38,16 @@ from torch import nn
 
 from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
-from .chains import geglu, rms_norm, swiglu
+from .chains import geglu, gelu, rms_norm, swiglu
 from .loss import linear_cross_entropy
 
 log = logging.getLogger("memopt")
 
 _TANH_GELU = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"}
+_EXACT_GELU = {"GELUActivation"}
 _SILU = {"SiLU", "SiLUActivation"}
+#: Config attributes of attention dropout (GPT-2, Llama and most decoders, BERT).
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 #: Config attributes of causal LMs whose logits are scaled in ways the chunked loss does not do.
 _SCALED_LOGITS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -72,9 +80,14 @@ class _LeanForward(InstanceForward):
             slots["forward"] = self.previous
 
 
-def _tanh_gelu(module: nn.Module) -> bool:
+def _gelu_kind(module: nn.Module) -> str | None:
+    """``"tanh"`` / ``"none"``: the approximation of a GELU module, else ``None``."""
+    if isinstance(module, nn.GELU):
+        return module.approximate
     name = type(module).__name__
-    return name in _TANH_GELU or (isinstance(module, nn.GELU) and module.approximate == "tanh")
+    if name in _TANH_GELU:
+        return "tanh"
+    return "none" if name in _EXACT_GELU else None
 
 
 def _gated_mlp(module: nn.Module) -> str | None:
@@ -85,13 +98,14 @@ def _gated_mlp(module: nn.Module) -> str | None:
         return None
     if type(act).__name__ in _SILU:
         return "swiglu"
-    return "geglu" if _tanh_gelu(act) else None
+    return "geglu" if _gelu_kind(act) == "tanh" else None
 
 
 def _lean_forward(chain: str, module: nn.Module) -> Callable[..., Any] | None:
     """The lean ``forward`` of ``module`` for ``chain``, or ``None`` when it is not one."""
-    if chain == "gelu" and _tanh_gelu(module) and not isinstance(module, nn.GELU):
-        return lambda x: F.gelu(x, approximate="tanh")
+    approximate = _gelu_kind(module) if chain == "gelu" else None
+    if approximate is not None:
+        return lambda x: gelu(x, approximate)
     if chain in ("swiglu", "geglu") and _gated_mlp(module) == chain:
         product = swiglu if chain == "swiglu" else geglu
         m: Any = module
@@ -133,6 +147,7 @@ class LeanOps:
         self.config = config
         self.actions: dict[str, str] = {}  # fqn -> "lean swiglu", "lean loss", ...
         self._patched: list[_LeanForward] = []
+        self._attention: list[tuple[nn.Module, str]] = []  # (model, its own implementation)
 
     @property
     def active(self) -> bool:
@@ -144,7 +159,10 @@ class LeanOps:
             every = "all" in self.config.fuse
             chains = _WHAT if every else self.config.fuse
             for chain in chains:
-                self._fuse(model, chain, required=not every)
+                if chain == "attention":
+                    self._attend(model, required=not every)
+                else:
+                    self._fuse(model, chain, required=not every)
             if self.config.loss == "chunked":
                 self._chunk_loss(model)
         except BaseException:
@@ -156,7 +174,35 @@ class LeanOps:
         for patched in reversed(self._patched):
             patched.restore()
         self._patched.clear()
+        for model, implementation in reversed(self._attention):
+            model.set_attn_implementation(implementation)
+        self._attention.clear()
         self.actions.clear()
+
+    def _attend(self, model: nn.Module, required: bool) -> None:
+        config = getattr(model, "config", None)
+        current = getattr(config, "_attn_implementation", None)
+        dropout = max((getattr(config, n, 0.0) or 0.0 for n in _ATTENTION_DROPOUT), default=0.0)
+        why = None
+        if not callable(getattr(model, "set_attn_implementation", None)):
+            why = "it is not a Hugging Face model (no set_attn_implementation)"
+        elif current != "eager":
+            why = f"its attention is {current!r}, not eager"
+        elif not (getattr(model, "_supports_sdpa", False) and model._can_set_attn_implementation()):
+            why = "it cannot switch to SDPA attention"
+        elif dropout > 0:
+            why = f"its attention dropout is {dropout} (SDPA would draw its own masks)"
+        if why is not None:
+            if required:
+                name = type(model).__name__
+                raise ConfigError(f"ops.fuse: 'attention' cannot act on {name}: {why}")
+            log.info("memopt: ops.fuse attention left %s as it is: %s", type(model).__name__, why)
+            return
+        model.set_attn_implementation("sdpa")
+        self._attention.append((model, current))
+        for fqn, module in model.named_modules():
+            if type(module).__name__.endswith("Attention") and fqn not in self.actions:
+                self.actions[fqn] = "lean attention"
 
     def _fuse(self, model: nn.Module, chain: str, required: bool) -> None:
         found, inexact = [], []
@@ -248,12 +294,15 @@ class LeanOps:
 
 
 _WHAT = {
-    "gelu": "tanh-GELU modules written in Python, e.g. transformers' NewGELUActivation",
+    "gelu": "GELU modules: nn.GELU, transformers' GELUActivation and NewGELUActivation",
     "swiglu": "gated MLPs with gate_proj, up_proj, down_proj and a SiLU act_fn",
     "geglu": "gated MLPs with gate_proj, up_proj, down_proj and a tanh-GELU act_fn",
     "rmsnorm": "Llama-style RMSNorm modules with weight and variance_epsilon",
+    "attention": "Hugging Face models built with eager attention",
 }
 
 
 def _any(model: nn.Module, chain: str) -> bool:
+    if chain == "attention":
+        return getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager"
     return any(_lean_forward(chain, m) is not None for m in model.modules())
