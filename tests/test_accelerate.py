@@ -101,6 +101,33 @@ def test_plain_loop_escalates_from_2_bits_and_logs_metrics():
         assert first[f"memopt/bits/{fqn or '<root>'}"] == float(new)
 
 
+def test_lean_ops_in_an_accelerate_loop_train_as_the_unpatched_model():
+    """``MemOptPlugin`` with every lean op on a prepared Llama: the plain loop's losses within
+    1e-5 (the patched forward returns the loss ``accelerator.backward`` takes)."""
+    runs = []
+    for config in (None, {"ops": {"loss": "chunked", "fuse": ["all"]}}):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = Accelerator(cpu=True)
+        model, batch, loss_fn = hf_llama(batch_size=4, seq=32, dim=32, layers=1)
+        plugin = MemOptPlugin(config) if config else None
+        if plugin is not None:
+            model = plugin.apply(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        losses = []
+        for _ in range(4):
+            loss = loss_fn(model, batch)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert max(abs(a - b) / b for a, b in zip(*runs, strict=True)) <= 1e-5
+    assert {p.lean for p in plugin.optimizer.plan.values() if p.lean} == {
+        "lean attention", "lean loss", "lean rmsnorm", "lean swiglu"
+    }  # fmt: skip
+
+
 def test_save_state_and_load_state_restore_bits_and_history(tmp_path):
     accelerator = Accelerator(cpu=True)
     plugin = MemOptPlugin(TWO_BITS)

@@ -248,6 +248,32 @@ def _losses(rank: int) -> dict:
     return out
 
 
+LEAN = {"ops": {"loss": "chunked", "fuse": ["all"]}}
+
+
+def _lean(rank: int) -> dict:
+    """Three steps of HF Llama with every lean op (the loss head in chunks: its weight is in
+    the root's FSDP unit, gathered for the chunks), plain and with int8, under ``fully_shard``
+    and under DDP, beside the unpatched model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict = {}
+    for engine in ("fsdp2", "ddp"):
+        for name, config in (("baseline", None), ("lean", LEAN), ("lean int8", {**LEAN, **INT8})):
+            model, _, loss_fn = hf_llama(batch_size=8, seq=32, dim=64, layers=2)
+            batch = _tokens(rank) % 256  # Llama's vocabulary
+            opt = MemoryOptimizer(config) if config else None
+            if opt is not None:
+                opt.apply(model)
+            wrapped = shard(model) if engine == "fsdp2" else DistributedDataParallel(model)
+            out[f"{engine} {name}"] = train(wrapped, loss_fn, batch, opt=opt)
+            if engine == "ddp":
+                out[f"{engine} {name} params"] = [local(p) for p in model.parameters()]
+            if opt is not None:
+                out[f"{engine} {name} ops"] = sorted({p.lean for p in opt.plan.values() if p.lean})
+    return out
+
+
 def _grad_keeping_check(model, opt, loss_fn, batch, kept: list[bool]):
     """A drift check after each backward that notes whether the sharded ``.grad`` survived it."""
 
@@ -477,6 +503,7 @@ def _worker(rank: int, out: str) -> None:
         for name, run in (
             ("memory", _memory),
             ("losses", _losses),
+            ("lean", _lean),
             ("drift", _drift),
             ("accelerate", functools.partial(_accelerate, root=Path(out))),
             ("lightning", functools.partial(_lightning, root=Path(out))),
@@ -540,6 +567,23 @@ def test_drift_checks_that_escalate_nothing_leave_the_run_unchanged(two_ranks):
             for a, b in zip(losses["int8 checked params"], losses["int8 params"], strict=True)
         )
         assert losses["grads kept"] == [True] * 3
+
+
+@pytest.mark.slow
+def test_lean_ops_train_as_the_unpatched_model_under_fsdp2_and_ddp(two_ranks):
+    """Every lean op on a sharded (and a DDP-wrapped) Llama: the unpatched model's losses within
+    1e-5, int8 on top within the usual 2%, and DDP's replicas end with the same parameters."""
+    for r in two_ranks:
+        lean = r["lean"]
+        for engine in ("fsdp2", "ddp"):
+            assert lean[f"{engine} lean ops"] == [
+                "lean attention", "lean loss", "lean rmsnorm", "lean swiglu"
+            ]  # fmt: skip
+            assert rel(lean[f"{engine} lean"], lean[f"{engine} baseline"]) < 1e-5
+            assert rel(lean[f"{engine} lean int8"], lean[f"{engine} baseline"]) < 0.02
+    for name in ("lean", "lean int8"):  # DDP replicas: the same parameters on both ranks
+        mine, theirs = (r["lean"][f"ddp {name} params"] for r in two_ranks)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
 @pytest.mark.slow

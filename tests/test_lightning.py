@@ -272,6 +272,42 @@ def test_setup_patches_teardown_restores_and_other_stages_do_not_patch(tmp_path)
     assert _hooks(module) == 0 and list(module.state_dict()) == keys
 
 
+class Losses(Callback):
+    """Every training step's loss, and the lean ops memopt's plan lists at the end of the fit."""
+
+    def __init__(self, memopt: MemOptCallback | None = None):
+        self.memopt = memopt
+        self.values: list[float] = []
+        self.lean: dict[str, str] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(outputs["loss"].item())
+
+    def on_train_end(self, trainer, pl_module):
+        if self.memopt is not None:
+            self.lean = {f: p.lean for f, p in self.memopt.optimizer.plan.items() if p.lean}
+
+
+def test_lean_ops_inside_a_lightning_module_train_as_the_unpatched_model(tmp_path):
+    """The Hugging Face model inside the LightningModule gets every lean op (the module itself
+    has no lm_head): the unpatched fit's losses within 1e-5, and teardown restores its forward and
+    attention."""
+    runs = []
+    for memopt in (None, MemOptCallback({"ops": {"loss": "chunked", "fuse": ["all"]}})):
+        torch.manual_seed(0)
+        module, losses = GPT2Module(lr=0.02), Losses(memopt)
+        callbacks = [losses] if memopt is None else [memopt, losses]
+        make_trainer(tmp_path, callbacks, max_steps=4, logger=False).fit(module, loader())
+        runs.append(losses.values)
+    assert len(runs[1]) == 4
+    assert max(abs(a - b) / b for a, b in zip(*runs, strict=True)) <= 1e-5
+    lean = losses.lean
+    assert lean["model"] == "lean loss" and lean["model.transformer.h.0.mlp.act"] == "lean gelu"
+    assert lean["model.transformer.h.0.attn"] == "lean attention"
+    assert module.model.config._attn_implementation == "eager"
+    assert all("forward" not in m.__dict__ for m in module.modules())
+
+
 def test_second_fit_keeps_the_bits_the_first_escalated(tmp_path):
     memopt = MemOptCallback(yaml_config(tmp_path))
     module = GPT2Module()

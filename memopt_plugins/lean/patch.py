@@ -160,11 +160,13 @@ class LeanOps:
             chains = _WHAT if every else self.config.fuse
             for chain in chains:
                 if chain == "attention":
-                    self._attend(model, required=not every)
+                    for fqn, lm in _outermost(model, _switches_attention):
+                        self._attend(lm, fqn, required=not every)
                 else:
                     self._fuse(model, chain, required=not every)
             if self.config.loss == "chunked":
-                self._chunk_loss(model)
+                for fqn, lm in _outermost(model, _has_head):
+                    self._chunk_loss(lm, fqn)
         except BaseException:
             self.remove()
             raise
@@ -179,12 +181,12 @@ class LeanOps:
         self._attention.clear()
         self.actions.clear()
 
-    def _attend(self, model: nn.Module, required: bool) -> None:
+    def _attend(self, model: nn.Module, prefix: str, required: bool) -> None:
         config = getattr(model, "config", None)
         current = getattr(config, "_attn_implementation", None)
         dropout = max((getattr(config, n, 0.0) or 0.0 for n in _ATTENTION_DROPOUT), default=0.0)
         why = None
-        if not callable(getattr(model, "set_attn_implementation", None)):
+        if not _switches_attention(model):
             why = "it is not a Hugging Face model (no set_attn_implementation)"
         elif current != "eager":
             why = f"its attention is {current!r}, not eager"
@@ -200,7 +202,7 @@ class LeanOps:
             return
         model.set_attn_implementation("sdpa")
         self._attention.append((model, current))
-        for fqn, module in model.named_modules():
+        for fqn, module in model.named_modules(prefix=prefix):
             if type(module).__name__.endswith("Attention") and fqn not in self.actions:
                 self.actions[fqn] = "lean attention"
 
@@ -233,7 +235,7 @@ class LeanOps:
                 + (", ".join(c for c in _WHAT if _any(model, c)) or "none of them")
             )
 
-    def _chunk_loss(self, model: nn.Module) -> None:
+    def _chunk_loss(self, model: nn.Module, fqn: str) -> None:
         head = getattr(model, "lm_head", None)
         prefix = getattr(model, "base_model_prefix", None)
         base = getattr(model, prefix, None) if isinstance(prefix, str) else None
@@ -290,7 +292,7 @@ class LeanOps:
             return outputs(loss=loss, logits=None, **{k: v for k, v in out.items() if k in names})
 
         self._patched.append(_LeanForward(model, forward, "lean loss"))
-        self.actions[""] = "lean loss"
+        self.actions[fqn] = "lean loss"
 
 
 _WHAT = {
@@ -302,7 +304,29 @@ _WHAT = {
 }
 
 
+def _switches_attention(module: nn.Module) -> bool:
+    return callable(getattr(module, "set_attn_implementation", None))
+
+
+def _has_head(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "lm_head", None), nn.Linear)
+
+
+def _outermost(model: nn.Module, test: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` that pass ``test`` and sit in none that does (a Hugging Face
+    model inside a LightningModule); ``[("", model)]`` when there is none, so that the model
+    itself is judged, and refused, by name."""
+    found: list[tuple[str, nn.Module]] = []
+    for fqn, module in model.named_modules():
+        if test(module) and not any(fqn.startswith(f"{outer}.") or not outer for outer, _ in found):
+            found.append((fqn, module))
+    return found or [("", model)]
+
+
 def _any(model: nn.Module, chain: str) -> bool:
     if chain == "attention":
-        return getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager"
+        return any(
+            getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"
+            for _, m in _outermost(model, _switches_attention)
+        )
     return any(_lean_forward(chain, m) is not None for m in model.modules())

@@ -348,8 +348,8 @@ class StepRecorder:
         self._flop_starts.append(self._counter.total)
 
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self._starts:
-            return
+        if not self._stack or self._stack[-1] != fqn:
+            return  # its entry ran where nothing records (inside a compiled frame)
         self._sync()
         self._seconds[fqn] += self._clock() - self._starts.pop()
         self._flops[fqn] += self._counter.total - self._flop_starts.pop()
