@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from ..buffers import private
 
+#: The integer type that holds a float's bits (how the log-sum-exp is kept).
+_BITS_OF = {torch.float32: torch.int32, torch.float64: torch.int64}
 #: Per chunk, logits about this many times the hidden size (Liger-Kernel's choice).
 _CHUNK_TARGET = 1
 
@@ -44,29 +46,78 @@ def _logits(
     return softcap * t, t
 
 
+def _losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float | None,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's loss (0 where ignored) and the bits of its log-sum-exp, chunk by chunk."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    losses = torch.empty(n, dtype=work, device=hidden.device)
+    lse = torch.empty(n, dtype=work, device=hidden.device)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        z, _ = _logits(hidden[rows], weight, bias, softcap)
+        lse[rows] = torch.logsumexp(z, dim=-1)
+        t = target[rows]
+        valid = t != ignore_index
+        picked = z.gather(1, t.clamp(0, vocab - 1)[:, None])[:, 0]
+        loss = lse[rows] - (1 - smoothing) * picked
+        if smoothing:
+            loss = loss - smoothing * z.mean(dim=-1)
+        losses[rows] = torch.where(valid, loss, 0.0)
+    return losses, lse.view(_BITS_OF[work])
+
+
+@torch.library.custom_op("memopt::linear_cross_entropy_forward", mutates_args=())
+def _forward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float | None,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_losses` as one operator, for compiled graphs."""
+    losses, lse_bits = _losses(hidden, weight, bias, target, ignore_index, smoothing, softcap,
+                               chunk)  # fmt: skip
+    return losses, lse_bits.clone()  # an operator's outputs may not alias each other
+
+
+@_forward_op.register_fake
+def _(hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk):
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    n = hidden.shape[0]
+    return hidden.new_empty(n, dtype=work), hidden.new_empty(n, dtype=_BITS_OF[work])
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
+    """Compiled, both passes are one opaque operator each: traced chunk by chunk, the compiler's
+    partitioner moved each chunk's logits matmul of the backward (which needs no gradient) into
+    the forward and saved what follows it -- the whole logits again -- and saved the log-sum-exp
+    as a float, which the graph's codec then compressed."""
+
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor
     ):
-        n, vocab = hidden.shape[0], weight.shape[0]
-        work = torch.promote_types(hidden.dtype, torch.float32)
-        losses = torch.empty(n, dtype=work, device=hidden.device)
-        lse = torch.empty(n, dtype=work, device=hidden.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            z, _ = _logits(hidden[rows], weight, bias, softcap)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            t = target[rows]
-            valid = t != ignore_index
-            picked = z.gather(1, t.clamp(0, vocab - 1)[:, None])[:, 0]
-            loss = lse[rows] - (1 - smoothing) * picked
-            if smoothing:
-                loss = loss - smoothing * z.mean(dim=-1)
-            losses[rows] = torch.where(valid, loss, 0.0)
+        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk)
+        if torch.compiler.is_compiling():
+            losses, lse_bits = torch.ops.memopt.linear_cross_entropy_forward(*args)
+        else:
+            losses, lse_bits = _losses(*args)
         ctx.save_for_backward(hidden, weight, bias, target)
-        # Kept off the saved-tensor hooks: an error in it would scale every probability.
-        ctx.lse = lse
+        # Kept off the compression hooks: an error in it would scale every probability. As its
+        # bits in an integer tensor, it is not compressed where a compiled graph saves it either.
+        ctx.lse_bits = lse_bits
         ctx.args = (ignore_index, smoothing, softcap, chunk, divisor)
         return losses if divisor is None else losses.sum() / divisor
 
@@ -74,43 +125,101 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, bias, target = ctx.saved_tensors
         ignore_index, smoothing, softcap, chunk, divisor = ctx.args
-        lse = ctx.lse
-        n, vocab = hidden.shape[0], weight.shape[0]
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = None
-        if want_h:  # a decoded ``hidden`` is dead row by row: its gradient goes where it was
-            grad_h = hidden if private(hidden) else torch.empty_like(hidden)
-        work = lse.dtype
-        grad_w = torch.zeros(weight.shape, dtype=work, device=weight.device)
-        grad_b = torch.zeros(vocab, dtype=work, device=weight.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            h = hidden[rows]
-            z, t_cap = _logits(h, weight, bias, softcap)
-            g = z.sub_(lse[rows, None]).exp_()  # the softmax, in the logits' memory
-            t = target[rows]
-            picked = torch.full((len(t), 1), smoothing - 1, dtype=g.dtype, device=g.device)
-            g.scatter_add_(1, t.clamp(0, vocab - 1)[:, None], picked)
-            if smoothing:
-                g -= smoothing / vocab
-            if divisor is None:  # reduction "none": a gradient per token
-                weights = grad_out[rows].to(work)
-            else:
-                weights = (grad_out.to(work) / divisor).expand(len(t))
-            g *= torch.where(t != ignore_index, weights, 0.0)[:, None]
-            if t_cap is not None:
-                g *= 1 - t_cap.square()
-            g = g.to(hidden.dtype)
-            if want_w:  # before grad_h: it may overwrite ``h``
-                grad_w.addmm_(g.t().to(work), h.to(work))
-            if want_h:
-                grad_h[rows] = g @ weight
-            if want_b and bias is not None:
-                grad_b += g.to(work).sum(0)
-            del z, g  # before the next chunk's logits: one chunk alive at a time
-        grad_w = grad_w.to(weight.dtype) if want_w else None
-        grad_b = grad_b.to(bias.dtype) if want_b and bias is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        work = torch.promote_types(hidden.dtype, torch.float32)
+        # d loss / d loss_i: one per token ("none"), else the same for every token
+        scale = grad_out if divisor is None else (grad_out / divisor).expand(target.shape)
+        # the log-sum-exp stays integer bits in the graph: read as floats inside the operator
+        args = (hidden, weight, bias, target, ctx.lse_bits, scale.to(work), ignore_index,
+                smoothing, softcap, chunk, want_w)  # fmt: skip
+        if torch.compiler.is_compiling():
+            grad_h, grad_w, grad_b = torch.ops.memopt.linear_cross_entropy_backward(*args)
+        else:
+            grad_h, grad_w, grad_b = _gradients(*args, donate=True)
+        return (
+            grad_h if want_h else None,
+            grad_w.to(weight.dtype) if want_w else None,
+            grad_b.to(bias.dtype) if want_b and bias is not None else None,
+            *[None] * 6,
+        )
+
+
+def _gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    lse_bits: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float | None,
+    chunk: int,
+    want_w: bool,
+    donate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``hidden``, ``weight`` (fp32; empty unless ``want_w``) and the bias
+    (fp32; zeros without one), chunk by chunk; ``scale`` is the loss's gradient per token. With
+    ``donate``, a freshly decoded ``hidden`` (dead row by row) takes its own gradient."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    lse = lse_bits.view(work)
+    grad_h = hidden if donate and private(hidden) else torch.empty_like(hidden)
+    shape = weight.shape if want_w else (0,)
+    grad_w = torch.zeros(shape, dtype=work, device=weight.device)
+    grad_b = torch.zeros(vocab, dtype=work, device=weight.device)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        h = hidden[rows]
+        z, t_cap = _logits(h, weight, bias, softcap)
+        g = z.sub_(lse[rows, None]).exp_()  # the softmax, in the logits' memory
+        t = target[rows]
+        picked = torch.full((len(t), 1), smoothing - 1, dtype=g.dtype, device=g.device)
+        g.scatter_add_(1, t.clamp(0, vocab - 1)[:, None], picked)
+        if smoothing:
+            g -= smoothing / vocab
+        g *= torch.where(t != ignore_index, scale[rows], 0.0)[:, None]
+        if t_cap is not None:
+            g *= 1 - t_cap.square()
+        g = g.to(hidden.dtype)
+        if want_w:  # before grad_h: it may overwrite ``h``
+            grad_w.addmm_(g.t().to(work), h.to(work))
+        grad_h[rows] = g @ weight
+        if bias is not None:
+            grad_b += g.to(work).sum(0)
+        del z, g  # before the next chunk's logits: one chunk alive at a time
+    return grad_h, grad_w, grad_b
+
+
+@torch.library.custom_op("memopt::linear_cross_entropy_backward", mutates_args=())
+def _backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    lse_bits: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float | None,
+    chunk: int,
+    want_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_gradients` as one operator, for compiled graphs."""
+    return _gradients(hidden, weight, bias, target, lse_bits, scale, ignore_index, smoothing,
+                      softcap, chunk, want_w)  # fmt: skip
+
+
+@_backward_op.register_fake
+def _(
+    hidden, weight, bias, target, lse_bits, scale, ignore_index, smoothing, softcap, chunk, want_w
+):
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    return (
+        torch.empty_like(hidden),
+        weight.new_empty(weight.shape if want_w else (0,), dtype=work),
+        weight.new_empty(weight.shape[0], dtype=work),
+    )
 
 
 def linear_cross_entropy(
