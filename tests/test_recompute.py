@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -16,7 +17,7 @@ from zoo import hf_gpt2, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.measure import Measurement, ModuleCost
-from memopt_plugins.recompute import RecomputeError, choose, existing_checkpointing
+from memopt_plugins.recompute import RecomputeError, choose, estimated_peak, existing_checkpointing
 from memopt_plugins.select import layer_kind, outermost, within
 
 
@@ -375,6 +376,19 @@ def test_planner_prefers_blocks_to_a_stage_whose_replay_is_the_peak():
     # by freed bytes per operation alone the stage (27.5) beats a block (25); but its replay
     # would hold 55 bytes on top of what is kept before it, a peak of 55 instead of 30
     assert STAGED[1].bytes_per_flop > STAGED[2].bytes_per_flop
+
+
+def test_replays_count_at_full_precision_beside_compressed_bytes():
+    """Under compression the planner counts what is kept compressed (int8: a quarter), but a
+    replay re-creates its region uncompressed: block 1 (25 bytes, 6 kept) replays 25 bytes on
+    top of the 12 held before it, a peak of 37 where the kept 25 were the peak; and the
+    backward's start holds the largest storage decoded beside what is kept."""
+    compressed = {c.fqn: dataclasses.replace(c, saved_bytes=c.saved_bytes // 4) for c in STAGED}
+    block = dataclasses.replace(compressed["stage.1"], before_bytes=50 // 4)
+    full = {c.fqn: c for c in STAGED}
+    assert estimated_peak([block], kept=25) == 25  # counted compressed: no peak above kept
+    assert estimated_peak([block], kept=25, replayed=full) == 12 + 25
+    assert estimated_peak([], kept=25, transient=25) == 50
 
 
 def test_planner_upgrades_to_a_container_and_drops_the_picks_inside():
