@@ -53,7 +53,10 @@ def test_the_printed_config_applied_keeps_the_budget(gpt2_report, budget):
 def test_plan_adds_compression_only_where_recompute_cannot_reach(gpt2_report):
     report = gpt2_report
     tight = suggest_config(report, 0.03)  # recompute alone reaches ~7.5%
-    assert tight.bits < 32 and tight.reached
+    # Compression is added; with it the planner declines replays that would raise the peak
+    # (they come back uncompressed), so 3% itself is not reached: 5.6% is kept, and said so.
+    assert tight.bits < 32 and not tight.reached
+    assert tight.estimate <= 0.06 * tight.baseline
     forced = suggest_config(report, 0.5, bits=8)
     assert forced.bits == 8 and forced.config.quantize.bits == 8
     assert forced.estimate <= 0.5 * forced.baseline
