@@ -75,21 +75,10 @@ def _losses(
     return losses, lse.view(_BITS_OF[work])
 
 
-@torch.library.custom_op("memopt::linear_cross_entropy_forward", mutates_args=())
-def _forward_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-    smoothing: float,
-    softcap: float | None,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_losses` as one operator, for compiled graphs."""
-    losses, lse_bits = _losses(hidden, weight, bias, target, ignore_index, smoothing, softcap,
-                               chunk)  # fmt: skip
-    return losses, lse_bits.clone()  # an operator's outputs may not alias each other
+#: :func:`_losses` as one operator, for compiled graphs.
+_forward_op = torch.library.custom_op(
+    "memopt::linear_cross_entropy_forward", _losses, mutates_args=()
+)
 
 
 @_forward_op.register_fake
@@ -191,29 +180,17 @@ def _gradients(
     return grad_h, grad_w, grad_b
 
 
-@torch.library.custom_op("memopt::linear_cross_entropy_backward", mutates_args=())
-def _backward_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    lse_bits: torch.Tensor,
-    scale: torch.Tensor,
-    ignore_index: int,
-    smoothing: float,
-    softcap: float | None,
-    chunk: int,
-    want_w: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_gradients` as one operator, for compiled graphs."""
-    return _gradients(hidden, weight, bias, target, lse_bits, scale, ignore_index, smoothing,
-                      softcap, chunk, want_w)  # fmt: skip
+#: :func:`_gradients` as one operator, for compiled graphs (called with ``donate=False``).
+_backward_op = torch.library.custom_op(
+    "memopt::linear_cross_entropy_backward", _gradients, mutates_args=()
+)
 
 
 @_backward_op.register_fake
 def _(
-    hidden, weight, bias, target, lse_bits, scale, ignore_index, smoothing, softcap, chunk, want_w
-):
+    hidden, weight, bias, target, lse_bits, scale, ignore_index, smoothing, softcap, chunk,
+    want_w, donate=False,
+):  # fmt: skip
     work = torch.promote_types(hidden.dtype, torch.float32)
     return (
         torch.empty_like(hidden),
