@@ -10,8 +10,8 @@ in the memory the baseline's step needs. ``samples/s`` is measured at that batch
 few steps after a warm-up, no profiler), so the price of the larger batch shows too.
 
 Beside memopt: PyTorch's checkpoint around every block (non-reentrant). The lean-ops rows chunk
-the language models' loss head, fuse their chains and run their (eager-built) attention as SDPA
-(``ops`` of the config; no rows for the CNN, which has none of them). Writes ``fits.md`` and
+the language models' loss head, fuse their chains and run their (eager-built) attention as SDPA,
+and swap the CNN's batch norms for the lean one (``ops`` of the config). Writes ``fits.md`` and
 ``fits.json`` to ``--out``.
 
     python benchmarks/fits.py [--quick] [--out DIR] [--only gpt2,llama,resnet] [--threads N]
@@ -116,7 +116,7 @@ MODELS = {
         "LlamaDecoderLayer",
         {"loss": "chunked", "fuse": ["swiglu", "rmsnorm", "attention"]},
     ),
-    "resnet": Model("ResNet-50-style", resnet, "ResNetBottleNeckLayer"),
+    "resnet": Model("ResNet-50-style", resnet, "ResNetBottleNeckLayer", {"fuse": ["batchnorm"]}),
 }
 
 #: (name, memopt config or None, checkpoint every block?)

@@ -271,7 +271,7 @@ class BatchNormConfig(_Section):
     )
 
 
-FUSED_CHAINS = ("gelu", "swiglu", "geglu", "rmsnorm", "attention")
+FUSED_CHAINS = ("gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm")
 
 
 class OpsConfig(_Section):
@@ -290,7 +290,7 @@ class OpsConfig(_Section):
         description="Tokens per chunk (null: chunks of logits about the hidden states' size).",
     )
     fuse: Annotated[
-        tuple[Literal["all", "gelu", "swiglu", "geglu", "rmsnorm", "attention"], ...],
+        tuple[Literal["all", "gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm"], ...],
         BeforeValidator(_glob_list),
         _Allowed(f"a list of {', '.join(FUSED_CHAINS)}, or [all]"),
     ] = Field(
@@ -299,7 +299,8 @@ class OpsConfig(_Section):
             "Activation and norm chains swapped for one node that saves its inputs: gelu "
             "(tanh-GELU written in Python, as GPT-2's), swiglu and geglu (Llama/Gemma-style "
             "gated MLPs), rmsnorm (Llama-style RMSNorm), attention (a Hugging Face model's eager "
-            "attention as scaled_dot_product_attention; not with attention dropout). A chain "
+            "attention as scaled_dot_product_attention; not with attention dropout), batchnorm "
+            "(BatchNorm1d/2d/3d in training: its backward writes into the decoded input). A chain "
             "named here must match a module of the model; [all]: every chain the model has."
         ),
     )

@@ -7,8 +7,8 @@ recomputing its cheap internals in backward, so that what they save is what memo
   the swap is exact, and a Hugging Face causal LM's loss for the chunked one.
 """
 
-from .chains import geglu, gelu, rms_norm, swiglu
+from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
 from .loss import linear_cross_entropy
 from .patch import LeanOps
 
-__all__ = ["LeanOps", "geglu", "gelu", "linear_cross_entropy", "rms_norm", "swiglu"]
+__all__ = ["LeanOps", "batch_norm", "geglu", "gelu", "linear_cross_entropy", "rms_norm", "swiglu"]

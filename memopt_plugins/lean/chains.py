@@ -159,3 +159,71 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps))``, computed in fp32 and cast
     back before the weight) as one node saving ``x`` and ``weight``."""
     return _RMSNorm.apply(x, weight, eps)
+
+
+#: A batch norm's backward reads its input in at least this many pieces along the batch, so that
+#: its temporaries stay a fraction of the layer's size even below :data:`PIECE` elements.
+BATCH_NORM_PIECES = 8
+
+
+class _BatchNorm(torch.autograd.Function):
+    """Training-mode batch norm (batch statistics) saving its input, the weight and one mean and
+    one inverse deviation per channel. The forward is PyTorch's own kernel (outputs and running
+    statistics bit for bit); the backward writes the input's gradient into a decoded input, where
+    PyTorch's CPU kernel holds two input-sized buffers beside it (one it allocates and drops)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float):
+        out, mean, invstd = torch.ops.aten.native_batch_norm(
+            x, weight, bias, running_mean, running_var, True, momentum, eps
+        )
+        ctx.save_for_backward(x, weight)
+        ctx.stats = (mean, invstd)  # one value per channel, kept as they are
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mean, invstd = ctx.stats
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        mean, invstd = mean.view(shape), invstd.view(shape)
+        count = x.numel() // channels
+        step = max(1, min(PIECE // max(x[0].numel(), 1), -(-x.shape[0] // BATCH_NORM_PIECES)))
+        parts = [slice(i, min(i + step, x.shape[0])) for i in range(0, x.shape[0], step)]
+        sum_g = torch.zeros(shape, dtype=mean.dtype, device=x.device)
+        sum_gx = torch.zeros_like(sum_g)
+        for part in parts:
+            g = _work(grad[part])
+            sum_g += g.sum(dims, keepdim=True)
+            sum_gx += ((_work(x[part]) - mean) * invstd).mul_(g).sum(dims, keepdim=True)
+        scale = invstd if weight is None else invstd * _work(weight).view(shape)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = x if private(x) else torch.empty_like(x)
+            mean_g, mean_gx = sum_g / count, sum_gx / count
+            for part in parts:  # each piece of x is read before its gradient overwrites it
+                xhat = (_work(x[part]) - mean).mul_(invstd)
+                grad_x[part] = (
+                    xhat.mul_(mean_gx).neg_().add_(_work(grad[part])).sub_(mean_g).mul_(scale)
+                )
+        grad_w = sum_gx.view(-1).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = sum_g.view(-1).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def batch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+) -> torch.Tensor:
+    """``F.batch_norm(..., training=True)`` as one node saving ``x`` and ``weight`` (the same
+    outputs and running statistics; in backward the input's gradient takes a decoded ``x``'s
+    memory)."""
+    return _BatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps)

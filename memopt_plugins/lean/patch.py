@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
-from .chains import geglu, gelu, rms_norm, swiglu
+from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
 from .loss import linear_cross_entropy
 
 log = logging.getLogger("memopt")
@@ -110,11 +110,49 @@ def _lean_forward(chain: str, module: nn.Module) -> Callable[..., Any] | None:
         product = swiglu if chain == "swiglu" else geglu
         m: Any = module
         return lambda x: m.down_proj(product(m.gate_proj(x), m.up_proj(x)))
+    if chain == "batchnorm" and _plain_batch_norm(module):
+        return _BatchNormForward(module)
     if chain == "rmsnorm" and type(module).__name__.endswith("RMSNorm"):
         weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
         if isinstance(weight, torch.Tensor) and isinstance(eps, float):
             return lambda x: rms_norm(x, module.weight, module.variance_epsilon)
     return None
+
+
+def _plain_batch_norm(module: nn.Module) -> bool:
+    """A ``BatchNorm1d/2d/3d`` (not ``SyncBatchNorm``, whose statistics span processes)."""
+    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    return isinstance(module, norms) and type(module).forward in {n.forward for n in norms}
+
+
+class _BatchNormForward:
+    """``nn.BatchNorm*d.forward`` with :func:`~.chains.batch_norm` where it normalizes with batch
+    statistics (training, or no running statistics), the module's own forward elsewhere."""
+
+    def __init__(self, module: nn.modules.batchnorm._BatchNorm):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.module
+        batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+        if not batch_stats or not torch.is_grad_enabled():
+            return type(bn).forward(bn, x)
+        bn._check_input_dim(x)
+        momentum = 0.0 if bn.momentum is None else bn.momentum
+        if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            if bn.momentum is None:
+                momentum = 1.0 / float(bn.num_batches_tracked)
+        keep = not bn.training or bn.track_running_stats
+        mean, var = (bn.running_mean, bn.running_var) if keep else (None, None)
+        return batch_norm(x, bn.weight, bn.bias, mean, var, momentum, bn.eps)
+
+
+def _probe_shape(module: nn.Module) -> tuple[int, ...]:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        spatial = {nn.BatchNorm1d: 1, nn.BatchNorm3d: 3}.get(type(module), 2)
+        return (3, module.num_features, *[5] * spatial)
+    return (3, 5, _width(module))
 
 
 def _width(module: nn.Module) -> int:
@@ -131,12 +169,25 @@ def _exact(module: nn.Module, forward: Callable[..., Any]) -> bool:
     dtype = first.dtype if first is not None else torch.float32
     device = first.device if first is not None else torch.device("cpu")
     generator = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn(3, 5, _width(module), generator=generator).to(device, dtype)
-    with torch.no_grad():
-        mine, theirs = forward(probe), module(probe)
+    probe = torch.randn(*_probe_shape(module), generator=generator).to(device, dtype)
+    buffers = {n: b.clone() for n, b in module.named_buffers()}  # batch norm's running statistics
+    training = module.training
+    module.training = True  # the lean ops act in training, where gradients are on
+    with torch.enable_grad():
+        mine = forward(probe).detach()
+        after = [b.clone() for b in module.buffers()]
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
+        theirs = module(probe).detach()
+        same = [torch.equal(a, b) for a, b in zip(after, module.buffers(), strict=True)]
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
+    module.training = training
     tolerance = 1e-5 if dtype in (torch.float32, torch.float64) else 1e-2
-    return mine.shape == theirs.shape and torch.allclose(
-        mine, theirs, rtol=tolerance, atol=tolerance
+    return (
+        all(same)
+        and mine.shape == theirs.shape
+        and torch.allclose(mine, theirs, rtol=tolerance, atol=tolerance)
     )
 
 
@@ -301,6 +352,7 @@ _WHAT = {
     "geglu": "gated MLPs with gate_proj, up_proj, down_proj and a tanh-GELU act_fn",
     "rmsnorm": "Llama-style RMSNorm modules with weight and variance_epsilon",
     "attention": "Hugging Face models built with eager attention",
+    "batchnorm": "BatchNorm1d/2d/3d modules (not SyncBatchNorm)",
 }
 
 
