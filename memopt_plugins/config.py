@@ -233,6 +233,24 @@ class DriftConfig(_Section):
         (2, 4, 8, 16, 32),
         description="Bit widths a drifting module climbs, one rung per escalation.",
     )
+    lower: Annotated[bool, _Allowed("true or false")] = Field(
+        False,
+        description=(
+            "Bring bits back down: a module whose drift one rung lower is predicted (and then "
+            "measured by a probe pass) under `lower_below` x threshold for `lower_after` checks "
+            "in a row goes down one rung, never below its starting bits; false: escalation only."
+        ),
+    )
+    lower_below: Fraction = Field(
+        0.5, description="The fraction of the threshold a lowered module's drift must stay under."
+    )
+    lower_after: PositiveInt = Field(
+        2,
+        description=(
+            "Consecutive calm checks before a module goes down; doubled (up to 8x) each time a "
+            "lowering fails (its probe or a later check comes back over the threshold)."
+        ),
+    )
 
     @field_validator("ladder")
     @classmethod

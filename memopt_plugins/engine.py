@@ -199,7 +199,9 @@ class MemoryOptimizer:
         lean = self._lean.apply(model)
         if lean:
             log.info("memopt: %d modules run as memory-lean ops (%s)", len(lean), _count(lean))
-        self._table.install({f: b for f, b in scopes.items() if f not in in_regions})
+        configured = {f: b for f, b in scopes.items() if f not in in_regions}
+        self._table.install(configured)
+        self._drift.start(configured)  # drift.lower never goes under the configured bits
         # Dropout/BN patches go in before the hooks and recompute wrappers (removed after them).
         if self.config.dropout.mode != "keep":
             self._dropout = DropoutPatch(self.config.dropout.mode)
@@ -347,10 +349,12 @@ class MemoryOptimizer:
         """True when a drift check is due at ``step`` (default: :attr:`steps`).
 
         Due at step 0 and every ``drift.check_every`` steps, when ``drift.enabled`` and some
-        module is compressed below 32 bits.
+        module is compressed below 32 bits (with ``drift.lower``: some module is compressed).
         """
         compressed = self._table.compressed.values()
-        return any(b < OFF_BITS for b in compressed) and self._drift.should_check(step)
+        lowering = self.config.drift.lower and bool(compressed)  # a module at 32 may come down
+        due = lowering or any(b < OFF_BITS for b in compressed)
+        return due and self._drift.should_check(step)
 
     def check_drift(
         self,

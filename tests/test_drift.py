@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -396,3 +397,68 @@ def test_slice_batch_cuts_every_tensor_along_dim_0():
     assert slice_batch(t, 50).shape == (10, 2)  # a smaller batch is used whole
     enc = slice_batch(BatchEncoding({"input_ids": t}), 3)
     assert isinstance(enc, BatchEncoding) and enc["input_ids"].shape == (3, 2)
+
+
+# --------------------------------------------------------------------------- bits back down
+def _lowering(**drift):
+    return {"quantize": {"bits": 4}, "drift": {"metric": "cosine", "lower": True, **drift}}
+
+
+def test_lowering_brings_bits_back_down_to_the_start_and_no_further(caplog):
+    """Modules raised at a noisy moment come back down one rung per calm check, each probed at
+    the lower width, never under the bits they started at; each change has its INFO line."""
+    opt, _, loss = patched(hf_llama, _lowering(lower_after=1), batch_size=2)
+    at_start = opt.check_drift(loss)
+    assert at_start.escalated == {} and at_start.lowered == {}  # 4 bits is calm: the floor
+    raised = sorted(at_start.per_module, key=at_start.per_module.get)[:2]  # as if escalated
+    for fqn in raised:
+        opt.set_bits(fqn, 16)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        first, second, third = (opt.check_drift(loss) for _ in range(3))
+    assert first.lowered == dict.fromkeys(raised, (16, 8))
+    assert second.lowered == dict.fromkeys(raised, (8, 4))
+    assert third.lowered == {} and third.escalated == {}
+    assert set(opt.bits.values()) == {4}
+    assert first.rounds == 2  # the check's pass and one probe at the lower widths
+    assert max(first.per_module[f] for f in raised) <= 0.025
+    lines = [r.getMessage() for r in caplog.records if "bits 16 -> 8" in r.getMessage()]
+    assert len(lines) == 2 and all("0.50 x threshold" in line for line in lines)
+    assert opt.metrics()["memopt/deescalations"] == 4.0
+
+
+def test_without_lowering_raised_bits_stay_raised():
+    opt, _, loss = patched(hf_llama, _lowering(lower=False), batch_size=2)
+    opt.set_bits("model.layers.0.mlp.down_proj", 16)
+    for _ in range(2):
+        assert opt.check_drift(loss).lowered == {}
+    assert opt.bits["model.layers.0.mlp.down_proj"] == 16
+    assert "memopt/deescalations" not in opt.metrics()
+
+
+def test_a_failed_lowering_goes_back_up_and_waits_longer():
+    """A module whose probe one rung lower is not calm keeps its bits, and the calm checks it
+    needs before the next try double (bounded); no width changes in training meanwhile."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    config = {
+        "quantize": {"bits": 8, "min_numel": 0, "rounding": "nearest"},
+        "drift": {"threshold": 0.004, "lower": True, "lower_after": 1, "lower_below": 1.0},
+    }
+    opt = MemoryOptimizer(config)
+    opt.apply(model)
+    first = opt.check_drift(lambda: model(x).sum())
+    assert first.escalated["0"] == (8, 16) and first.lowered == {}
+    monitor = opt._drift
+    waits = []
+    for _ in range(6):
+        report = opt.check_drift(lambda: model(x).sum())
+        assert report.lowered == {} and report.escalated == {} and opt.bits["0"] == 16
+        waits.append(monitor.wait["0"])
+    assert waits[0] == 2 and max(waits) <= 8 and waits == sorted(waits)
+    assert monitor.deescalations == 0
+    state = json.loads(json.dumps(opt.state_dict()))
+    other = MemoryOptimizer(config)
+    other.load_state_dict(state)
+    other.apply(copy.deepcopy(model))
+    assert other.state_dict()["drift"] == opt.state_dict()["drift"]  # floors, calm runs, waits
+    assert other._drift.wait == monitor.wait and other._drift.floor == dict.fromkeys(opt.bits, 8)

@@ -1,4 +1,5 @@
-"""The drift monitor: schedules checks, runs them, escalates bits, keeps counters and history."""
+"""The drift monitor: schedules checks, runs them, escalates (and with ``drift.lower`` lowers)
+bits, keeps counters and history."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ from .passes import (
     sq_norms,
     summed_over_shards,
 )
-from .report import HISTORY_LIMIT, NEGLIGIBLE, DriftReport, next_rung
+from .report import (
+    HISTORY_LIMIT,
+    NEGLIGIBLE,
+    DriftReport,
+    next_rung,
+    rung_below,
+)
 
 log = logging.getLogger("memopt")
 
@@ -44,8 +51,20 @@ class DriftMonitor:
         self.config = config
         self.steps = 0
         self.escalations = 0
+        self.deescalations = 0
+        # drift.lower: starting bits, consecutive calm checks, checks to wait, lowered once
+        self.floor: dict[str, int] = {}
+        self.calm: dict[str, int] = {}
+        self.wait: dict[str, int] = {}
+        self.lowered: set[str] = set()
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self.last: DriftReport | None = None
+
+    def start(self, configured: Mapping[str, int]) -> None:
+        """The bits the config gives each module: ``drift.lower`` never goes under them (a
+        restored state keeps its own)."""
+        for fqn, bits in configured.items():
+            self.floor.setdefault(fqn, int(bits))
 
     # ----------------------------------------------------------------- scheduling
     def should_check(self, step: int | None = None) -> bool:
@@ -104,6 +123,7 @@ class DriftMonitor:
         params, sharded = checked.params, checked.sharded
         param_free = [f for f in fqns if not checked.own(f)]
         escalated: dict[str, tuple[int, int]] = {}
+        lowered_now: dict[str, tuple[int, int]] = {}
         round_max: list[float] = []
         # Eagerly: modules inside compiled graphs are judged too (their hooks fire).
         with eagerly(), preserved_state(model, generators) as one_pass:
@@ -140,7 +160,9 @@ class DriftMonitor:
                     del loss, rec, tensors
                 variance = summed_over_shards(sq_norms(spread), sharded) * halves.scale
                 del spread
-            while True:
+
+            def measured() -> tuple[dict[str, float], dict[str, str]]:
+                """One compressed pass: each module's drift (max over ranks) and the unmeasured."""
                 with one_pass():
                     rec = PassRecorder(model, param_free)
                     with rec:
@@ -154,21 +176,30 @@ class DriftMonitor:
                 )
                 del approx
                 drift = _max_of(reduce_max, local, params[0].device if params else None)
-                per_module = {f: d for f, d in zip(fqns, drift, strict=True) if d >= 0}
-                unmeasured_now = {**unmeasured, **missing}
-                unmeasured_now = {f: r for f, r in unmeasured_now.items() if f not in per_module}
+                found = {f: d for f, d in zip(fqns, drift, strict=True) if d >= 0}
+                absent = {**unmeasured, **missing}
+                return found, {f: r for f, r in absent.items() if f not in found}
+
+            while True:
+                per_module, unmeasured_now = measured()
                 round_max.append(max(per_module.values(), default=0.0))
                 moved = self._escalate(per_module, current, set_bits, step)
                 for fqn, (old, new) in moved.items():
                     escalated[fqn] = (escalated.get(fqn, (old, new))[0], new)
                 if not moved or len(round_max) >= limit:
                     break
+            if cfg.lower and not moved:
+                calm = {f: d for f, d in per_module.items() if f not in escalated}
+                lowered = self._lower(calm, current, set_bits, step, measured, round_max)
+                if lowered is not None:
+                    per_module, unmeasured_now, lowered_now = lowered
         report = DriftReport(
             step,
             per_module,
             unmeasured_now,
             escalated,
             tuple(round_max),
+            lowered_now,
             threshold=cfg.threshold,
             metric=cfg.metric,
         )
@@ -192,6 +223,9 @@ class DriftMonitor:
             current[fqn] = new
             moved[fqn] = (old, new)
             self.escalations += 1
+            self.calm[fqn] = 0
+            if fqn in self.lowered:  # back over the threshold after a lowering: wait longer
+                self._back_off(fqn)
             if is_rank_zero():
                 log.info(
                     "memopt: %s drift %.4f > threshold %.4f (%s) at step %d: bits %d -> %d",
@@ -205,6 +239,77 @@ class DriftMonitor:
                 )
         return moved
 
+    def _back_off(self, fqn: str) -> None:
+        base = self.config.lower_after
+        self.wait[fqn] = min(8 * base, 2 * self.wait.get(fqn, base))
+
+    def _lower(
+        self,
+        per_module: Mapping[str, float],
+        current: dict[str, int],
+        set_bits: Callable[[str, int], None],
+        step: int,
+        measured: Callable[[], tuple[dict[str, float], dict[str, str]]],
+        round_max: list[float],
+    ) -> tuple[dict[str, float], dict[str, str], dict[str, tuple[int, int]]] | None:
+        """``drift.lower``: modules calm for ``lower_after`` checks go down one rung, probed by
+        one compressed pass; a module whose probe is not calm goes back up and waits longer.
+        Returns the probe's drifts, unmeasured modules and the lowerings kept (``None``: no
+        module was due). Every rank decides the same: drifts are max-reduced over ranks."""
+        cfg = self.config
+        calm_below = cfg.lower_below * cfg.threshold
+        due: dict[str, tuple[int, int]] = {}
+        for fqn, drift in per_module.items():
+            old = current[fqn]
+            lower = rung_below(cfg.ladder, old)
+            if lower is None or lower < self.floor.get(fqn, old):
+                continue
+            # Calm at its bits; whether it stays calm a rung lower, the probe measures: a
+            # module's drift is mostly the other modules' rounding (backward carries it), so
+            # scaling its own drift by the step size (1 / (2^b - 1)) overstates it many times.
+            calm = drift <= calm_below
+            self.calm[fqn] = self.calm.get(fqn, 0) + 1 if calm else 0
+            if self.calm[fqn] >= self.wait.get(fqn, cfg.lower_after):
+                due[fqn] = (old, lower)
+        if not due:
+            return None
+        for fqn, (_, lower) in due.items():
+            set_bits(fqn, lower)
+            current[fqn] = lower
+        probe, unmeasured = measured()
+        round_max.append(max(probe.values(), default=0.0))
+        kept: dict[str, tuple[int, int]] = {}
+        # The threshold stays a hard cap: a module pushed over it by the lowered ones around it
+        # undoes them all.
+        others_over = any(d > cfg.threshold for f, d in probe.items() if f not in due)
+        for fqn, (old, lower) in due.items():
+            self.calm[fqn] = 0
+            drift = probe.get(fqn)
+            if others_over or (drift is not None and drift > calm_below):  # back up
+                set_bits(fqn, old)
+                current[fqn] = old
+                self._back_off(fqn)
+                probe[fqn] = per_module[fqn]  # its drift at the bits it keeps
+                continue
+            kept[fqn] = (old, lower)
+            self.lowered.add(fqn)
+            self.deescalations += 1
+            if is_rank_zero():
+                log.info(
+                    "memopt: %s drift %.4f <= %.4f (%.2f x threshold, %s) at %d bits at step %d: "
+                    "bits %d -> %d",
+                    fqn or "<root>",
+                    drift if drift is not None else 0.0,
+                    calm_below,
+                    cfg.lower_below,
+                    cfg.metric,
+                    lower,
+                    step,
+                    old,
+                    lower,
+                )
+        return probe, unmeasured, kept
+
     def _record(self, report: DriftReport) -> DriftReport:
         self.last = report
         self.history.append(
@@ -213,14 +318,18 @@ class DriftMonitor:
                 "max": report.max,
                 "round_max": list(report.round_max),
                 "escalated": {k: list(v) for k, v in report.escalated.items()},
+                "lowered": {k: list(v) for k, v in report.lowered.items()},
             }
         )
         return report
 
     # ----------------------------------------------------------------- metrics and state
     def metrics(self) -> dict[str, float]:
-        """``memopt/drift/max``, ``memopt/drift/<fqn>`` (last check) and ``memopt/escalations``."""
+        """``memopt/drift/max``, ``memopt/drift/<fqn>`` (last check), ``memopt/escalations`` and,
+        with ``drift.lower``, ``memopt/deescalations``."""
         out: dict[str, float] = {"memopt/escalations": float(self.escalations)}
+        if self.config.lower:
+            out["memopt/deescalations"] = float(self.deescalations)
         if self.last is not None:
             out["memopt/drift/max"] = self.last.max
             for fqn, drift in self.last.per_module.items():
@@ -233,6 +342,13 @@ class DriftMonitor:
         return {
             "steps": self.steps,
             "escalations": self.escalations,
+            "lowering": {
+                "deescalations": self.deescalations,
+                "floor": dict(self.floor),
+                "calm": dict(self.calm),
+                "wait": dict(self.wait),
+                "lowered": sorted(self.lowered),
+            },
             "history": [dict(h) for h in self.history],
             "last": None
             if last is None
@@ -241,6 +357,7 @@ class DriftMonitor:
                 "per_module": dict(last.per_module),
                 "unmeasured": dict(last.unmeasured),
                 "escalated": {k: list(v) for k, v in last.escalated.items()},
+                "lowered": {k: list(v) for k, v in last.lowered.items()},
                 "round_max": list(last.round_max),
                 "threshold": last.threshold,
                 "metric": last.metric,
@@ -251,6 +368,12 @@ class DriftMonitor:
         """Restore what :meth:`state_dict` saved."""
         self.steps = int(state.get("steps", 0))
         self.escalations = int(state.get("escalations", 0))
+        lowering = state.get("lowering", {})
+        self.deescalations = int(lowering.get("deescalations", 0))
+        self.floor = {k: int(v) for k, v in lowering.get("floor", {}).items()}
+        self.calm = {k: int(v) for k, v in lowering.get("calm", {}).items()}
+        self.wait = {k: int(v) for k, v in lowering.get("wait", {}).items()}
+        self.lowered = {str(f) for f in lowering.get("lowered", ())}
         self.history = deque((dict(h) for h in state.get("history", ())), maxlen=HISTORY_LIMIT)
         last = state.get("last")
         self.last = (
@@ -262,6 +385,7 @@ class DriftMonitor:
                 dict(last.get("unmeasured", {})),
                 {k: (int(a), int(b)) for k, (a, b) in last.get("escalated", {}).items()},
                 tuple(float(v) for v in last.get("round_max", ())),
+                {k: (int(a), int(b)) for k, (a, b) in last.get("lowered", {}).items()},
                 threshold=float(last.get("threshold", self.config.threshold)),
                 metric=str(last.get("metric", self.config.metric)),
             )

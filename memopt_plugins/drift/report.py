@@ -30,6 +30,8 @@ class DriftReport:
             last round (the max over ranks under torch.distributed).
         unmeasured: ``{fqn: reason}`` of the compressed modules without measurable drift.
         escalated: ``{fqn: (old bits, new bits)}`` over all rounds of this check.
+        lowered: ``{fqn: (old bits, new bits)}`` of the modules this check brought down
+            (``drift.lower``).
         round_max: the max drift of each round (one compressed pass each): the first is the drift
             training had before this check, the last the drift it has after it.
         threshold, metric: what the drifts were judged by.
@@ -40,6 +42,7 @@ class DriftReport:
     unmeasured: dict[str, str] = field(default_factory=dict)
     escalated: dict[str, tuple[int, int]] = field(default_factory=dict)
     round_max: tuple[float, ...] = ()
+    lowered: dict[str, tuple[int, int]] = field(default_factory=dict)
     threshold: float = 0.05
     metric: str = "rel_l2"
 
@@ -55,12 +58,19 @@ class DriftReport:
 
     def __str__(self) -> str:
         moved = ", ".join(f"{k or '<root>'} {a}->{b}" for k, (a, b) in self.escalated.items())
+        down = ", ".join(f"{k or '<root>'} {a}->{b}" for k, (a, b) in self.lowered.items())
         return (
             f"DriftReport(step={self.step}, max={self.max:.4f} ({self.metric}, threshold "
-            f"{self.threshold}), rounds={self.rounds}, escalated: {moved or 'none'})"
+            f"{self.threshold}), rounds={self.rounds}, escalated: {moved or 'none'}"
+            + (f", lowered: {down})" if down else ")")
         )
 
 
 def next_rung(ladder: Sequence[int], bits: int) -> int:
     """The first ladder rung above ``bits`` (32 when none is)."""
     return next((b for b in ladder if b > bits), OFF_BITS)
+
+
+def rung_below(ladder: Sequence[int], bits: int) -> int | None:
+    """The last ladder rung below ``bits`` (``None`` when none is)."""
+    return next((b for b in reversed(ladder) if b < bits), None)
