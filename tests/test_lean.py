@@ -278,16 +278,7 @@ def test_lean_batch_norm_trains_a_resnet_as_torchs_and_lowers_its_peak():
     opt = MemoryOptimizer(lean_ops)
     opt.apply(lean)
     assert sum(p.lean == "lean batchnorm" for p in opt.plan.values()) >= 10
-    sgd = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (lean, plain)]
-    for _ in range(5):
-        losses = []
-        for m, o in zip((lean, plain), sgd, strict=True):
-            o.zero_grad()
-            loss = loss_fn(m, batch)
-            loss.backward()
-            o.step()
-            losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    _train_side_by_side(lean, plain, batch, loss_fn, lr=0.05, steps=5)
     opt.remove()
     grads, peaks = [], []
     for config in (int4, {**int4, **lean_ops}):
@@ -298,6 +289,20 @@ def test_lean_batch_norm_trains_a_resnet_as_torchs_and_lowers_its_peak():
         peaks.append(step_memory(m, batch, loss_fn).per_sample.peak)
     assert max(_relative(a, b) for a, b in zip(*grads, strict=True)) <= 1e-4
     assert peaks[1] < 0.95 * peaks[0]  # measured: 0.35x
+
+
+def _train_side_by_side(lean, plain, batch, loss_fn, *, lr: float, steps: int) -> None:
+    """SGD steps on both models; their losses agree within 1e-5 relative at every step."""
+    sgd = [torch.optim.SGD(m.parameters(), lr=lr) for m in (lean, plain)]
+    for _ in range(steps):
+        losses = []
+        for m, o in zip((lean, plain), sgd, strict=True):
+            o.zero_grad()
+            loss = loss_fn(m, batch)
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
 
 
 # --------------------------------------------------------------------------- on HF models
@@ -320,16 +325,7 @@ def test_training_with_lean_ops_follows_the_unpatched_model(build):
     assert "" in lean and len(lean) >= 3
     # lr 0.02: at 0.05 GPT-2's loss turns chaotic after step 17, and any rounding (SDPA's, even
     # the same GELU's) grows tenfold per step: 6e-7, 8e-6, 2e-5 (at 0.02 the largest is 2e-7)
-    sgd = [torch.optim.SGD(m.parameters(), lr=0.02) for m in (model, plain)]
-    for _ in range(20):
-        losses = []
-        for m, o in zip((model, plain), sgd, strict=True):
-            o.zero_grad()
-            loss = loss_fn(m, batch)
-            loss.backward()
-            o.step()
-            losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    _train_side_by_side(model, plain, batch, loss_fn, lr=0.02, steps=20)
     assert model(input_ids=batch, labels=batch).logits is None
     assert model.config._attn_implementation == "sdpa"
     with_ops = step_memory(model, batch, loss_fn).per_sample.peak
