@@ -49,9 +49,9 @@ class MemOptPlugin:
     Args:
         config: a path to a YAML file, a dict in the YAML schema, a ``MemOptConfig`` or ``None``
             (the defaults, which change nothing).
-        log_every: log ``memopt/bits/*``, ``memopt/saved_*`` and ``memopt/escalations`` through
-            ``accelerator.log`` every this many optimizer steps (drift values are logged at
-            every check).
+        log_every: log the bits (``memopt/bits_*``, changed ``memopt/bits/*``),
+            ``memopt/saved_*`` and ``memopt/escalations`` through ``accelerator.log`` every this
+            many optimizer steps (drift values are logged at every check).
         slicer: ``slicer(batch, n) -> batch`` used by :meth:`sample`; default cuts every tensor of
             the batch along dim 0.
     """

@@ -148,6 +148,7 @@ class MemoryOptimizer:
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
         self._lean = LeanOps(self.config.ops)
+        self._logged_bits: dict[str, int] = {}  # what metrics() last reported per module
 
     # ----------------------------------------------------------------- public API
     @property
@@ -269,6 +270,7 @@ class MemoryOptimizer:
             self._dropout.remove()
         self._batchnorm = self._dropout = None
         self._lean.remove()
+        self._logged_bits = {}  # a re-applied optimizer reports every module's bits again
         _PATCHED.pop(self._model, None)
         self._model = None
         self._hooks = None
@@ -409,7 +411,10 @@ class MemoryOptimizer:
         """The ``memopt/*`` values for a logger (DESIGN.md "Logged metric names").
 
         ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
-        ``memopt/bits/<fqn>``, ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
+        ``memopt/bits_mean`` (over the compressed modules) and ``memopt/bits_modules/<bits>``
+        (modules at each width) every call, ``memopt/bits/<fqn>`` at the first call and then only
+        for modules whose bits changed since the previous one (the whole table: :attr:`bits`,
+        :meth:`state_dict`), ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
         bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept),
         ``memopt/peak_bytes`` (the most memory held since the previous call: on CUDA the
         allocator's ``max_memory_allocated``, on the CPU the process's resident high-water mark;
@@ -419,8 +424,15 @@ class MemoryOptimizer:
         out = self._drift.metrics()
         if not drift:
             out = {k: v for k, v in out.items() if not k.startswith("memopt/drift/")}
-        for fqn, b in self._table.compressed.items():
-            out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
+        bits = self._table.compressed
+        for fqn, b in bits.items():  # a module's bits when they changed since the last call
+            if self._logged_bits.get(fqn) != b:
+                out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
+        self._logged_bits = bits
+        if bits:
+            out["memopt/bits_mean"] = sum(bits.values()) / len(bits)
+            for width in sorted(set(bits.values())):
+                out[f"memopt/bits_modules/{width}"] = float(sum(b == width for b in bits.values()))
         if self._hooks is not None:
             out["memopt/saved_bytes"] = float(self._hooks.stats.saved_stored)
             out["memopt/saved_ratio"] = float(self._hooks.stats.forward_ratio)

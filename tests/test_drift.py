@@ -317,7 +317,8 @@ def test_state_dict_round_trips_bits_steps_and_history():
         assert other.state_dict()["drift"] == opt.state_dict()["drift"]
         per_step = ("memopt/saved", "memopt/peak_bytes")  # the last forward's, not the state's
         drift_keys = {k: v for k, v in opt.metrics().items() if not k.startswith(per_step)}
-        assert {k: other.metrics()[k] for k in drift_keys} == drift_keys
+        theirs = other.metrics()
+        assert {k: theirs[k] for k in drift_keys} == drift_keys
         other.remove()
 
 
@@ -354,8 +355,9 @@ def test_metrics_report_drift_bits_escalations_and_saved_bytes():
     m = opt.metrics()
     assert m["memopt/drift/max"] == report.max
     assert m["memopt/drift/lm_head"] == report.per_module["lm_head"]
-    assert m["memopt/bits/<root>"] == float(opt.bits[""])
-    assert m["memopt/bits/lm_head"] == float(opt.bits["lm_head"])
+    changed = {k.removeprefix("memopt/bits/") for k in m if k.startswith("memopt/bits/")}
+    assert changed == {f or "<root>" for f in report.escalated}  # the others were in `before`
+    assert all(m[f"memopt/bits/{f or '<root>'}"] == new for f, (_, new) in report.escalated.items())
     assert m["memopt/escalations"] == len(report.escalated) > 0
     stats = opt.hooks.stats
     assert m["memopt/saved_bytes"] == stats.forward_stored > 0
@@ -462,3 +464,20 @@ def test_a_failed_lowering_goes_back_up_and_waits_longer():
     other.apply(copy.deepcopy(model))
     assert other.state_dict()["drift"] == opt.state_dict()["drift"]  # floors, calm runs, waits
     assert other._drift.wait == monitor.wait and other._drift.floor == dict.fromkeys(opt.bits, 8)
+
+
+def test_metrics_log_a_bits_summary_and_a_modules_bits_only_when_they_change():
+    """Every call: the mean bits and the modules per width; a module's own bits at the first
+    call and then only when they changed (one chart per module per change, not per row)."""
+    opt, _, _ = patched(hf_llama, {"quantize": {"bits": 4}}, batch_size=1)
+    first = opt.metrics()
+    per_module = {k for k in first if k.startswith("memopt/bits/")}
+    assert len(per_module) == len(opt.bits) and first["memopt/bits_mean"] == 4.0
+    assert first["memopt/bits_modules/4"] == float(len(opt.bits))
+    assert not any(k.startswith("memopt/bits/") for k in opt.metrics())
+    fqn = "model.layers.0.mlp.down_proj"
+    opt.set_bits(fqn, 8)
+    changed = opt.metrics()
+    assert {k for k in changed if k.startswith("memopt/bits/")} == {f"memopt/bits/{fqn}"}
+    assert changed[f"memopt/bits/{fqn}"] == 8.0 and changed["memopt/bits_modules/8"] == 1.0
+    assert changed["memopt/bits_mean"] == (4 * (len(opt.bits) - 1) + 8) / len(opt.bits)
