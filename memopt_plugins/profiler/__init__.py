@@ -4,14 +4,16 @@
   on CUDA);
 * :mod:`.run` -- :func:`profile_model`, the step measured per module and on the allocator's
   timeline (peak, where it is, what is alive there, per sample), as is and under a config;
-* :mod:`.report` and :mod:`.plot` -- its table, Markdown, JSON and PNGs (bars, timeline);
+* :mod:`.report` -- its table, Markdown and JSON; :mod:`.plot` draws the PNGs (bars, timeline)
+  from the plain rows the report hands it; :mod:`.units` -- bytes for people;
 * :mod:`.plan` -- :func:`suggest_config`, a config for a memory budget.
 """
 
 from .meter import MemoryMeter, MemoryReading
 from .plan import Suggestion, compact_globs, estimate_saved, suggest_config
-from .report import LOSS_ROW, ROOT, ModuleProfile, ProfileReport, human_bytes
+from .report import LOSS_ROW, ROOT, ModuleProfile, ProfileReport
 from .run import profile_model
+from .units import human_bytes
 
 __all__ = [
     "LOSS_ROW",

@@ -1,29 +1,37 @@
-"""The profile's PNG: a bar chart of the largest holders of saved activations."""
+"""The profile's PNGs: the largest holders of saved activations, and the step's timeline.
+
+They draw plain data (:class:`Bar` rows, timelines) that
+:class:`~memopt_plugins.profiler.report.ProfileReport` hands them; nothing here reads a report.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..measure.timeline import StepTimeline
 from . import style
-from .report import UNITS, ProfileReport, human_bytes
+from .units import axis_unit, human_bytes
 
 
-def _axis_unit(largest: float) -> tuple[str, float]:
-    scale = 1.0
-    for unit in UNITS:
-        if largest < 1024 * scale or unit == UNITS[-1]:
-            return unit, scale
-        scale *= 1024
-    raise AssertionError("unreachable")
+@dataclass(frozen=True)
+class Bar:
+    """One holder: its label, the bytes it saves itself without and with the plan (``None``: no
+    plan measured) and what the plan does with it."""
+
+    label: str
+    self_saved: int
+    self_saved_after: int | None = None
+    action_text: str = ""
 
 
-def plot_report(report: ProfileReport, path: Path, top: int) -> Path:
-    """Write the chart of the ``top`` largest holders (self bytes) to ``path``."""
-    rows = [row for row in report.top(top, by="self_saved") if row.self_saved > 0]
-    rows.sort(key=lambda row: row.self_saved, reverse=True)
-    has_after = report.after is not None
+def plot_holders(rows: Sequence[Bar], totals: tuple[int, int | None], path: Path) -> Path:
+    """Write the bar chart of ``rows`` (largest first) to ``path``; ``totals`` are the saved
+    bytes in all without and with the plan."""
+    has_after = totals[1] is not None
     largest = max([row.self_saved for row in rows] or [1])
-    unit, scale = _axis_unit(largest)
+    unit, scale = axis_unit(largest)
     labels = [row.label for row in rows]
     label_chars = max([len(label) for label in labels] or [10])
     size = (6.0 + 0.075 * label_chars, 1.9 + 0.42 * max(len(rows), 1))
@@ -71,9 +79,9 @@ def plot_report(report: ProfileReport, path: Path, top: int) -> Path:
         ax.set_xlabel(f"saved activations held for backward ({unit})")
         ax.set_xlim(0, max(before or [1]) * 1.3)
         ax.grid(axis="y", visible=False)
-        title = f"Largest holders of saved activations: {human_bytes(report.saved_total)} in all"
+        title = f"Largest holders of saved activations: {human_bytes(totals[0])} in all"
         if has_after:
-            title += f", {human_bytes(report.saved_after_total or 0)} with the plan"
+            title += f", {human_bytes(totals[1] or 0)} with the plan"
         fig.suptitle(title + "\n(bytes each module saves itself, children excluded)")
         if has_after:
             ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1), ncols=2)
@@ -91,17 +99,13 @@ _KIND_COLOURS = {
 }
 
 
-def plot_timeline(report: ProfileReport, path: Path) -> Path:
-    """Write the step's live bytes over time, by kind, without and with the plan, to ``path``."""
-    steps = [("without memopt", report.step)]
-    if report.step_after is not None:
-        steps.append(("with the plan", report.step_after))
-    largest = max(step.timeline.peak for _, step in steps) or 1
-    unit, scale = _axis_unit(largest)
+def plot_timeline(steps: Sequence[tuple[str, StepTimeline]], path: Path) -> Path:
+    """Write each named step's live bytes over time, by kind, to ``path`` (one panel each)."""
+    largest = max(timeline.peak for _, timeline in steps) or 1
+    unit, scale = axis_unit(largest)
     with style.chart(path, (7.5, 2.3 * len(steps) + 0.8)) as fig:
         axes = fig.subplots(len(steps), 1, sharey=True, squeeze=False)[:, 0]
-        for ax, (name, step) in zip(axes, steps, strict=True):
-            timeline = step.timeline
+        for ax, (name, timeline) in zip(axes, steps, strict=True):
             times = [t * 1e3 for t in timeline.times]
             layers = [[v / scale for v in timeline.kinds[k]] for k in _KIND_COLOURS]
             ax.stackplot(

@@ -1,6 +1,6 @@
 """The per-module memory report of one training step, and its text forms (table, Markdown, JSON).
 
-:func:`~.run.profile_model` builds it; :meth:`ProfileReport.plot` draws it (:mod:`.plot`).
+:func:`~.run.profile_model` builds it; :meth:`ProfileReport.plot` hands its rows to :mod:`.plot`.
 """
 
 from __future__ import annotations
@@ -15,24 +15,11 @@ from ..engine import COMPRESS, KEEP
 from ..measure import Measurement
 from ..measure.timeline import StepTimeline
 from .meter import MemoryReading
+from .plot import Bar, plot_holders, plot_timeline
+from .units import human_bytes
 
 ROOT = "<root>"  # how the whole model (fqn "") is shown
 LOSS_ROW = "<loss_fn>"  # saved outside every module: the loss computed by loss_fn itself
-
-#: Binary units of :func:`human_bytes`, smallest first.
-UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def human_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``: binary units with one decimal, whole bytes below 1 KiB."""
-    value = float(n)
-    if abs(value) < 1024:
-        return f"{value:.0f} B"
-    for unit in UNITS[1:]:
-        value /= 1024
-        if abs(round(value, 1)) < 1024 or unit == UNITS[-1]:
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -277,16 +264,28 @@ class ProfileReport:
 
         Needs matplotlib (``pip install memopt-plugins[plot]``).
         """
-        from .plot import plot_report
-
-        return plot_report(self, Path(path), top)
+        rows = [row for row in self.top(top, by="self_saved") if row.self_saved > 0]
+        rows.sort(key=lambda row: row.self_saved, reverse=True)
+        after = self.after is not None
+        bars = [
+            Bar(
+                row.label,
+                row.self_saved,
+                (row.self_saved_after or 0) if after else None,
+                row.action_text,
+            )
+            for row in rows
+        ]
+        totals = (self.saved_total, (self.saved_after_total or 0) if after else None)
+        return plot_holders(bars, totals, Path(path))
 
     def plot_timeline(self, path: str | Path) -> Path:
         """Write a PNG of the step's live bytes over time, by kind, without and with the plan
         (the picture of PyTorch's memory snapshot viewer). Needs matplotlib."""
-        from .plot import plot_timeline
-
-        return plot_timeline(self, Path(path))
+        steps = [("without memopt", self.step.timeline)]
+        if self.step_after is not None:
+            steps.append(("with the plan", self.step_after.timeline))
+        return plot_timeline(steps, Path(path))
 
 
 def _peak_line(step: StepMemory) -> str:
