@@ -95,7 +95,7 @@ class Curves(PrintLoss):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: CharGPT, loss) -> None:
         if self.memopt is None:
             return
-        stats = self.memopt.optimizer.hooks.stats
+        stats = self.memopt.memopt.hooks.stats
         self.kept.append(stats.forward_stored)
         self.uncompressed.append(stats.forward_original)
         self.bits.append(self.memopt.bits)

@@ -1,5 +1,8 @@
 """``MemOptPlugin``: memopt in a Hugging Face Accelerate training loop.
 
+A thin adapter over one :class:`~memopt_plugins.session.MemOptSession` (steps, checks, logs and
+state kept while unpatched): Accelerate has no events, so the loop calls ``after_backward``.
+
     plugin = MemOptPlugin("configs/int4_drift.yaml")
     model = plugin.apply(model)                      # before accelerator.prepare
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -39,6 +42,7 @@ from torch import nn
 
 from .config import MemOptConfig
 from .engine import DriftReport, MemoryOptimizer, slice_batch
+from .session import MemOptSession
 
 __all__ = ["MemOptPlugin"]
 
@@ -65,34 +69,40 @@ class MemOptPlugin:
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1; got {log_every}")
-        self.optimizer = MemoryOptimizer(config)
+        self.session = MemOptSession(config)
         self.log_every = log_every
         self.slicer = slicer or slice_batch
         self.accelerator: Accelerator | None = None
         self.last_report: DriftReport | None = None
 
     @property
+    def memopt(self) -> MemoryOptimizer:
+        """The :class:`~memopt_plugins.MemoryOptimizer` the plugin drives."""
+        return self.session.memopt
+
+    @property
     def config(self) -> MemOptConfig:
         """The validated config."""
-        return self.optimizer.config
+        return self.session.config
 
     @property
     def bits(self) -> dict[str, int]:
-        """``{fqn: current bits}`` of every compressed module."""
-        return self.optimizer.bits
+        """``{fqn: current bits}`` of every compressed module (after :meth:`remove`: those the
+        next :meth:`apply` starts from)."""
+        return self.session.bits
 
     @property
     def steps(self) -> int:
         """Optimizer steps counted by :meth:`after_backward` (restored with the state)."""
-        return self.optimizer.steps
+        return self.memopt.steps
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Patch ``model`` in place (call before ``accelerator.prepare``) and return it."""
-        return self.optimizer.apply(model)
+        return self.session.apply(model)
 
     def remove(self) -> None:
-        """Undo :meth:`apply`: the model is exactly as before."""
-        self.optimizer.remove()
+        """Undo :meth:`apply`: the model is exactly as before (its state is kept)."""
+        self.session.remove()
 
     def attach(self, accelerator: Accelerator) -> None:
         """Register for ``save_state``/``load_state`` and log through ``accelerator.log``.
@@ -105,7 +115,9 @@ class MemOptPlugin:
             return
         accelerator.register_for_checkpointing(self)
         self.accelerator = accelerator
-        self.optimizer.reduce_max = lambda t: accelerator.reduce(t, reduction="max")
+        self.memopt.reduce_max = lambda t: accelerator.reduce(t, reduction="max")
+        self.session.is_main = lambda: accelerator.is_main_process
+        self.session.log_metrics = lambda metrics, step: accelerator.log(metrics, step=step)
 
     def sample(self, batch: Any) -> Any:
         """The first ``drift.sample_size`` samples of ``batch``, for the drift check's loss_fn."""
@@ -130,7 +142,7 @@ class MemOptPlugin:
         if accelerator is not None and not accelerator.sync_gradients:
             return None  # accumulating: not an optimizer-step boundary
         if step is None:
-            step = self.optimizer.steps
+            step = self.memopt.steps
         check = loss_fn
         if accelerator is not None:
             autocast = accelerator.autocast
@@ -139,22 +151,20 @@ class MemOptPlugin:
                 with autocast():
                     return loss_fn()
 
-        report = self.optimizer.maybe_check_drift(check, step)
-        self.optimizer.count_step()
+        report = self.session.check_if_due(check, step)
         if report is not None:
             self.last_report = report
-        if accelerator is not None and (report is not None or step % self.log_every == 0):
-            accelerator.log(self.metrics(drift=report is not None), step=step)
+        self.session.end_step(step, log_due=step % self.log_every == 0)
         return report
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
         """The ``memopt/*`` values (DESIGN.md); ``drift=False`` leaves out ``memopt/drift/*``."""
-        return self.optimizer.metrics(drift)
+        return self.memopt.metrics(drift)
 
     def state_dict(self) -> dict[str, Any]:
         """Bits, step counter and drift history (plain Python types)."""
-        return self.optimizer.state_dict()
+        return self.session.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (before or after :meth:`apply`)."""
-        self.optimizer.load_state_dict(state)
+        self.session.load_state_dict(state)

@@ -123,7 +123,7 @@ def test_lean_ops_in_an_accelerate_loop_train_as_the_unpatched_model():
             losses.append(loss.item())
         runs.append(losses)
     assert max(abs(a - b) / b for a, b in zip(*runs, strict=True)) <= 1e-5
-    assert {p.lean for p in plugin.optimizer.plan.values() if p.lean} == {
+    assert {p.lean for p in plugin.memopt.plan.values() if p.lean} == {
         "lean attention", "lean loss", "lean rmsnorm", "lean swiglu"
     }  # fmt: skip
 

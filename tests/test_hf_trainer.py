@@ -291,7 +291,7 @@ def test_patched_at_construction_restored_after_training_and_a_second_train_carr
     model = gpt2()
     keys = list(model.state_dict())
     trainer = make_trainer(tmp_path, [memopt], model=model, max_steps=1)
-    assert patched_by(model) is memopt.optimizer and _hooks(model) > 0  # before train()
+    assert patched_by(model) is memopt.memopt and _hooks(model) > 0  # before train()
     trainer.train()
     assert patched_by(model) is None and _hooks(model) == 0 and list(model.state_dict()) == keys
     assert "compute_loss" not in vars(trainer)  # the Trainer's own method again
@@ -319,7 +319,7 @@ def test_the_model_trained_is_patched_when_added_late_or_built_by_model_init(tmp
         model_init=lambda: gpt2(), args=args, train_dataset=Tokens(), callbacks=[memopt]
     )
     built_first = trainer.model
-    assert patched_by(built_first) is memopt.optimizer
+    assert patched_by(built_first) is memopt.memopt
     trainer.train()  # model_init builds the model again: the patch moves to that one
     assert trainer.model is not built_first and patched_by(built_first) is None
     assert memopt_rows(trainer)[0]["memopt/saved_ratio"] > 4.0

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from memopt_plugins.callbacks import MemOptCallback
+from memopt_plugins.callbacks import MemOptCallback, MemOptProfileCallback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
@@ -223,6 +223,25 @@ def test_profile_logs_the_module_table_and_writes_the_chart(tmp_path, caplog):
     assert probe.bits and set(probe.bits.values()) == {4}  # the patch is back after profiling
 
 
+def test_profile_callback_measures_the_first_batch_under_the_memopt_callbacks_plan(
+    tmp_path, caplog
+):
+    """MemOptProfileCallback beside MemOptCallback: the table of the first batch is measured
+    under the callback's config (4 bits), and the patch is back for training."""
+    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"enabled": False}})
+    probe = BitsAtFirstBatch(memopt)
+    callbacks = [memopt, MemOptProfileCallback(top=3), probe]
+    trainer = make_trainer(tmp_path, callbacks, max_steps=1)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        trainer.fit(GPT2Module(), loader())
+    table = next(r.getMessage() for r in caplog.records if "by module" in r.getMessage())
+    assert "compress 4" in table and len(table.splitlines()) == 1 + 2 + 3  # title, header, top 3
+    assert (Path(trainer.log_dir) / "memopt_profile.png").read_bytes()[:4] == b"\x89PNG"
+    assert probe.bits and set(probe.bits.values()) == {4}
+    with pytest.deprecated_call(match="MemOptProfileCallback"):
+        MemOptCallback(profile=True)
+
+
 def test_a_bad_config_fails_when_the_callback_is_built():
     with pytest.raises(ConfigError, match="Did you mean 'bits'"):
         MemOptCallback({"quantize": {"bitz": 4}})
@@ -259,10 +278,10 @@ def test_setup_patches_teardown_restores_and_other_stages_do_not_patch(tmp_path)
     trainer = make_trainer(tmp_path, [memopt], max_steps=1)
 
     memopt.setup(trainer, module, "validate")
-    assert memopt.optimizer.model is None
+    assert memopt.memopt.model is None
     memopt.setup(trainer, module, "fit")
     patched = _hooks(module)
-    assert patched > 0 and memopt.optimizer.model is module
+    assert patched > 0 and memopt.memopt.model is module
     memopt.setup(trainer, module, "fit")  # idempotent
     assert _hooks(module) == patched
     memopt.teardown(trainer, module, "fit")
@@ -285,7 +304,7 @@ class Losses(Callback):
 
     def on_train_end(self, trainer, pl_module):
         if self.memopt is not None:
-            self.lean = {f: p.lean for f, p in self.memopt.optimizer.plan.items() if p.lean}
+            self.lean = {f: p.lean for f, p in self.memopt.memopt.plan.items() if p.lean}
 
 
 def test_lean_ops_inside_a_lightning_module_train_as_the_unpatched_model(tmp_path):
@@ -374,7 +393,7 @@ def test_fsdp_checkpointing_policy_with_recompute_section_is_refused(tmp_path):
         memopt.setup(trainer, GPT2Module(), "fit")
     no_recompute = MemOptCallback({"quantize": {"bits": 8}})
     no_recompute.setup(trainer, module := GPT2Module(), "fit")  # compression alone is fine
-    assert no_recompute.optimizer.model is module
+    assert no_recompute.memopt.model is module
     no_recompute.teardown(trainer, module, "fit")
 
 

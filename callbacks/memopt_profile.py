@@ -1,0 +1,106 @@
+"""``MemOptProfileCallback``: the memory of a Lightning fit's first training step, per module.
+
+At the first training batch it measures the LightningModule as it is and under the memopt config
+(:func:`~memopt_plugins.profiler.profile_model`), logs the table on the ``memopt`` logger and
+writes ``memopt_profile.png`` and ``memopt_profile.md`` in the trainer's log directory. Where a
+:class:`~memopt_plugins.callbacks.MemOptCallback` has patched the module, its patch is lifted for
+the measurement and put back with its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from ..config import MemOptConfig
+from ..engine import patched_by
+from ..profiler import profile_model
+from .training_step import LossFn, silenced_logging, step_loss
+
+log = logging.getLogger("memopt")
+
+
+class MemOptProfileCallback(Callback):
+    """Log a per-module memory table of the first training batch and save its chart.
+
+    Example::
+
+        trainer = Trainer(callbacks=[MemOptCallback("configs/int4.yaml"), MemOptProfileCallback()])
+
+    Refused under a sharding strategy (``FSDPStrategy``, ``ModelParallelStrategy``): the profile
+    runs on rank 0 alone, and a sharded forward needs every rank.
+
+    Args:
+        config: the plan to measure the model under (a YAML path, a dict or a ``MemOptConfig``).
+            Default: the config of the memopt patch on the module (a ``MemOptCallback``), else
+            the defaults, which change nothing.
+        loss_fn: ``loss_fn(pl_module, batch) -> scalar loss``. Default: the module's own
+            ``training_step``, with its ``self.log`` calls suppressed.
+        top: rows of the logged table.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any] | str | os.PathLike[str] | MemOptConfig | None = None,
+        loss_fn: LossFn | None = None,
+        top: int = 20,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.loss_fn = loss_fn
+        self.top = top
+        self._done = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if stage == "fit" and isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+            raise MisconfigurationException(
+                f"MemOptProfileCallback (MemOptCallback(profile=True)) profiles on rank 0 alone, "
+                f"and under {type(strategy).__name__} a sharded model's forward needs every rank "
+                "(each layer's parameters are all-gathered). Profile the unsharded model on one "
+                "device (`memopt profile`, or a Trainer without sharding) and drop it here."
+            )
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._done:
+            return
+        self._done = True
+        if trainer.is_global_zero:
+            self.profile(trainer, pl_module, batch, batch_idx)
+
+    def profile(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Measure ``batch`` now, log the table and write the chart and the Markdown."""
+        loss = self.loss_fn or step_loss(batch_idx)
+        memopt = patched_by(pl_module)
+        config = self.config if self.config is not None or memopt is None else memopt.config
+        state = memopt.state_dict() if memopt is not None else None
+        if memopt is not None:
+            memopt.remove()  # profile_model measures the model as it is, then under the config
+        try:
+            with silenced_logging(pl_module):
+                report = profile_model(pl_module, batch, loss, config)
+        finally:
+            if memopt is not None:
+                memopt.load_state_dict(state)
+                memopt.apply(pl_module)
+        log.info("memopt: memory of the first training step by module\n%s", report.table(self.top))
+        folder = trainer.log_dir or trainer.default_root_dir
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            chart = report.plot(Path(folder) / "memopt_profile.png")
+            (Path(folder) / "memopt_profile.md").write_text(report.to_markdown(image=chart.name))
+            log.info("memopt: profile written to %s", chart)

@@ -1,0 +1,223 @@
+"""``MemOptSession``: what a training loop does with memopt, for every framework alike.
+
+The Lightning callback, the ``transformers.Trainer`` callback and the Accelerate plugin are thin
+adapters of their framework's events over one session, which holds the
+:class:`~memopt_plugins.MemoryOptimizer` (``session.memopt``) and owns:
+
+* the state while the model is unpatched: what a finished fit learned (bits, counters, drift
+  history), or state loaded before the model is patched; :meth:`apply` lays it on the patch;
+* the optimizer step: :meth:`due` (a drift check is due and none ran in this step yet),
+  :meth:`check` (run it and say what it found), :meth:`end_step` (count the step; hand the
+  ``memopt/*`` metrics to the framework's logger at its logging steps and at a check's step);
+* the console: the plan when training starts, the memory the first step kept, each check.
+
+What belongs to a framework is injected: :attr:`log_metrics` (where metrics go), :attr:`is_main`
+(which process writes the console lines), and ``memopt.reduce_max`` (the drift decision's reduce
+over ranks). The metrics themselves are the engine's (:meth:`MemoryOptimizer.metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import MemOptConfig
+from .distributed import is_rank_zero
+from .engine import COMPRESS, KEEP, DriftReport, MemoryOptimizer
+
+__all__ = ["MemOptSession", "describe_check"]
+
+log = logging.getLogger("memopt")
+
+_MIB = 1024 * 1024
+
+
+def describe_check(report: DriftReport) -> str:
+    """One line for the console: the drift a check found and what it changed."""
+    found = report.round_max[0] if report.round_max else report.max
+    text = (
+        f"drift check at step {report.step}: max {report.metric} drift {found:.4f} "
+        f"(threshold {report.threshold:g})"
+    )
+    if not report.escalated:
+        return text + ", nothing escalated"
+    return text + f"; {len(report.escalated)} modules escalated, max drift now {report.max:.4f}"
+
+
+class MemOptSession:
+    """One model's memopt across a training loop: patch, steps, checks, logs and kept state.
+
+    Args:
+        config: a path to a YAML file, a dict in the YAML schema, a ``MemOptConfig`` or ``None``
+            (the defaults, which change nothing). A bad config fails here.
+
+    Attributes:
+        memopt: the :class:`~memopt_plugins.MemoryOptimizer`.
+        log_metrics: ``log_metrics(metrics, step)`` sends a row of ``memopt/*`` values to the
+            framework's loggers; ``None``: nothing is logged.
+        is_main: ``is_main() -> bool``, True in the process that writes the console lines
+            (default: rank 0 of torch.distributed).
+    """
+
+    def __init__(
+        self, config: str | os.PathLike[str] | Mapping[str, Any] | MemOptConfig | None = None
+    ) -> None:
+        self.memopt = MemoryOptimizer(config)
+        self.log_metrics: Callable[[dict[str, float], int], None] | None = None
+        self.is_main: Callable[[], bool] = is_rank_zero
+        self._held: dict[str, Any] | None = None  # state waiting for the (next) patch
+        self._report: DriftReport | None = None  # the check of the current step, to log
+        self._checked = False  # a check ran in the current step
+        self._told_memory = False
+
+    # ----------------------------------------------------------------- what it holds
+    @property
+    def config(self) -> MemOptConfig:
+        """The validated config."""
+        return self.memopt.config
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The patched model, or ``None``."""
+        return self.memopt.model
+
+    @property
+    def bits(self) -> dict[str, int]:
+        """``{fqn: bits}`` of every compressed module; while unpatched, those of the kept state
+        (what the last fit ended with, or a loaded checkpoint), which the next patch starts from."""
+        if self._held is not None:
+            return dict(self._held.get("bits", {}))
+        return self.memopt.bits
+
+    @property
+    def drift_active(self) -> bool:
+        """True when the config checks drift: ``drift.enabled`` and something below 32 bits."""
+        cfg = self.config
+        compresses = cfg.quantize.bits < 32 or any(b < 32 for b in cfg.quantize.overrides.values())
+        return cfg.drift.enabled and compresses
+
+    # ----------------------------------------------------------------- patch and state
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Patch ``model`` with the kept state on top; a no-op when it is patched already, and a
+        patch on another model moves (``model_init`` builds one per ``train()``)."""
+        if self.memopt.model is model:
+            return model
+        self.remove()
+        self.memopt.apply(model)
+        self._report, self._checked, self._told_memory = None, False, False
+        self.restore()
+        return model
+
+    def remove(self) -> None:
+        """Undo the patch (the model is exactly as before) and keep its state for the next."""
+        if self.memopt.model is None:
+            return
+        self._held = self.memopt.state_dict()
+        self.memopt.remove()
+
+    def hold(self, state: Mapping[str, Any]) -> None:
+        """Keep ``state`` until :meth:`restore` or the next :meth:`apply` (Lightning loads a
+        callback's state after ``setup`` and it must act from ``on_fit_start``)."""
+        self._held = dict(state)
+
+    def restore(self) -> None:
+        """Lay the kept state on the patched model now."""
+        if self._held is not None and self.memopt.model is not None:
+            held, self._held = self._held, None
+            self.memopt.load_state_dict(held)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Bits, step counter, drift history and planner choice (plain Python types)."""
+        return dict(self._held) if self._held is not None else self.memopt.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved: now when patched, else at the next patch."""
+        if self.memopt.model is None:
+            self.hold(state)
+        else:
+            self.memopt.load_state_dict(state)
+
+    # ----------------------------------------------------------------- the optimizer step
+    def due(self, step: int | None = None) -> bool:
+        """True when a drift check is due at optimizer step ``step`` (default: the steps counted)
+        and none ran in this step yet (several optimizers, several calls)."""
+        return (
+            self.memopt.model is not None and not self._checked and self.memopt.should_check(step)
+        )
+
+    def check(self, loss_fn: Callable[[], torch.Tensor], step: int | None = None) -> DriftReport:
+        """Run the drift check on ``loss_fn()`` now (every rank together) and say what it found.
+
+        ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch.
+        """
+        report = self.memopt.check_drift(loss_fn, step=step)
+        self._report, self._checked = report, True
+        if self.is_main():
+            log.info("memopt: %s", describe_check(report))
+        return report
+
+    def check_if_due(
+        self, loss_fn: Callable[[], torch.Tensor], step: int | None = None
+    ) -> DriftReport | None:
+        """:meth:`check` when :meth:`due`, else ``None``."""
+        return self.check(loss_fn, step) if self.due(step) else None
+
+    def end_step(self, step: int, log_due: bool) -> dict[str, float] | None:
+        """Count the optimizer step just taken and log its metrics when ``log_due`` (the
+        framework's logging step) or a check ran in it; drift values only then. Returns the
+        metrics logged, or ``None``."""
+        self.memopt.count_step()
+        report, self._report, self._checked = self._report, None, False
+        if self.log_metrics is None or (report is None and not log_due):
+            return None
+        metrics = self.memopt.metrics(drift=report is not None)
+        self.log_metrics(metrics, step)
+        return metrics
+
+    # ----------------------------------------------------------------- the console
+    def log_plan(self) -> None:
+        """One line: how many modules each action takes, dropout, batchnorm and drift."""
+        if self.memopt.model is None or not self.is_main():
+            return
+        plan = self.memopt.plan
+        actions: dict[str, int] = {}
+        for entry in plan.values():
+            if entry.action == KEEP:
+                continue
+            key = f"{COMPRESS}@{entry.bits}" if entry.action == COMPRESS else entry.action
+            actions[key] = actions.get(key, 0) + 1
+        summary = ", ".join(f"{n} {a}" for a, n in sorted(actions.items())) or "nothing to do"
+        cfg = self.config
+        drift = cfg.drift
+        log.info(
+            "memopt: plan for %d modules: %s; dropout %s, batchnorm %s; drift %s",
+            len(plan),
+            summary,
+            cfg.dropout.mode,
+            cfg.batchnorm.mode,
+            f"{drift.metric} <= {drift.threshold} every {drift.check_every} steps"
+            if self.drift_active
+            else "off",
+        )
+
+    def log_memory(self) -> None:
+        """Between the first forward and its backward after a patch: one line with what the
+        hooks keep for backward against what the model saves."""
+        hooks = self.memopt.hooks
+        if self._told_memory or hooks is None or not self.is_main():
+            return
+        self._told_memory = True
+        stats = hooks.stats
+        if stats.saved_original:
+            log.info(
+                "memopt: first training step kept %.2f MiB for backward where the model saves "
+                "%.2f MiB (%.1fx less)",
+                stats.saved_stored / _MIB,
+                stats.saved_original / _MIB,
+                stats.forward_ratio,
+            )

@@ -1,0 +1,148 @@
+"""MemOptSession, the framework-neutral object under the Lightning, Trainer and Accelerate
+integrations: kept state across remove(), when a check runs, what a step logs, the console."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from memopt_plugins.engine import patched_by
+from memopt_plugins.session import MemOptSession
+
+#: Two bits on the first Linear; Gaussian inputs make its drift far over 5% (test_drift_ddp.py).
+TWO_BITS = {"quantize": {"bits": 2, "modules": ["0"], "min_numel": 0}, "drift": {"check_every": 2}}
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def loss_on(model: nn.Module):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    return lambda: model(x).square().mean()
+
+
+def hooks_on(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+class Rows:
+    """A framework's logger: the rows and steps it was handed."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, metrics))
+
+
+def test_state_survives_remove_and_the_next_apply_starts_from_it():
+    session = MemOptSession(TWO_BITS)
+    model = session.apply(mlp())
+    report = session.check(loss_on(model), step=0)
+    session.end_step(0, log_due=False)
+    assert report.escalated["0"][0] == 2 and session.bits["0"] > 2
+    escalated, state = session.bits, session.memopt.state_dict()
+
+    session.remove()
+    assert hooks_on(model) == 0 and patched_by(model) is None
+    assert session.bits == escalated  # what the fit learned, while unpatched
+    assert session.state_dict() == state
+
+    other = session.apply(mlp())
+    assert patched_by(other) is session.memopt and session.memopt.bits == escalated
+    assert session.memopt.steps == 1  # the step counter came back with the state
+
+
+def test_apply_is_idempotent_and_moves_to_another_model_with_its_state():
+    session = MemOptSession(TWO_BITS)
+    first = session.apply(mlp())
+    patched = hooks_on(first)
+    assert session.apply(first) is first and hooks_on(first) == patched  # already patched
+    session.memopt.set_bits("0", 8)
+    second = session.apply(mlp())  # model_init: the patch moves, with the bits
+    assert hooks_on(first) == 0 and patched_by(second) is session.memopt
+    assert session.bits == {"0": 8}
+
+
+def test_held_state_acts_only_at_restore():
+    """Lightning loads a callback's state after setup patched the model; it must act from
+    on_fit_start, and the checkpoint in between is the held one."""
+    session = MemOptSession(TWO_BITS)
+    session.apply(mlp())
+    held = {**session.memopt.state_dict(), "bits": {"0": 16}}
+    session.hold(held)
+    assert session.memopt.bits == {"0": 2} and session.state_dict()["bits"] == {"0": 16}
+    session.restore()
+    assert session.memopt.bits == {"0": 16} and session.bits == {"0": 16}
+
+
+def test_state_loaded_while_unpatched_is_laid_on_the_next_patch():
+    session = MemOptSession(TWO_BITS)
+    session.load_state_dict({"bits": {"0": 4}})
+    assert session.bits == {"0": 4}
+    session.apply(mlp())
+    assert session.memopt.bits == {"0": 4}
+
+
+def test_one_check_per_step_and_the_step_counts():
+    session = MemOptSession(TWO_BITS)
+    assert not session.due(0)  # nothing patched
+    model = session.apply(mlp())
+    assert session.due(0) and not session.due(1)  # check_every 2, first at step 0
+    assert session.check_if_due(loss_on(model), 0) is not None
+    assert not session.due(0)  # several optimizers in a step: one check
+    assert session.check_if_due(loss_on(model), 0) is None
+    session.end_step(0, log_due=False)
+    assert session.due(0)  # a new step (a second fit starting at 0 checks again)
+    assert session.memopt.steps == 1
+    session.end_step(1, log_due=False)
+    assert session.memopt.steps == 2 and session.due()  # default: the counted steps
+
+
+def test_a_step_logs_at_logging_steps_and_at_checks_with_drift_only_then():
+    session = MemOptSession(TWO_BITS)
+    model = session.apply(mlp())
+    assert session.end_step(0, log_due=True) is None  # no logger injected: nothing to log to
+    rows = session.log_metrics = Rows()
+    assert session.end_step(1, log_due=False) is None and rows.rows == []
+    session.check(loss_on(model), step=2)
+    logged = session.end_step(2, log_due=False)  # a check's step logs whatever the framework says
+    session.end_step(3, log_due=True)
+    assert [step for step, _ in rows.rows] == [2, 3] and rows.rows[0][1] is logged
+    with_check, without = rows.rows[0][1], rows.rows[1][1]
+    assert with_check["memopt/drift/max"] > 0 and with_check["memopt/escalations"] > 0
+    assert not any(k.startswith("memopt/drift/") for k in without)
+    assert without["memopt/escalations"] == with_check["memopt/escalations"]
+    assert session.memopt.steps == 4
+
+
+def test_each_check_writes_one_line_on_the_main_process_only(caplog):
+    session = MemOptSession(TWO_BITS)
+    model = session.apply(mlp())
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        report = session.check(loss_on(model), step=0)
+        session.end_step(0, log_due=False)
+        session.is_main = lambda: False
+        session.check(loss_on(model), step=1)
+    lines = [r.getMessage() for r in caplog.records if "drift check at step" in r.getMessage()]
+    assert lines == [
+        f"memopt: drift check at step 0: max rel_l2 drift {report.round_max[0]:.4f} "
+        f"(threshold 0.05); 1 modules escalated, max drift now {report.max:.4f}"
+    ]
+
+
+def test_plan_line_and_drift_active(caplog):
+    assert not MemOptSession({"quantize": {"bits": 8}, "drift": {"enabled": False}}).drift_active
+    assert not MemOptSession().drift_active  # nothing compressed: nothing to check
+    session = MemOptSession(TWO_BITS)
+    assert session.drift_active
+    session.apply(mlp())
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        session.log_plan()
+    assert [r.getMessage() for r in caplog.records] == [
+        "memopt: plan for 4 modules: 1 compress@2; dropout keep, batchnorm batch; "
+        "drift rel_l2 <= 0.05 every 2 steps"
+    ]
