@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, MemOptConfig, closest, load_config
+from .config import ConfigError, MemOptConfig, closest, load_config, memory_bytes
 from .profiler import ProfileReport, profile_model, suggest_config
 from .profiler.fit import plan_peak
 from .tree import map_tensors
@@ -141,23 +140,12 @@ def _budget(text: str) -> float:
     return value
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
-_UNITS.update({"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40})
-
-
 def _memory(text: str) -> int:
     """``6GiB``, ``512MiB``, ``1.5G`` (binary), ``8GB`` (decimal) or a number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not an amount of memory: e.g. 6GiB, 512MiB, 1.5G or 8000000000"
-        )
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is no memory at all")
-    return value
+    try:
+        return memory_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive(text: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import reprlib
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 
@@ -39,6 +41,7 @@ __all__ = [
     "RecomputeConfig",
     "closest",
     "load_config",
+    "memory_bytes",
 ]
 
 
@@ -79,6 +82,36 @@ def _glob_list(value: Any) -> Any:
         raise ValueError(f"a single string, not a list; write a list: [{value!r}]")
     return _list_to_tuple(value)
 
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+_UNITS.update({"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40})
+
+
+def memory_bytes(text: str) -> int:
+    """``6GiB``, ``512MiB``, ``1.5G`` (binary), ``8GB`` (decimal) or a number of bytes; raises
+    ``ValueError`` for anything else or for less than one byte."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{text!r} is not an amount of memory: e.g. 6GiB, 512MiB, 1.5G or 8000000000"
+        )
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"{text} is no memory at all")
+    return value
+
+
+def _budget(value: Any) -> Any:
+    # quantize.budget: text is an amount of memory ("6MiB"), read into bytes.
+    if isinstance(value, bool):
+        raise ValueError("true/false is not a budget")
+    return memory_bytes(value) if isinstance(value, str) else value
+
+
+#: The fewest bytes ``quantize.budget`` takes as an amount of memory (an integer below is a slip).
+MIN_BUDGET_BYTES = 1024
 
 Bits = Literal[2, 4, 8, 16, 32]
 #: Bits at which nothing is compressed: the top of every ladder, "off".
@@ -200,6 +233,36 @@ class QuantizeConfig(_Section):
             "torch.distributed it is mixed with the rank: each rank draws its own noise."
         ),
     )
+    budget: Annotated[
+        int | float | None,
+        BeforeValidator(_budget),
+        _Allowed(
+            "null, a fraction in (0, 1] (a float, e.g. 0.25) or an amount of memory: bytes (an "
+            "integer >= 1024) or text such as '6MiB'"
+        ),
+    ] = Field(
+        None,
+        description=(
+            "A memory target the bits are solved for at every drift check: the widths (from "
+            "drift.ladder) that minimise the summed squared predicted drift with the bytes kept "
+            "for backward within it, each module's drift still capped by drift.threshold (the "
+            "threshold wins; the log says by how much the budget is missed and which modules "
+            "stopped it). A float is a fraction of the saved bytes uncompressed, an integer or "
+            "'6MiB' bytes of a training forward. null: the bits stay as configured (and drift "
+            "only escalates, or with drift.lower comes back down)."
+        ),
+    )
+
+    @field_validator("budget")
+    @classmethod
+    def _budget_in_range(cls, budget: int | float | None) -> int | float | None:
+        if isinstance(budget, float) and not 0 < budget <= 1:
+            raise ValueError("a fraction must be in (0, 1]")
+        if isinstance(budget, int) and budget < MIN_BUDGET_BYTES:
+            raise ValueError(
+                f"bytes must be at least {MIN_BUDGET_BYTES}; write a fraction as a float, e.g. 1.0"
+            )
+        return budget
 
 
 class DriftConfig(_Section):
@@ -358,6 +421,14 @@ class MemOptConfig(_Section):
     def from_dict(cls, data: Mapping[str, Any] | None) -> MemOptConfig:
         """Validate a dict in the YAML schema (``None`` or ``{}`` gives the defaults)."""
         return cls._validate(data, "invalid memopt config")
+
+    @model_validator(mode="after")
+    def _budget_needs_drift_checks(self) -> MemOptConfig:
+        if self.quantize.budget is not None and not self.drift.enabled:
+            raise ValueError(
+                "quantize.budget is solved at each drift check: it needs drift.enabled true"
+            )
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> MemOptConfig:
@@ -554,6 +625,8 @@ def _problem_line(root: type[BaseModel], error: Any) -> str:
         hint = f" Did you mean {guess[0]!r}?" if guess else ""
         return f"{path}: unknown key.{hint} Allowed keys: {', '.join(keys)}"
 
+    if not loc and kind == "value_error":  # a rule across sections
+        return f"config: {error['ctx']['error']}"
     path, field, _ = _resolve(root, loc)
     value = error.get("input")
     line = f"{path}: got {_show(value)}"

@@ -26,6 +26,7 @@ from .compress.hooks import CompressionHooks, PackObserver
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import distributed, max_over_ranks
 from .drift import DriftMonitor, DriftReport
+from .drift.budget import Pricing
 from .dropout import DropoutPatch
 from .lean import LeanOps
 from .measure.process import peak_bytes, reset_peak
@@ -141,7 +142,9 @@ class MemoryOptimizer:
         self._model: nn.Module | None = None
         self._table = BitTable()
         self._hooks: CompressionHooks | None = None
-        self._drift = DriftMonitor(self.config.drift)
+        self._drift = DriftMonitor(
+            self.config.drift, budget=self.config.quantize.budget is not None
+        )
         self._recompute: Recompute | None = None
         self._planner: RecomputePlanner | None = None
         self._pending_recompute: list[str] | None = None  # planner choice loaded before apply
@@ -149,6 +152,7 @@ class MemoryOptimizer:
         self._batchnorm: BatchNormPatch | None = None
         self._lean = LeanOps(self.config.ops)
         self._logged_bits: dict[str, int] = {}  # what metrics() last reported per module
+        self._budget_waits_noted = False
 
     # ----------------------------------------------------------------- public API
     @property
@@ -351,10 +355,12 @@ class MemoryOptimizer:
         """True when a drift check is due at ``step`` (default: :attr:`steps`).
 
         Due at step 0 and every ``drift.check_every`` steps, when ``drift.enabled`` and some
-        module is compressed below 32 bits (with ``drift.lower``: some module is compressed).
+        module is compressed below 32 bits (with ``drift.lower`` or ``quantize.budget``: some
+        module is compressed).
         """
         compressed = self._table.compressed.values()
-        lowering = self.config.drift.lower and bool(compressed)  # a module at 32 may come down
+        moves_down = self.config.drift.lower or self.config.quantize.budget is not None
+        lowering = moves_down and bool(compressed)  # a module at 32 may come down
         due = lowering or any(b < OFF_BITS for b in compressed)
         return due and self._drift.should_check(step)
 
@@ -378,6 +384,8 @@ class MemoryOptimizer:
         model = self._require_model()
         hooks = self._hooks
         kept = hooks.stats.snapshot()
+        trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
+        kept_modules, hooks.stats.modules = hooks.stats.modules, {}
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
         # No drift-recorder hooks inside a planner-chosen recompute region (config-chosen ones
         # have no scope there): they would hide the region's saved tensors from the checkpoint.
@@ -395,9 +403,44 @@ class MemoryOptimizer:
                 reduce_max=self.reduce_max,
                 step=step,
                 max_rounds=max_rounds,
+                pricing=None if self.config.quantize.budget is None else self._pricing(trained),
             )
         finally:
             hooks.stats.restore(kept)
+            hooks.stats.modules = kept_modules
+
+    def _pricing(self, trained: int) -> Callable[[], Pricing | None]:
+        """``quantize.budget``'s prices, read from the check's compressed pass just run: each
+        compressed module's bytes at every width (from its scope's saved tensors and the codec's
+        packed sizes), and the budget in the same units (a fraction of the pass's saved bytes
+        uncompressed; bytes scaled by the last training forward's saved bytes over the pass's).
+        ``None`` for a budget in bytes before any training forward was counted."""
+        budget = self.config.quantize.budget
+        group = self.config.quantize.group_size
+        widths = self.config.drift.ladder
+
+        def priced() -> Pricing | None:
+            stats = self._hooks.stats
+            found, stats.modules = stats.modules, {}  # the next pass counts afresh
+            original = sum(m.original for m in found.values())
+            costs = {
+                f: {b: float(found[f].bytes_at(b, group)) if f in found else 0.0 for b in widths}
+                for f in self._table.compressed
+            }
+            if isinstance(budget, float):
+                return Pricing(costs, budget * original, trained / original if trained else 1.0)
+            if not trained or not original:
+                if not self._budget_waits_noted:
+                    self._budget_waits_noted = True
+                    log.info(
+                        "memopt: quantize.budget in bytes waits for a training forward to be "
+                        "counted (no bits solved at this check)"
+                    )
+                return None
+            scale = trained / original
+            return Pricing(costs, budget / scale, scale)
+
+        return priced
 
     def maybe_check_drift(
         self, loss_fn: Callable[[], torch.Tensor], step: int | None = None
@@ -411,7 +454,8 @@ class MemoryOptimizer:
         """The ``memopt/*`` values for a logger (DESIGN.md "Logged metric names").
 
         ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
-        ``memopt/bits_mean`` (over the compressed modules) and ``memopt/bits_modules/<bits>``
+        ``memopt/bits_mean`` (over the compressed modules, weighted by the bytes each saved
+        uncompressed in the last forward) and ``memopt/bits_modules/<bits>``
         (modules at each width) every call, ``memopt/bits/<fqn>`` at the first call and then only
         for modules whose bits changed since the previous one (the whole table: :attr:`bits`,
         :meth:`state_dict`), ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
@@ -430,7 +474,7 @@ class MemoryOptimizer:
                 out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
         self._logged_bits = bits
         if bits:
-            out["memopt/bits_mean"] = sum(bits.values()) / len(bits)
+            out["memopt/bits_mean"] = self._bits_mean(bits)
             for width in sorted(set(bits.values())):
                 out[f"memopt/bits_modules/{width}"] = float(sum(b == width for b in bits.values()))
         if self._hooks is not None:
@@ -441,6 +485,17 @@ class MemoryOptimizer:
             out["memopt/peak_bytes"] = float(peak_bytes(device))
             reset_peak(device)
         return out
+
+    def _bits_mean(self, bits: Mapping[str, int]) -> float:
+        """Mean bits of the compressed modules weighted by the bytes each one's scope saved
+        uncompressed in the last forward (eager scopes only); unweighted before any forward, or
+        when none of them saved anything there (all of them inside compiled graphs)."""
+        saved = self._hooks.stats.modules if self._hooks is not None else {}
+        weights = {f: saved[f].original for f in bits if f in saved}
+        total = sum(weights.values())
+        if not total:
+            return sum(bits.values()) / len(bits)
+        return sum(bits[f] * w for f, w in weights.items()) / total
 
     def state_dict(self) -> dict[str, Any]:
         """Bits of every compressed module, step counter and drift history (plain Python types)."""

@@ -31,6 +31,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "rounding": "stochastic",
         "min_numel": 4096,
         "seed": None,
+        "budget": None,  # issue 32, a memory target the bits are solved for (null keeps DESIGN's)
     },
     "drift": {
         "enabled": True,
@@ -61,6 +62,7 @@ CUSTOM: dict[str, Any] = {
         "rounding": "nearest",
         "min_numel": 0,
         "seed": 7,
+        "budget": None,  # needs drift.enabled, which this config turns off
     },
     "drift": {
         "enabled": False,
@@ -155,7 +157,7 @@ def test_unknown_key_line_names_path_suggestion_and_allowed_keys():
     err = error_of({"quantize": {"bitz": 4}})
     assert err.problems == (
         "quantize.bitz: unknown key. Did you mean 'bits'? Allowed keys: bits, modules, exclude, "
-        "overrides, group_size, rounding, min_numel, seed",
+        "overrides, group_size, rounding, min_numel, seed, budget",
     )
 
 

@@ -102,3 +102,71 @@ def test_ranks_agree_on_an_escalation_only_one_rank_would_trigger(tmp_path):
     assert r0["escalated"] == r1["escalated"] and r1["escalated"]["0"][0] == 2
     assert r0["bits"] == r1["bits"] and r1["bits"]["0"] >= 4
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+
+
+# --------------------------------------------------------------------------- both ways, budget
+LOWER = {
+    "quantize": {"bits": 2, "modules": ["0"], "min_numel": 0},
+    "drift": {"lower": True, "lower_after": 1},
+}
+BUDGET = {"quantize": {"bits": 2, "modules": ["0", "1"], "min_numel": 0, "budget": 0.19}}
+
+
+def _both_ways_worker(rank: int, out: str) -> None:
+    """Lowering and the budget, each decided alone on this rank's data and then together."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+    x = _data(rank)
+
+    def run(config: dict) -> tuple[dict, list]:
+        m = copy.deepcopy(model)
+        opt = MemoryOptimizer(config)
+        opt.apply(m)
+        m(x).square().mean().backward()  # a training forward, counted
+        if config is LOWER:
+            opt.set_bits("0", 16)  # as if a noisy moment had raised it
+        reports = [opt.check_drift(lambda: m(x).square().mean()) for _ in range(3)]
+        return opt.bits, [(r.lowered, r.escalated, r.budget) for r in reports]
+
+    alone = {name: run(config) for name, config in (("lower", LOWER), ("budget", BUDGET))}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(out) / 'store'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        together = {name: run(config) for name, config in (("lower", LOWER), ("budget", BUDGET))}
+        torch.save({"alone": alone, "together": together}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_lowering_and_on_the_budget(tmp_path):
+    """Alone, rank 1 (exact at 2 bits) would lower module 0 to 2 bits and spend the budget
+    elsewhere than rank 0; together both take the max drift over ranks and decide the same."""
+    ctx = mp.start_processes(
+        _both_ways_worker, args=(str(tmp_path),), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process checks did not finish within 300 s")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    for name in ("lower", "budget"):
+        assert r0["together"][name] == r1["together"][name], name
+    # alone the ranks differ: rank 1 lowers to the floor, rank 0 cannot go as far
+    assert r1["alone"]["lower"][0]["0"] == 2 and r0["alone"]["lower"][0]["0"] > 2
+    assert r0["alone"]["lower"][0] != r1["alone"]["lower"][0]
+    assert r0["together"]["lower"][0] == r0["alone"]["lower"][0]  # the max is rank 0's drift
+    assert r0["alone"]["budget"][0] != r1["alone"]["budget"][0]
+    target, kept = r0["together"]["budget"][1][-1][2]
+    assert kept <= 1.05 * target or r0["together"]["budget"][0]["0"] > 2

@@ -34,7 +34,15 @@ from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from .bits import BitTable
-from .codec import NoiseGenerators, dequantize, narrow_int, quantize, tensor_nbytes, widen_int
+from .codec import (
+    NoiseGenerators,
+    dequantize,
+    narrow_int,
+    packed_nbytes,
+    quantize,
+    tensor_nbytes,
+    widen_int,
+)
 from .graph import GraphHooks
 
 log = logging.getLogger("memopt")
@@ -110,6 +118,26 @@ def _with_strides(out: torch.Tensor, shape: torch.Size, stride: tuple[int, ...])
 
 
 @dataclass
+class ModuleSaved:
+    """What one compression scope saved in a forward (its innermost-scope tensors, counted once).
+
+    ``original``/``stored``: bytes before and after the hooks. ``fixed``: the stored bytes no bit
+    width changes (integer and bool tensors). ``floats``: ``(numel, element_size)`` of each
+    floating tensor the scope's bits act on, so its bytes at another width follow from the codec
+    (:meth:`bytes_at`).
+    """
+
+    original: int = 0
+    stored: int = 0
+    fixed: int = 0
+    floats: list[tuple[int, int]] = field(default_factory=list)
+
+    def bytes_at(self, bits: int, group_size: int) -> int:
+        """The bytes this scope would have stored at ``bits`` (the codec's packed sizes)."""
+        return self.fixed + sum(_stored_nbytes(n, e, bits, group_size) for n, e in self.floats)
+
+
+@dataclass
 class SavedStats:
     """Byte counts of what the hooks handled.
 
@@ -118,7 +146,9 @@ class SavedStats:
     forward pass (every saved tensor that reached them: compressed or kept as it is; parameters
     excluded). ``compiled`` holds, per compiled frame, the same two counts for what its graph
     saves at each call, from the sizes its pack hooks were traced with (the graph packs inside,
-    where nothing is counted); ``saved_original``/``saved_stored`` add both.
+    where nothing is counted); ``saved_original``/``saved_stored`` add both. ``modules`` holds
+    the eager counts per compression scope (:class:`ModuleSaved`, each tensor under the innermost
+    scope it was saved in) of the last forward; a compiled graph's modules are not in it.
     """
 
     held_bytes: int = 0
@@ -126,6 +156,7 @@ class SavedStats:
     forward_stored: int = 0
     forward_tensors: int = 0
     compiled: dict[object, tuple[int, int]] = field(default_factory=dict)
+    modules: dict[str, ModuleSaved] = field(default_factory=dict)
 
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
@@ -141,6 +172,7 @@ class SavedStats:
     def start_forward(self) -> None:
         """A new forward begins: its counts start from zero."""
         self.restore((0, 0, 0))
+        self.modules = {}  # a new dict: a snapshot holding the old one keeps it
 
     @property
     def saved_original(self) -> int:
@@ -156,6 +188,15 @@ class SavedStats:
         when nothing was saved)."""
         stored = self.saved_stored
         return self.saved_original / stored if stored else 1.0
+
+
+def _stored_nbytes(numel: int, element_size: int, bits: int, group_size: int) -> int:
+    """What the hooks store for a floating tensor of ``numel`` elements at ``bits``."""
+    if bits >= OFF_BITS or (bits == HALF_BITS and element_size <= 2):
+        return numel * element_size
+    if bits == HALF_BITS:
+        return numel * 2
+    return packed_nbytes(numel, bits, group_size)
 
 
 class PackObserver(Protocol):
@@ -246,6 +287,14 @@ class CompressionHooks:
         return scopes
 
     @property
+    def _counting(self) -> list[str]:
+        """The fqns of the entered scopes, innermost last: whose saved bytes a pack counts."""
+        names = getattr(self._local, "names", None)
+        if names is None:
+            names = self._local.names = []
+        return names
+
+    @property
     def suspended(self) -> bool:
         return getattr(self._local, "suspended", 0) > 0
 
@@ -275,6 +324,7 @@ class CompressionHooks:
         if torch.is_grad_enabled() and not self.suspended:
             scope = saved_tensors_hooks(*self._graph.pair(fqn))
             scope.__enter__()
+            self._counting.append(fqn)
         self._scopes.append(scope)
 
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
@@ -283,6 +333,7 @@ class CompressionHooks:
             scope = scopes.pop()
             if scope is not None:
                 scope.__exit__(None, None, None)
+                self._counting.pop()
             if not scopes:
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
                 if not self._compiled_noted:
@@ -346,10 +397,11 @@ class CompressionHooks:
         original = tensor_nbytes(t)
         stats.forward_original += original
         stats.forward_tensors += 1
+        nbytes = original if saved is t else saved.nbytes
+        self._count_module(t, original, nbytes)
         if saved is t:
             stats.forward_stored += original
             return t, 0
-        nbytes = saved.nbytes
         stats.forward_stored += nbytes
         stats.held_bytes += nbytes
         weakref.finalize(saved, stats._release, nbytes)
@@ -359,6 +411,22 @@ class CompressionHooks:
             base = t._base if t._base is not None else t
             self._cache[key] = (weakref.ref(base), weakref.ref(saved))
         return saved, nbytes
+
+    def _count_module(self, t: torch.Tensor, original: int, stored: int) -> None:
+        """Add ``t`` to the counts of the innermost entered scope (:attr:`SavedStats.modules`)."""
+        counting = self._counting
+        if not counting:
+            return
+        fqn = counting[-1]
+        saved = self.stats.modules.get(fqn)
+        if saved is None:
+            saved = self.stats.modules[fqn] = ModuleSaved()
+        saved.original += original
+        saved.stored += stored
+        if t.is_floating_point():
+            saved.floats.append((t.numel(), t.element_size()))
+        else:
+            saved.fixed += stored
 
     def _compress(self, t: torch.Tensor, bits: int) -> object:
         if not t.is_floating_point():

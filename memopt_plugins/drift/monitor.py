@@ -15,6 +15,7 @@ from torch import nn
 from ..config import OFF_BITS, DriftConfig
 from ..distributed import is_rank_zero, max_over_ranks
 from ..measure import eagerly
+from .budget import Pricing, mib, solve, step_size
 from .judges import PARAMS, TENSORS, Judge, find_judges, module_drifts
 from .passes import (
     CheckedParameters,
@@ -27,6 +28,7 @@ from .passes import (
     summed_over_shards,
 )
 from .report import (
+    BUDGET_TOLERANCE,
     HISTORY_LIMIT,
     NEGLIGIBLE,
     DriftReport,
@@ -47,8 +49,9 @@ class DriftMonitor:
         config: the ``drift`` section of the config.
     """
 
-    def __init__(self, config: DriftConfig):
+    def __init__(self, config: DriftConfig, budget: bool = False):
         self.config = config
+        self.budget = budget  # quantize.budget is set: checks come with a pricing
         self.steps = 0
         self.escalations = 0
         self.deescalations = 0
@@ -57,6 +60,10 @@ class DriftMonitor:
         self.calm: dict[str, int] = {}
         self.wait: dict[str, int] = {}
         self.lowered: set[str] = set()
+        # quantize.budget: drift per unit of step size, and widths the threshold holds a module
+        # at (checks left)
+        self.sensitivity: dict[str, float] = {}
+        self.held: dict[str, tuple[int, int]] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self.last: DriftReport | None = None
 
@@ -90,6 +97,7 @@ class DriftMonitor:
         reduce_max: Callable[[torch.Tensor], torch.Tensor] = max_over_ranks,
         step: int | None = None,
         max_rounds: int | None = None,
+        pricing: Callable[[], Pricing | None] | None = None,
     ) -> DriftReport:
         """Measure the drift of the modules in ``bits`` and escalate those over the threshold.
 
@@ -110,6 +118,9 @@ class DriftMonitor:
             step: the step recorded in the report (default: the counted optimizer steps).
             max_rounds: compressed passes at most; ``None`` re-checks until no module escalates,
                 ``1`` escalates at most one rung per call.
+            pricing: ``quantize.budget``: called after the first compressed pass, what each
+                module keeps at each width and the target (:class:`~.budget.Pricing`; ``None``:
+                not known yet); the bits are then solved for it (:meth:`_fit_budget`).
         """
         cfg = self.config
         step = self.steps if step is None else step
@@ -180,15 +191,30 @@ class DriftMonitor:
                 absent = {**unmeasured, **missing}
                 return found, {f: r for f, r in absent.items() if f not in found}
 
-            while True:
-                per_module, unmeasured_now = measured()
-                round_max.append(max(per_module.values(), default=0.0))
+            first, kept = None, None
+            if pricing is not None:  # quantize.budget: the bits are solved from the first pass
+                first = measured()
+                round_max.append(max(first[0].values(), default=0.0))
+                priced = _reduced(pricing(), reduce_max, params[0].device if params else None)
+                if priced is not None:
+                    start = dict(current)
+                    per_module, unmeasured_now, kept = self._fit_budget(
+                        first, current, priced, set_bits, step, measured, round_max, limit
+                    )
+                    escalated = {f: (start[f], b) for f, b in current.items() if b > start[f]}
+                    lowered_now = {f: (start[f], b) for f, b in current.items() if b < start[f]}
+            while kept is None:
+                if first is None:
+                    per_module, unmeasured_now = measured()
+                    round_max.append(max(per_module.values(), default=0.0))
+                else:
+                    (per_module, unmeasured_now), first = first, None
                 moved = self._escalate(per_module, current, set_bits, step)
                 for fqn, (old, new) in moved.items():
                     escalated[fqn] = (escalated.get(fqn, (old, new))[0], new)
                 if not moved or len(round_max) >= limit:
                     break
-            if cfg.lower and not moved:
+            if kept is None and cfg.lower and not moved:
                 calm = {f: d for f, d in per_module.items() if f not in escalated}
                 lowered = self._lower(calm, current, set_bits, step, measured, round_max)
                 if lowered is not None:
@@ -202,6 +228,7 @@ class DriftMonitor:
             lowered_now,
             threshold=cfg.threshold,
             metric=cfg.metric,
+            budget=kept,
         )
         return self._record(report)
 
@@ -310,6 +337,171 @@ class DriftMonitor:
                 )
         return probe, unmeasured, kept
 
+    # ----------------------------------------------------------------- quantize.budget
+    def _fit_budget(
+        self,
+        first: tuple[dict[str, float], dict[str, str]],
+        current: dict[str, int],
+        priced: Pricing,
+        set_bits: Callable[[str, int], None],
+        step: int,
+        measured: Callable[[], tuple[dict[str, float], dict[str, str]]],
+        round_max: list[float],
+        limit: int,
+    ) -> tuple[dict[str, float], dict[str, str], tuple[float, float]]:
+        """Solve the bits for the budget and probe each solution with one compressed pass.
+
+        A probe that finds a module over the threshold undoes the solution's lowerings (the new
+        rounding is what pushed it over: a module's drift is mostly the others' rounding, so the
+        module over it is seldom the one to blame) and holds those modules where they were; a
+        module over it with nothing lowered goes one rung up and is held there. A hold lasts a
+        module's wait in checks (``drift.lower_after``, doubled per hold up to 8x): bounded
+        back-off. Returns the drifts and unmeasured modules of the last calm pass (else the
+        last pass) and (target, kept) in bytes of a training forward."""
+        cfg = self.config
+        per_module, unmeasured = first
+        at = dict(current)  # the bits the last pass ran at
+        self.held = {f: (w, n - 1) for f, (w, n) in self.held.items() if n > 1}
+        verified = not any(d > cfg.threshold for d in per_module.values())
+        if verified:  # sensitivities from calm passes only: an over one is others' rounding
+            self._learn(per_module, unmeasured, current)
+        self._hold_over(per_module, current, set_bits, step)
+        calm, reverted = (first if verified else None), False
+        for _ in range(limit):
+            unknown = max(self.sensitivity.values(), default=1.0)  # never measured below 32
+            sensitivity = {f: self.sensitivity.get(f, unknown) for f in current}
+            floors = {f: w for f, (w, _) in self.held.items()}
+            plan = solve(current, priced, sensitivity, cfg.ladder, floors, cfg.threshold)
+            changes = {f: (current[f], b) for f, b in plan.items() if b != current[f]}
+            if not changes and verified:
+                break
+            for fqn, (old, new) in changes.items():
+                drift = (per_module.get(fqn), at[fqn])
+                self._budget_move(fqn, old, new, drift, set_bits, current, step)
+            per_module, unmeasured = measured()
+            round_max.append(max(per_module.values(), default=0.0))
+            at = dict(current)
+            over = sorted(f for f, d in per_module.items() if d > cfg.threshold)
+            reverted = False
+            if not over:
+                self._learn(per_module, unmeasured, current)
+                verified, calm = True, (per_module, unmeasured)
+                continue
+            lowered = {f: old for f, (old, new) in changes.items() if new < old}
+            if lowered:  # undo this round (its raises paid for by its lowerings): the state
+                reverted = True  # before it stands again, and the lowered ones are held
+                for fqn, (old, _) in changes.items():
+                    self._budget_move(fqn, current[fqn], old, (None, 0), set_bits, current, step)
+                for fqn, old in lowered.items():
+                    self.held[fqn] = (old, self.wait.get(fqn, cfg.lower_after))
+                    self._back_off(fqn)
+                if is_rank_zero():
+                    log.info(
+                        "memopt: quantize.budget at step %d: the probe of %d lowered modules "
+                        "found %s over drift.threshold %.4f; they go back and are held",
+                        step,
+                        len(lowered),
+                        ", ".join(f or "<root>" for f in over[:3])
+                        + (", ..." if len(over) > 3 else ""),
+                        cfg.threshold,
+                    )
+            else:
+                verified = not self._hold_over(per_module, current, set_bits, step)
+        if reverted and calm is not None:  # the last probe's bits are gone: the calm pass's
+            per_module, unmeasured = calm
+        kept = priced.total(current)
+        self._log_budget(priced, kept, current, step)
+        return per_module, unmeasured, (priced.target * priced.scale, kept * priced.scale)
+
+    def _learn(
+        self,
+        per_module: Mapping[str, float],
+        unmeasured: Mapping[str, str],
+        bits: Mapping[str, int],
+    ) -> None:
+        """Sensitivities (drift per unit of step size) from a pass at ``bits``; a module without
+        measurable drift has none."""
+        for fqn, drift in per_module.items():
+            if bits[fqn] < OFF_BITS:
+                self.sensitivity[fqn] = drift / step_size(bits[fqn])
+        for fqn in unmeasured:
+            self.sensitivity[fqn] = 0.0
+
+    def _hold_over(
+        self,
+        per_module: Mapping[str, float],
+        current: dict[str, int],
+        set_bits: Callable[[str, int], None],
+        step: int,
+    ) -> dict[str, tuple[int, int]]:
+        """Modules over the threshold go one rung up and the budget's solver may not take them
+        under it for the next checks (their wait, doubled each time, at most 8x lower_after)."""
+        moved = self._escalate(per_module, current, set_bits, step)
+        for fqn, (_, new) in moved.items():
+            self.held[fqn] = (new, self.wait.get(fqn, self.config.lower_after))
+            self._back_off(fqn)
+        return moved
+
+    def _budget_move(
+        self,
+        fqn: str,
+        old: int,
+        new: int,
+        drift: tuple[float | None, int],
+        set_bits: Callable[[str, int], None],
+        current: dict[str, int],
+        step: int,
+    ) -> None:
+        """One change the budget's solver made: set, counted, logged (with the drift measured
+        last and the bits it was measured at)."""
+        set_bits(fqn, new)
+        current[fqn] = new
+        if new > old:
+            self.escalations += 1
+        else:
+            self.deescalations += 1
+        if is_rank_zero():
+            sensitivity = self.sensitivity.get(fqn)
+            log.info(
+                "memopt: %s bits %d -> %d at step %d for quantize.budget (drift %s at %s bits, "
+                "predicted %s at %d)",
+                fqn or "<root>",
+                old,
+                new,
+                step,
+                "-" if drift[0] is None else f"{drift[0]:.4f}",
+                drift[1] or "-",
+                "-" if sensitivity is None else f"{sensitivity * step_size(new):.4f}",
+                new,
+            )
+
+    def _log_budget(self, priced: Pricing, kept: float, bits: Mapping[str, int], step: int) -> None:
+        if not is_rank_zero():
+            return
+        target, scale = priced.target * priced.scale, priced.scale
+        share = kept / priced.target if priced.target else float("inf")
+        if share <= 1 + BUDGET_TOLERANCE:
+            log.info(
+                "memopt: quantize.budget %s: the bits keep %s (%.1f%%) at step %d",
+                mib(target),
+                mib(kept * scale),
+                100 * share,
+                step,
+            )
+            return
+        floor = self.config.ladder[0]
+        held = sorted(f for f, (w, _) in self.held.items() if bits.get(f, floor) > floor)
+        log.warning(
+            "memopt: quantize.budget %s missed by %s (%.1f%%) at step %d: %s",
+            mib(target),
+            mib((kept - priced.target) * scale),
+            100 * (share - 1),
+            step,
+            "drift.threshold holds " + ", ".join(f or "<root>" for f in held)
+            if held
+            else f"the modules keep more even at {floor} bits",
+        )
+
     def _record(self, report: DriftReport) -> DriftReport:
         self.last = report
         self.history.append(
@@ -319,6 +511,7 @@ class DriftMonitor:
                 "round_max": list(report.round_max),
                 "escalated": {k: list(v) for k, v in report.escalated.items()},
                 "lowered": {k: list(v) for k, v in report.lowered.items()},
+                "budget": None if report.budget is None else list(report.budget),
             }
         )
         return report
@@ -328,7 +521,7 @@ class DriftMonitor:
         """``memopt/drift/max``, ``memopt/drift/<fqn>`` (last check), ``memopt/escalations`` and,
         with ``drift.lower``, ``memopt/deescalations``."""
         out: dict[str, float] = {"memopt/escalations": float(self.escalations)}
-        if self.config.lower:
+        if self.config.lower or self.budget:
             out["memopt/deescalations"] = float(self.deescalations)
         if self.last is not None:
             out["memopt/drift/max"] = self.last.max
@@ -349,6 +542,10 @@ class DriftMonitor:
                 "wait": dict(self.wait),
                 "lowered": sorted(self.lowered),
             },
+            "budget": {
+                "sensitivity": dict(self.sensitivity),
+                "held": {f: list(v) for f, v in self.held.items()},
+            },
             "history": [dict(h) for h in self.history],
             "last": None
             if last is None
@@ -359,6 +556,7 @@ class DriftMonitor:
                 "escalated": {k: list(v) for k, v in last.escalated.items()},
                 "lowered": {k: list(v) for k, v in last.lowered.items()},
                 "round_max": list(last.round_max),
+                "budget": None if last.budget is None else list(last.budget),
                 "threshold": last.threshold,
                 "metric": last.metric,
             },
@@ -374,6 +572,9 @@ class DriftMonitor:
         self.calm = {k: int(v) for k, v in lowering.get("calm", {}).items()}
         self.wait = {k: int(v) for k, v in lowering.get("wait", {}).items()}
         self.lowered = {str(f) for f in lowering.get("lowered", ())}
+        budget = state.get("budget", {})
+        self.sensitivity = {k: float(v) for k, v in budget.get("sensitivity", {}).items()}
+        self.held = {k: (int(w), int(n)) for k, (w, n) in budget.get("held", {}).items()}
         self.history = deque((dict(h) for h in state.get("history", ())), maxlen=HISTORY_LIMIT)
         last = state.get("last")
         self.last = (
@@ -388,8 +589,25 @@ class DriftMonitor:
                 {k: (int(a), int(b)) for k, (a, b) in last.get("lowered", {}).items()},
                 threshold=float(last.get("threshold", self.config.threshold)),
                 metric=str(last.get("metric", self.config.metric)),
+                budget=None if last.get("budget") is None else tuple(last["budget"]),
             )
         )
+
+
+def _reduced(
+    priced: Pricing | None,
+    reduce_max: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device | None,
+) -> Pricing | None:
+    """``priced`` with every number max-reduced over ranks, so that all ranks solve the same."""
+    if priced is None:
+        return None
+    fqns = sorted(priced.costs)
+    widths = sorted({b for c in priced.costs.values() for b in c})
+    values = [priced.costs[f][b] for f in fqns for b in widths] + [priced.target, priced.scale]
+    out = iter(_max_of(reduce_max, values, device))
+    costs = {f: {b: next(out) for b in widths} for f in fqns}
+    return Pricing(costs, next(out), next(out))
 
 
 def _max_of(

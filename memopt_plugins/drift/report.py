@@ -11,6 +11,8 @@ from ..config import OFF_BITS
 NEGLIGIBLE = 1e-6
 #: Checks kept in the history (the oldest are dropped first).
 HISTORY_LIMIT = 100
+#: quantize.budget: how far over the budget the kept bytes may end before the log warns.
+BUDGET_TOLERANCE = 0.05
 
 # Reasons in DriftReport.unmeasured.
 SAVES_NOTHING = "saves nothing compression touches"
@@ -35,6 +37,9 @@ class DriftReport:
         round_max: the max drift of each round (one compressed pass each): the first is the drift
             training had before this check, the last the drift it has after it.
         threshold, metric: what the drifts were judged by.
+        budget: with ``quantize.budget``, ``(target, kept)``: the budget and the bytes the bits
+            keep after the check (predicted from the check's pass by the codec's packed sizes),
+            both in bytes of a training forward; ``None`` otherwise.
     """
 
     step: int
@@ -45,6 +50,7 @@ class DriftReport:
     lowered: dict[str, tuple[int, int]] = field(default_factory=dict)
     threshold: float = 0.05
     metric: str = "rel_l2"
+    budget: tuple[float, float] | None = None
 
     @property
     def max(self) -> float:
