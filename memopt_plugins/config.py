@@ -352,7 +352,9 @@ class BatchNormConfig(_Section):
     )
 
 
-FUSED_CHAINS = ("gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm")
+FUSED_CHAINS = (
+    "gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm", "conv", "relu", "maxpool",
+)  # fmt: skip
 
 
 class OpsConfig(_Section):
@@ -371,7 +373,21 @@ class OpsConfig(_Section):
         description="Tokens per chunk (null: chunks of logits about the hidden states' size).",
     )
     fuse: Annotated[
-        tuple[Literal["all", "gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm"], ...],
+        tuple[
+            Literal[
+                "all",
+                "gelu",
+                "swiglu",
+                "geglu",
+                "rmsnorm",
+                "attention",
+                "batchnorm",
+                "conv",
+                "relu",
+                "maxpool",
+            ],
+            ...,
+        ],
         BeforeValidator(_glob_list),
         _Allowed(f"a list of {', '.join(FUSED_CHAINS)}, or [all]"),
     ] = Field(
@@ -381,8 +397,12 @@ class OpsConfig(_Section):
             "(tanh-GELU written in Python, as GPT-2's), swiglu and geglu (Llama/Gemma-style "
             "gated MLPs), rmsnorm (Llama-style RMSNorm), attention (a Hugging Face model's eager "
             "attention as scaled_dot_product_attention; not with attention dropout), batchnorm "
-            "(BatchNorm1d/2d/3d in training: its backward writes into the decoded input). A chain "
-            "named here must match a module of the model; [all]: every chain the model has."
+            "(BatchNorm1d/2d/3d in training: its backward writes into the decoded input), conv "
+            "(zero-padded Conv1d/2d/3d: backward in pieces of the batch, the input's gradient "
+            "written into the decoded input), relu (nn.ReLU: its gradient written into the decoded "
+            "output), maxpool (MaxPool1d/2d/3d saving only where each argmax sits in its window, "
+            "in 1-8 bits). A chain named here must match a module of the model; [all]: every "
+            "chain the model has."
         ),
     )
 

@@ -39,6 +39,7 @@ from torch import nn
 from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
 from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
+from .conv import conv, max_pool, relu
 from .loss import linear_cross_entropy
 
 log = logging.getLogger("memopt")
@@ -112,6 +113,8 @@ def _lean_forward(chain: str, module: nn.Module) -> Callable[..., Any] | None:
         return lambda x: m.down_proj(product(m.gate_proj(x), m.up_proj(x)))
     if chain == "batchnorm" and _plain_batch_norm(module):
         return _BatchNormForward(module)
+    if chain in _CNN_OPS:
+        return _CNN_OPS[chain](module)
     if chain == "rmsnorm" and type(module).__name__.endswith("RMSNorm"):
         weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
         if isinstance(weight, torch.Tensor) and isinstance(eps, float):
@@ -121,8 +124,7 @@ def _lean_forward(chain: str, module: nn.Module) -> Callable[..., Any] | None:
 
 def _plain_batch_norm(module: nn.Module) -> bool:
     """A ``BatchNorm1d/2d/3d`` (not ``SyncBatchNorm``, whose statistics span processes)."""
-    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-    return isinstance(module, norms) and type(module).forward in {n.forward for n in norms}
+    return _plain(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
 
 
 class _BatchNormForward:
@@ -148,11 +150,83 @@ class _BatchNormForward:
         return batch_norm(x, bn.weight, bn.bias, mean, var, momentum, bn.eps)
 
 
+def _plain(module: nn.Module, kinds: tuple[type[nn.Module], ...]) -> bool:
+    """``module`` is one of ``kinds`` and runs that class's own ``forward``."""
+    return isinstance(module, kinds) and type(module).forward in {k.forward for k in kinds}
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+
+
+def _conv_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """A zero-padded ``nn.Conv1d/2d/3d`` as :func:`~.conv.conv` (batched inputs)."""
+    if not _plain(module, _CONVS) or module.padding_mode != "zeros":
+        return None
+    m: Any = module
+    if m.padding == "valid":
+        padding: Any = (0,) * len(m.kernel_size)
+    elif isinstance(m.padding, str):  # "same": torch pads unevenly where it must
+        return None
+    else:
+        padding = m.padding
+    batched = len(m.kernel_size) + 2
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != batched:
+            return type(m).forward(m, x)
+        return conv(x, m.weight, m.bias, m.stride, padding, m.dilation, m.groups)
+
+    return forward
+
+
+def _relu_forward(module: nn.Module) -> Callable[..., Any] | None:
+    if not _plain(module, (nn.ReLU,)):
+        return None
+    inplace = module.inplace
+    return lambda x: relu(x, inplace)
+
+
+def _max_pool_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """An ``nn.MaxPool1d/2d/3d`` as :func:`~.conv.max_pool` (batched inputs)."""
+    if not _plain(module, _POOLS):
+        return None
+    m: Any = module
+    batched = _POOLS.index(type(m)) + 3
+
+    def forward(x: torch.Tensor) -> Any:
+        if x.dim() != batched:
+            return type(m).forward(m, x)
+        return max_pool(
+            x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, m.return_indices
+        )
+
+    return forward
+
+
+_CNN_OPS: dict[str, Callable[[nn.Module], Callable[..., Any] | None]] = {
+    "conv": _conv_forward,
+    "relu": _relu_forward,
+    "maxpool": _max_pool_forward,
+}
+
+
 def _probe_shape(module: nn.Module) -> tuple[int, ...]:
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         spatial = {nn.BatchNorm1d: 1, nn.BatchNorm3d: 3}.get(type(module), 2)
         return (3, module.num_features, *[5] * spatial)
+    if isinstance(module, _CONVS + _POOLS):
+        m: Any = module
+        dims = len(m.weight.shape) - 2 if isinstance(module, _CONVS) else _POOLS.index(type(m)) + 1
+        kernel = _pair(m.kernel_size, dims)
+        dilation = _pair(m.dilation, dims)
+        size = [max(7, d * (k - 1) + 3) for k, d in zip(kernel, dilation, strict=True)]
+        return (3, m.in_channels if isinstance(module, _CONVS) else 4, *size)
     return (3, 5, _width(module))
+
+
+def _pair(value: Any, dims: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, tuple | list) else (value,) * dims
 
 
 def _width(module: nn.Module) -> int:
@@ -174,11 +248,11 @@ def _exact(module: nn.Module, forward: Callable[..., Any]) -> bool:
     training = module.training
     module.training = True  # the lean ops act in training, where gradients are on
     with torch.enable_grad():
-        mine = forward(probe).detach()
+        mine = _first(forward(probe.clone())).detach()  # clones: an in-place ReLU writes
         after = [b.clone() for b in module.buffers()]
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
-        theirs = module(probe).detach()
+        theirs = _first(module(probe.clone())).detach()
         same = [torch.equal(a, b) for a, b in zip(after, module.buffers(), strict=True)]
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
@@ -189,6 +263,11 @@ def _exact(module: nn.Module, forward: Callable[..., Any]) -> bool:
         and mine.shape == theirs.shape
         and torch.allclose(mine, theirs, rtol=tolerance, atol=tolerance)
     )
+
+
+def _first(out: Any) -> torch.Tensor:
+    """A module's output tensor (a max-pool returning indices gives a pair)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 class LeanOps:
@@ -353,6 +432,9 @@ _WHAT = {
     "rmsnorm": "Llama-style RMSNorm modules with weight and variance_epsilon",
     "attention": "Hugging Face models built with eager attention",
     "batchnorm": "BatchNorm1d/2d/3d modules (not SyncBatchNorm)",
+    "conv": "Conv1d/2d/3d modules with zero padding (not padding='same')",
+    "relu": "nn.ReLU modules",
+    "maxpool": "MaxPool1d/2d/3d modules",
 }
 
 
