@@ -279,6 +279,7 @@ def test_lean_batch_norm_equals_torchs(norm, shape):
     assert torch.autograd.gradcheck(lambda x: batch_norm(x, None, None, None, None, 0.1, 1e-5), x64)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_lean_batch_norm_trains_a_resnet_as_torchs_and_lowers_its_peak():
     """HF ResNet (bottleneck layers): 5 SGD steps with ``fuse: [batchnorm]`` follow the same run
     without it; at int4 the gradients equal the int4 run's within float rounding (the forward is
@@ -303,9 +304,16 @@ def test_lean_batch_norm_trains_a_resnet_as_torchs_and_lowers_its_peak():
         MemoryOptimizer(config).apply(m)
         loss_fn(m, batch).backward()
         grads.append([p.grad for p in m.parameters()])
-        peaks.append(step_memory(m, batch, loss_fn).per_sample.peak)
+        peaks.append(step_memory(m, _big_batch(), loss_fn).per_sample.peak)
     assert max(_relative(a, b) for a, b in zip(*grads, strict=True)) <= 1e-4
-    assert peaks[1] < 0.95 * peaks[0]  # measured: 0.35x
+    assert peaks[1] < 0.8 * peaks[0]  # measured: 0.61x
+
+
+def _big_batch():
+    """A batch of 32 for the ResNet's peak per sample (the slope between 16 and 32): between 4
+    and 8 both steps peak at a fixed 1.3 MiB workspace PyTorch's CPU convolution backward
+    allocates at some batch sizes, and the slope reads the same with or without the lean ops."""
+    return hf_resnet(batch_size=32, size=32, depths=(1, 1, 1, 1))[1]
 
 
 def _train_side_by_side(lean, plain, batch, loss_fn, *, lr: float, steps: int) -> None:

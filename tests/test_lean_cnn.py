@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lean import _relative, _train_side_by_side
+from test_lean import _big_batch, _relative, _train_side_by_side
 from torch import nn
 from zoo import hf_resnet
 
@@ -123,6 +123,46 @@ def test_lean_max_pool_equals_torchs_and_saves_only_window_positions(module, sha
     assert torch.equal(torch.autograd.grad(mine, x, grad)[0], torch.autograd.grad(ref, x, grad)[0])
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_relu_read_by_a_max_pool_keeps_a_one_bit_mask(inplace):
+    """Under int4 a lean ReLU whose output a lean max-pool reads (a CNN's stem) holds a 1-bit
+    mask instead of its compressed output: the held bytes fall by that output's codes, and the
+    input's gradient is the uncompressed model's (the mask is exact). A convolution reading the
+    same output keeps the compressed copy, and the gradient is still exact."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {
+            "relu": nn.ReLU(inplace=inplace),
+            "pool": nn.MaxPool2d(3, 2, 1),
+            "conv": nn.Conv2d(8, 4, 1),
+        }
+    )
+
+    def run(m, x, branch: bool):
+        y = m["relu"](x * 1)
+        out = m["pool"](y).square().sum()
+        return out + m["conv"](y).square().sum() if branch else out
+
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    int4 = {"quantize": {"bits": 4, "rounding": "nearest"}, "drift": {"enabled": False}}
+    for branch in (False, True):
+        exact = torch.autograd.grad(run(model, x, branch), x)[0]
+        held, grads = [], []
+        for fuse in (["relu"], ["relu", "maxpool"]):
+            m = copy.deepcopy(model)
+            opt = MemoryOptimizer({**int4, "ops": {"fuse": fuse}})
+            opt.apply(m)
+            loss = run(m, x, branch)
+            held.append(opt.hooks.stats.held_bytes)
+            grads.append(torch.autograd.grad(loss, x)[0])
+        codes = x.numel() // 2  # the ReLU output's 4-bit codes
+        if branch:  # the convolution holds the same compressed output
+            assert held[1] >= codes
+        else:
+            assert held[1] <= held[0] - codes
+        assert _relative(grads[1], exact) <= 1e-6
+
+
 def test_lean_cnn_ops_train_a_resnet_as_torchs_and_lower_its_peak():
     """HF ResNet (bottleneck layers): 5 SGD steps with every CNN op lean follow the same run
     without them. At int4 (nearest rounding) the gradients equal those of the lean batch norm
@@ -147,12 +187,12 @@ def test_lean_cnn_ops_train_a_resnet_as_torchs_and_lower_its_peak():
         loss_fn(m, batch).backward()
         grads.append(dict(m.named_parameters()))
         if config:
-            peaks.append(step_memory(m, batch, loss_fn).per_sample.peak)
+            peaks.append(step_memory(m, _big_batch(), loss_fn).per_sample.peak)
     before, after, exact = ({n: p.grad for n, p in g.items()} for g in grads)
     stem = "resnet.embedder.embedder.convolution.weight"
     assert max(_relative(after[n], before[n]) for n in before if n != stem) <= 1e-4
     assert _relative(after[stem], exact[stem]) < 0.7 * _relative(before[stem], exact[stem])
-    assert peaks[1] < 0.9 * peaks[0]
+    assert peaks[1] < 0.6 * peaks[0]  # measured: 0.36x
 
 
 def test_relu_and_max_pool_functions():

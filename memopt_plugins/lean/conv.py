@@ -19,13 +19,16 @@ bit for bit) and a backward that
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..buffers import private
 from ..compress.bitpack import pack_bits, unpack_bits
+from ..compress.hooks import _Saved
 from .chains import BATCH_NORM_PIECES, PIECE, _work
 
 
@@ -120,7 +123,12 @@ def conv(
 
 
 class _ReLU(torch.autograd.Function):
-    """``torch.relu`` (or ``relu_``) saving its output; its gradient goes into a decoded one."""
+    """``torch.relu`` (or ``relu_``) saving its output; its gradient goes into a decoded one.
+
+    Where memopt's hooks compress the output, the compressed copy is held in ``ctx.box`` instead
+    of autograd's saved variables, so that a lean max-pool reading this output (which saves no
+    input of its own) can swap it for a 1-bit mask of ``output > 0``: all the backward needs.
+    """
 
     @staticmethod
     def forward(ctx, x, inplace: bool):
@@ -129,17 +137,70 @@ class _ReLU(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             y = torch.relu(x)
-        ctx.save_for_backward(y)
+        ctx.box, ctx.mask = _compressed(y), None
+        if ctx.box is None:
+            ctx.save_for_backward(y)
+        else:
+            ctx.output, ctx.version = weakref.ref(y), y._version
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
+        if ctx.mask is not None:
+            positive = unpack_bits(ctx.mask, 1, grad.numel()).view(grad.shape).bool()
+            ctx.mask = None
+            return torch.where(positive, grad, 0), None
+        if ctx.box is not None:
+            payload, unpack = ctx.box
+            ctx.box = None
+            y = unpack(payload)
+        else:
+            (y,) = ctx.saved_tensors
         if not private(y):
             return torch.ops.aten.threshold_backward(grad, y, 0), None
         # elementwise, so each element is read before its gradient overwrites it
         torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=y)
         return y, None
+
+
+def _compressed(t: torch.Tensor) -> tuple[object, Any] | None:
+    """``(payload, unpack)`` when memopt's compression hooks are the active saved-tensor hooks
+    and compress ``t``, else ``None``: saved as autograd saves it (other hooks, such as
+    checkpointing's, count on their own order of saves, so they are never called here)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None or torch.compiler.is_compiling() or not _memopt_pack(hooks[0]):
+        return None
+    payload = hooks[0](t)  # kept as it is, a second call (save_for_backward) finds it cached
+    return (payload, hooks[1]) if isinstance(payload, _Saved) else None
+
+
+_MEMOPT_PACKS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _memopt_pack(pack: Any) -> bool:
+    """Whether ``pack`` is a pack hook of memopt's compression (a one-call graph of a function
+    of :mod:`memopt_plugins.compress`: :class:`~memopt_plugins.compress.graph.GraphHooks`)."""
+    if not isinstance(pack, torch.fx.GraphModule):
+        return False
+    known = _MEMOPT_PACKS.get(pack)
+    if known is None:
+        targets = (n.target for n in pack.graph.nodes if n.op == "call_function")
+        known = _MEMOPT_PACKS[pack] = any(
+            getattr(t, "__module__", "").startswith("memopt_plugins.compress") for t in targets
+        )
+    return known
+
+
+def _relu_mask(x: torch.Tensor) -> None:
+    """``x`` is read by a lean max-pool: if a lean ReLU made it and holds it compressed, give
+    that ReLU a 1-bit mask of ``x > 0`` instead (exact, and 1/32 of ``x``'s fp32 bytes)."""
+    node = x.grad_fn
+    if type(node) is not _ReLU._backward_cls or getattr(node, "box", None) is None:
+        return
+    if node.output() is not x or x._version != node.version:
+        return
+    node.mask = pack_bits((x > 0).view(-1), 1)
+    node.box = None
 
 
 def relu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -209,6 +270,7 @@ class _MaxPool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kernel_size, stride, padding, dilation, ceil_mode: bool):
+        _relu_mask(x)
         pool = getattr(F, f"max_pool{x.dim() - 2}d")
         out, indices = pool(x, kernel_size, stride, padding, dilation, ceil_mode, True)
         window = _Window(x, out, kernel_size, stride, padding, dilation)
