@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..distributed import rank_share, sum_over_ranks
-from ..measure import ModelStorages, ScopeTracker, Watch
+from ..measure import ModelStorages, ScopeTracker, Watch, isolated
 from ..measure.storage import RunningParameters, is_sharded
 from ..tree import tensors_in
 
@@ -228,57 +226,24 @@ class SignedHalves:
 def preserved_state(
     model: nn.Module, generators: Sequence[torch.Generator]
 ) -> Iterator[Callable[[], AbstractContextManager]]:
-    """Everything a pass may change is put back on exit: buffers, RNG streams, ``generators``.
+    """The check's passes, isolated (:func:`~memopt_plugins.measure.isolated`): everything a pass
+    may change is put back on exit, and after each pass.
 
-    Yields a factory of per-pass contexts: each pass starts from the same buffers and the same
-    state of every RNG stream a forward may draw from -- torch's on the CPU and on every
-    initialized accelerator device (all of them, not only the model's: a forward may draw noise
-    on any), numpy's global one, Python's ``random`` and ``generators`` -- so dropout and masks
-    drawn with ``np.random`` are the same in every pass, and training after the check continues
-    every stream from where it was.
+    Yields a factory of per-pass contexts (with gradients enabled): each pass starts from the same
+    buffers and the same state of every RNG stream a forward may draw from -- torch's on the CPU
+    and every initialized accelerator device, numpy's global one, Python's ``random`` and
+    ``generators`` -- so dropout and masks drawn with ``np.random`` are the same in every pass, and
+    training after the check continues every stream from where it was. ``.grad`` is left alone
+    (the passes differentiate with :func:`gradients`).
     """
-    buffers = list(model.buffers())
-    saved_buffers = [b.detach().clone() for b in buffers]
-    saved_generators = [g.get_state() for g in generators]
-    saved_numpy = np.random.get_state()
-    saved_python = random.getstate()
-    device_type, indices = _accelerator_devices(model)
+    with isolated(model, generators=generators) as isolation:
 
-    def restore() -> None:
-        with torch.no_grad():
-            for b, saved in zip(buffers, saved_buffers, strict=True):
-                b.copy_(saved)
-        for g, state in zip(generators, saved_generators, strict=True):
-            g.set_state(state)
-        np.random.set_state(saved_numpy)
-        random.setstate(saved_python)
-
-    @contextmanager
-    def one_pass() -> Iterator[None]:
-        with torch.random.fork_rng(devices=indices, device_type=device_type), torch.enable_grad():
-            try:
+        @contextmanager
+        def one_pass() -> Iterator[None]:
+            with isolation.one_pass(), torch.enable_grad():
                 yield
-            finally:
-                restore()
 
-    try:
         yield one_pass
-    finally:
-        restore()
-
-
-def _accelerator_devices(model: nn.Module) -> tuple[str, list[int]]:
-    """The accelerator type whose RNG a pass forks, and its devices: every device of the type
-    once it is initialized (the model's only otherwise; none for a CPU model on an uninitialized
-    accelerator, which forking would initialize)."""
-    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    accel = sorted({d.type for d in devices} - {"cpu", "meta"})
-    device_type = accel[0] if accel else "cuda"
-    module = getattr(torch, device_type, None)
-    initialized = getattr(module, "is_initialized", None)
-    if initialized is not None and initialized():
-        return device_type, list(range(module.device_count()))
-    return device_type, sorted({d.index or 0 for d in devices if d.type == device_type})
 
 
 def scalar_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:

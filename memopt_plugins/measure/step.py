@@ -43,6 +43,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..select import layer_kind
 from ..tree import tensors_in
+from .isolate import isolated
 from .scopes import ScopeTracker, Watch
 from .storage import ModelStorages, storage_key, tensor_version
 
@@ -377,11 +378,10 @@ def measure(
     """Run ``run()`` once (forward only; its output is dropped) and measure every module.
 
     ``contexts`` are context-manager factories entered around the pass (e.g. suspending
-    compression). RNG streams and the model's buffers are as before the call afterwards.
+    compression). The model is left as it was (:func:`~.isolate.isolated`: RNG streams, buffers,
+    ``.grad``, modes).
     """
-    buffers = [b.detach().clone() for b in model.buffers()]
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda), torch.enable_grad(), ExitStack() as stack:
+    with isolated(model), torch.enable_grad(), ExitStack() as stack:
         for context in contexts:
             stack.enter_context(context())
         recorder = StepRecorder(model).start()
@@ -389,8 +389,5 @@ def measure(
             output = run()
         finally:
             measurement = recorder.stop()
-            with torch.no_grad():
-                for buf, saved in zip(model.buffers(), buffers, strict=True):
-                    buf.copy_(saved)
         del output
     return measurement

@@ -7,14 +7,14 @@ once), and the bytes roll up to the parents, next to each module's parameters, g
 optimizer state and forward time. With a config it runs the step again with
 :class:`~memopt_plugins.MemoryOptimizer` applied and counts once more (the compression hooks tell
 the recorder what they keep), so "after" is measured, not estimated. The model, its gradients,
-the optimizer state and the global RNG are left as they were.
+the optimizer state, every RNG stream and the modes are left as they were
+(:func:`~memopt_plugins.measure.isolated`).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -23,33 +23,12 @@ from torch import nn
 
 from ..config import MemOptConfig, load_config
 from ..engine import MemoryOptimizer, PackObserver, patched_by
-from ..measure import Measurement, SavedStorage, StepRecorder
+from ..measure import Measurement, SavedStorage, StepRecorder, isolated
 from ..measure.timeline import StepTimeline, record_step
 from ..select import layer_kind, parent_fqns
 from ..tree import slice_batch, tensors_in
 from .meter import MemoryReading
 from .report import LOSS_ROW, ModuleProfile, PerSample, ProfileReport, StepMemory
-
-
-@contextmanager
-def _model_preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
-    """Parameters, buffers, gradients and optimizer state are restored on exit."""
-    grads = {p: p.grad for p in model.parameters()}
-    for p in grads:
-        p.grad = None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    params = [(p, p.detach().clone()) for p in grads] if optimizer is not None else []
-    state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, value in (*buffers, *params):
-                tensor.copy_(value)
-        for p, g in grads.items():
-            p.grad = g
-        if optimizer is not None:
-            optimizer.load_state_dict(state)
 
 
 def _add_up(rows: dict[str, ModuleProfile], owner: str, attr: str, nbytes: int) -> None:
@@ -161,8 +140,7 @@ def step_memory(
     left as they were. Unlike :func:`profile_model` it never runs the model without ``config``:
     at a batch that only fits with memopt, that step would not fit."""
     device = _device_of(model, device)
-    rng_devices = _rng_devices(device)
-    with _model_preserved(model, None), torch.random.fork_rng(devices=rng_devices):
+    with isolated(model, devices=[device], clear_grads=True):
         if config is None:
             return _measured_step(model, batch, loss_fn, device)
         opt = MemoryOptimizer(load_config(config))
@@ -178,12 +156,6 @@ def _device_of(model: nn.Module, device: str | torch.device | None) -> torch.dev
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     return torch.device(device)
-
-
-def _rng_devices(device: torch.device) -> list[int]:
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
 def profile_model(
@@ -218,11 +190,10 @@ def profile_model(
     named = list(model.named_modules())
     rows = {fqn: ModuleProfile(fqn, layer_kind(m)) for fqn, m in named}
     rows[LOSS_ROW] = ModuleProfile(LOSS_ROW, "loss")
-    rng_devices = _rng_devices(device)
 
     after: StepMemory | None = None
     plan = {}
-    with _model_preserved(model, optimizer), torch.random.fork_rng(devices=rng_devices):
+    with isolated(model, optimizer, devices=[device], clear_grads=True):
         before = _measured_step(model, batch, loss_fn, device)
         if config is not None:
             opt = MemoryOptimizer(cfg)

@@ -1,0 +1,157 @@
+"""Run a pass and leave the model as it was: the one isolation rule of the measuring passes.
+
+The step recorder's :func:`~.step.measure` (the recompute planner's forward), the drift check's
+passes and the profiler's steps all run the model besides training. :func:`isolated` puts back on
+exit everything such a pass may change:
+
+* every RNG stream a forward may draw from: torch's on the CPU and on every initialized
+  accelerator device (all of them, not only the model's: a forward may draw noise on any; the
+  model's devices only while the accelerator is uninitialized, where a CPU model forks none, as
+  reading a state would initialize it), numpy's global one, Python's ``random``, and private
+  ``generators`` (the codec's stochastic rounding);
+* the module buffers (BatchNorm's running statistics and ``num_batches_tracked``, any other),
+  copied in place, so the tensors training holds are the ones it finds;
+* each parameter's ``.grad`` (the tensor itself: put back when a pass replaced it, e.g. by
+  ``zero_grad``); with ``clear_grads`` the pass runs without them, so that a ``backward()`` in it
+  makes new ones instead of accumulating into them;
+* each module's train/eval mode;
+* with ``optimizer``: the parameters' values and the optimizer's state (a pass that steps it).
+
+It never clones a parameter or a gradient without an optimizer (the drift check runs on large
+models during training), never writes ``.grad`` when the pass left it alone, and runs no
+backward and no reducer itself: what a pass must not do (touch a DDP reducer) stays the pass's.
+Training after an isolated pass continues every stream from where it was, so a run with the pass
+is bit for bit the run without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def accelerator_devices(
+    model: nn.Module, devices: Iterable[torch.device | str] = ()
+) -> dict[str, list[int]]:
+    """Per accelerator type, the devices whose RNG state a pass must keep: every device of the
+    type once it is initialized, otherwise the model's and ``devices``' only (none for a CPU model
+    on an uninitialized CUDA, which reading a state would initialize)."""
+    seen = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    seen |= {torch.device(d) for d in devices}
+    types = sorted({d.type for d in seen} - {"cpu", "meta"} | {"cuda"})
+    out: dict[str, list[int]] = {}
+    for device_type in types:
+        module = getattr(torch, device_type, None)
+        if module is None or not hasattr(module, "get_rng_state"):
+            continue
+        initialized = getattr(module, "is_initialized", None)
+        if initialized is not None and initialized():
+            out[device_type] = list(range(module.device_count()))
+            continue
+        indices = sorted({_index(d, module) for d in seen if d.type == device_type})
+        if indices:
+            out[device_type] = indices
+    return out
+
+
+def _index(device: torch.device, module: Any) -> int:
+    if device.index is not None:
+        return device.index
+    current = getattr(module, "current_device", None)
+    return current() if current is not None and module.is_initialized() else 0
+
+
+class Isolation:
+    """What a pass may change, as it was when taken; :meth:`restore` puts it back (any number of
+    times: every pass of a drift check starts from the same state)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        generators: Sequence[torch.Generator] = (),
+        devices: Iterable[torch.device | str] = (),
+        clear_grads: bool = False,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.generators = list(generators)
+        self._torch = torch.get_rng_state()
+        self._devices = {
+            device_type: [(i, getattr(torch, device_type).get_rng_state(i)) for i in indices]
+            for device_type, indices in accelerator_devices(model, devices).items()
+        }
+        self._generators = [g.get_state() for g in self.generators]
+        self._numpy = np.random.get_state()
+        self._python = random.getstate()
+        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self._modes = [(m, m.training) for m in model.modules()]
+        params = list(model.parameters())
+        self._grads = [(p, p.grad) for p in params]
+        self._params = [(p, p.detach().clone()) for p in params] if optimizer is not None else []
+        self._optimizer = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+        if clear_grads:
+            for p in params:
+                p.grad = None
+
+    def restore(self) -> None:
+        """Put back every RNG stream, buffer, ``.grad``, mode, and the optimizer's part."""
+        torch.set_rng_state(self._torch)
+        for device_type, states in self._devices.items():
+            module = getattr(torch, device_type)
+            for index, state in states:
+                module.set_rng_state(state, index)
+        for g, state in zip(self.generators, self._generators, strict=True):
+            g.set_state(state)
+        np.random.set_state(self._numpy)
+        random.setstate(self._python)
+        with torch.no_grad():
+            for tensor, value in (*self._buffers, *self._params):
+                tensor.copy_(value)
+        for m, training in self._modes:
+            if m.training != training:
+                m.training = training
+        for p, grad in self._grads:
+            if p.grad is not grad:
+                p.grad = grad
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._optimizer)
+
+    @contextmanager
+    def one_pass(self) -> Iterator[None]:
+        """A pass after which everything is put back (the enclosing :func:`isolated` still
+        restores on its own exit)."""
+        try:
+            yield
+        finally:
+            self.restore()
+
+
+@contextmanager
+def isolated(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    generators: Sequence[torch.Generator] = (),
+    devices: Iterable[torch.device | str] = (),
+    clear_grads: bool = False,
+) -> Iterator[Isolation]:
+    """Run the body and leave ``model`` as it was (see the module docstring): RNG streams,
+    ``generators``, buffers, ``.grad``, modes, and with ``optimizer`` the parameters and the
+    optimizer's state. ``devices``: accelerator devices whose RNG to keep besides the model's.
+    Yields the :class:`Isolation`, whose :meth:`~Isolation.one_pass` restores after each pass."""
+    isolation = Isolation(
+        model, optimizer, generators=generators, devices=devices, clear_grads=clear_grads
+    )
+    try:
+        yield isolation
+    finally:
+        isolation.restore()
