@@ -30,6 +30,7 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --out benchmarks
 	$(BIN)/python benchmarks/fits.py --out benchmarks
+	$(BIN)/python benchmarks/bits_both_ways.py --out benchmarks
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/run.py --quick --out /tmp/memopt-bench

@@ -22,7 +22,7 @@ from .batchnorm import BatchNormPatch
 from .compress.bits import BitTable
 from .compress.codec import NoiseGenerators
 from .compress.estimate import storage_ratio
-from .compress.hooks import CompressionHooks, PackObserver
+from .compress.hooks import CompressionHooks, ModuleSaved, PackObserver
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import distributed, max_over_ranks
 from .drift import DriftMonitor, DriftReport
@@ -385,6 +385,8 @@ class MemoryOptimizer:
         hooks = self._hooks
         kept = hooks.stats.snapshot()
         trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
+        # Its per-module counts price the budget when they cover all of it (nothing compiled)
+        eager = hooks.stats.forward_original == trained
         kept_modules, hooks.stats.modules = hooks.stats.modules, {}
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
         # No drift-recorder hooks inside a planner-chosen recompute region (config-chosen ones
@@ -403,18 +405,23 @@ class MemoryOptimizer:
                 reduce_max=self.reduce_max,
                 step=step,
                 max_rounds=max_rounds,
-                pricing=None if self.config.quantize.budget is None else self._pricing(trained),
+                pricing=None
+                if self.config.quantize.budget is None
+                else self._pricing(trained, kept_modules if eager else {}),
             )
         finally:
             hooks.stats.restore(kept)
             hooks.stats.modules = kept_modules
 
-    def _pricing(self, trained: int) -> Callable[[], Pricing | None]:
-        """``quantize.budget``'s prices, read from the check's compressed pass just run: each
-        compressed module's bytes at every width (from its scope's saved tensors and the codec's
-        packed sizes), and the budget in the same units (a fraction of the pass's saved bytes
-        uncompressed; bytes scaled by the last training forward's saved bytes over the pass's).
-        ``None`` for a budget in bytes before any training forward was counted."""
+    def _pricing(
+        self, trained: int, counts: Mapping[str, ModuleSaved]
+    ) -> Callable[[], Pricing | None]:
+        """``quantize.budget``'s prices: each compressed module's bytes at every width, from its
+        scope's saved tensors and the codec's packed sizes, and the budget in the same units.
+        The tensors are those of the last training forward (``counts``) where its eager hooks
+        saw all of it, else those of the check's compressed pass just run (the only ones for a
+        model with compiled graphs), the budget then scaled by the training forward's saved
+        bytes over the pass's. ``None`` for a budget in bytes before any training forward."""
         budget = self.config.quantize.budget
         group = self.config.quantize.group_size
         widths = self.config.drift.ladder
@@ -422,14 +429,19 @@ class MemoryOptimizer:
         def priced() -> Pricing | None:
             stats = self._hooks.stats
             found, stats.modules = stats.modules, {}  # the next pass counts afresh
+            if counts:
+                found, trained_here = counts, sum(m.original for m in counts.values())
+            else:
+                trained_here = trained
             original = sum(m.original for m in found.values())
             costs = {
                 f: {b: float(found[f].bytes_at(b, group)) if f in found else 0.0 for b in widths}
                 for f in self._table.compressed
             }
             if isinstance(budget, float):
-                return Pricing(costs, budget * original, trained / original if trained else 1.0)
-            if not trained or not original:
+                scale = trained_here / original if trained_here and original else 1.0
+                return Pricing(costs, budget * original, scale)
+            if not trained_here or not original:
                 if not self._budget_waits_noted:
                     self._budget_waits_noted = True
                     log.info(
@@ -437,7 +449,7 @@ class MemoryOptimizer:
                         "counted (no bits solved at this check)"
                     )
                 return None
-            scale = trained / original
+            scale = trained_here / original
             return Pricing(costs, budget / scale, scale)
 
         return priced
@@ -486,10 +498,16 @@ class MemoryOptimizer:
             reset_peak(device)
         return out
 
-    def _bits_mean(self, bits: Mapping[str, int]) -> float:
+    @property
+    def bits_mean(self) -> float | None:
         """Mean bits of the compressed modules weighted by the bytes each one's scope saved
         uncompressed in the last forward (eager scopes only); unweighted before any forward, or
-        when none of them saved anything there (all of them inside compiled graphs)."""
+        when none of them saved anything there (all of them inside compiled graphs); ``None``
+        when nothing is compressed. ``memopt/bits_mean`` in :meth:`metrics`."""
+        bits = self._table.compressed
+        return self._bits_mean(bits) if bits else None
+
+    def _bits_mean(self, bits: Mapping[str, int]) -> float:
         saved = self._hooks.stats.modules if self._hooks is not None else {}
         weights = {f: saved[f].original for f in bits if f in saved}
         total = sum(weights.values())

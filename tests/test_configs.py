@@ -56,6 +56,7 @@ def test_presets_say_what_they_promise():
 
     int4 = preset("int4_drift.yaml")
     assert int4.quantize.bits == 4 and int4.drift.enabled and int4.drift.ladder[0] == 4
+    assert int4.drift.lower  # bits both ways (issue 32)
 
     megatron = preset("transformer_selective_recompute.yaml")
     assert megatron.recompute.modules == ("*.attn",)

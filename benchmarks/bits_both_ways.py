@@ -1,0 +1,335 @@
+"""Bits both ways: escalation only, ``drift.lower`` and ``quantize.budget`` against the baseline.
+
+Issue 32's bar, measured in training: our character GPT and the ResNet-style CNN of
+``workloads.py`` (smaller than ``make bench``'s: :data:`SIZES`) train for ``--steps`` AdamW
+steps (the warm-up and cosine schedule of ``training.py``) on paired seeds: every arm starts from
+the same weights and sees the same batches and dropout masks on a seed, so the held-out loss
+compares seed by seed (:class:`stats.Paired`, a 95% Student's t interval). The arms:
+
+* ``baseline``: no memopt;
+* ``escalation only``: 4-bit activations, drift checked every 25 steps (``configs/int4_drift.yaml``
+  with ``metric: cosine``), modules over the threshold go up;
+* ``both ways``: the same with ``drift.lower: true`` (``lower_below: 0.8``, ``lower_after: 1``,
+  as in the preset; with the defaults, 0.5 and 2, no module of the GPT came down in 200 steps);
+* ``budget``: the same with ``quantize.budget`` (a fraction of the saved bytes uncompressed).
+
+The check runs where the Hugging Face callback runs it: after the step's backward, before the
+optimizer step, on the first ``sample_size`` samples of the batch. Per run it records the bits
+after each check, the byte-weighted mean bits at the end (``memopt/bits_mean``), how often each
+module changed width between checks, and with a budget the bytes the bits keep after each check:
+predicted by the check (``DriftReport.budget``) and measured by the next training forward
+(``SavedStats.saved_stored``). Writes ``bits.md`` and ``bits.json`` to ``--out``.
+
+    python benchmarks/bits_both_ways.py [--quick] [--steps 200] [--seeds 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Before torch loads OpenMP: idle threads sleep instead of spinning (a shared machine).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from sizes import FULL, QUICK, CNNSizes, CNNTraining, GPTSizes, GPTTraining, Sizes
+from stats import Paired
+from training import lr_factor
+from workloads import Workload, cnn_workload, evaluate, gpt_workload, precise_batchnorm
+
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.tree import slice_batch
+
+HERE = Path(__file__).resolve().parent
+#: Smaller than ``make bench``'s convergence runs, so that four arms x seeds x two workloads of
+#: 200 steps stay within minutes on two CPU cores.
+SIZES = Sizes(
+    gpt=GPTSizes(
+        dim=64,
+        depth=2,
+        measure_batch=FULL.gpt.measure_batch,
+        measure_len=FULL.gpt.measure_len,
+        text_chars=FULL.gpt.text_chars,
+        training=GPTTraining(batch=16, length=64, steps=200, val_batches=8),
+    ),
+    cnn=CNNSizes(
+        width=16,
+        measure_batch=FULL.cnn.measure_batch,
+        training=CNNTraining(
+            batch=32,
+            steps=200,
+            seeds=1,
+            short_steps=1,
+            short_seeds=1,
+            bar_seeds=1,
+            calibration=256,
+        ),  # fmt: skip
+    ),
+)
+#: The drift settings every memopt arm shares (configs/int4_drift.yaml).
+DRIFT = {
+    "metric": "cosine",
+    "threshold": 0.05,
+    "check_every": 25,
+    "sample_size": 8,
+    "ladder": [4, 8, 16, 32],
+}
+#: configs/int4_drift.yaml's lowering: calm at 0.8 x threshold for one check, then probed.
+LOWER = {"lower": True, "lower_below": 0.8, "lower_after": 1}
+BUDGET = 0.2  # of the saved bytes uncompressed; 4 bits keep about 13%
+ARMS: dict[str, dict[str, Any] | None] = {
+    "baseline": None,
+    "escalation only": {"quantize": {"bits": 4}, "drift": DRIFT},
+    "both ways": {"quantize": {"bits": 4}, "drift": {**DRIFT, **LOWER}},
+    "budget": {"quantize": {"bits": 4, "budget": BUDGET}, "drift": DRIFT},
+}
+#: The bar: held-out loss within this of the baseline's, and at most this many width changes.
+LOSS_BAR = 0.01
+MAX_CHANGES = 4
+BUDGET_TOLERANCE = 0.05
+
+
+@dataclass
+class Run:
+    """One arm on one seed."""
+
+    arm: str
+    seed: int
+    loss: float = float("nan")
+    seconds: float = 0.0
+    bits_mean: float | None = None  # byte-weighted, at the end
+    bits_plain: float | None = None  # unweighted, at the end
+    changes: dict[str, int] = field(default_factory=dict)  # width changes per module
+    escalations: int = 0
+    deescalations: int = 0
+    checks: list[dict[str, Any]] = field(default_factory=list)  # step, bits, budget, kept
+
+    @property
+    def max_changes(self) -> int:
+        return max(self.changes.values(), default=0)
+
+
+def train(workload: Workload, arm: str, seed: int, steps: int) -> Run:
+    """One seeded training run of ``arm``; the held-out loss after precise BatchNorm."""
+    config = ARMS[arm]
+    model = copy.deepcopy(workload.build()).train()
+    batches = workload.train_batches(seed)[:steps]
+    torch.manual_seed(seed)
+    opt = None
+    if config is not None:
+        opt = MemoryOptimizer(config)
+        opt.apply(model)
+    adamw = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lr_factor(len(batches)))
+    run = Run(arm, seed)
+    pending: dict[str, Any] | None = None  # a check whose bits the next forward measures
+    start = time.perf_counter()
+    for step, batch in enumerate(batches):
+        loss = workload.loss_fn(model, batch)
+        loss.backward()
+        if pending is not None:
+            pending["measured"] = float(opt.hooks.stats.saved_stored)
+            pending = None
+        if opt is not None and opt.should_check(step):
+            before = opt.bits
+            sample = slice_batch(batch, opt.config.drift.sample_size)
+            report = opt.check_drift(lambda s=sample: workload.loss_fn(model, s), step=step)
+            after = opt.bits
+            for fqn, bits in after.items():
+                if bits != before[fqn]:
+                    run.changes[fqn] = run.changes.get(fqn, 0) + 1
+            pending = {"step": step, "max_drift": report.max, "bits": after}
+            if report.budget is not None:
+                pending["budget"], pending["kept"] = report.budget
+            run.checks.append(pending)
+        adamw.step()
+        schedule.step()
+        adamw.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.count_step()
+    run.seconds = time.perf_counter() - start
+    if opt is not None:
+        metrics = opt.metrics()
+        run.bits_mean = metrics["memopt/bits_mean"]
+        run.bits_plain = statistics.fmean(opt.bits.values())
+        run.escalations = int(metrics["memopt/escalations"])
+        run.deescalations = int(metrics.get("memopt/deescalations", 0))
+        opt.remove()
+    precise_batchnorm(model, workload)
+    run.loss = evaluate(model, workload)[0]
+    return run
+
+
+def budget_outcomes(runs: list[Run]) -> dict[str, Any] | None:
+    """After each check with a budget: how many training forwards kept within 5% of it
+    (measured), how many checks missed it with the threshold holding modules (the check's kept
+    bytes over it: its WARNING names them), how many kept less than 95% of it, and the largest
+    gap between the bytes the check predicted and the next forward's."""
+    checks = [c for r in runs for c in r.checks if "budget" in c and "measured" in c]
+    if not checks:
+        return None
+    within = [abs(c["measured"] / c["budget"] - 1) <= BUDGET_TOLERANCE for c in checks]
+    held = [c["kept"] > (1 + BUDGET_TOLERANCE) * c["budget"] for c in checks]
+    return {
+        "checks": len(checks),
+        "within": sum(within),
+        "held": sum(h and not w for h, w in zip(held, within, strict=True)),
+        "under": sum(not h and not w for h, w in zip(held, within, strict=True)),
+        "predicted_gap": max(abs(c["measured"] / c["kept"] - 1) for c in checks),
+        "worst_over": max(c["measured"] / c["budget"] - 1 for c in checks),
+    }
+
+
+def summarize(title: str, runs: list[Run]) -> dict[str, Any]:
+    """Per arm: mean held-out loss, paired change against the baseline, bits, changes."""
+    base = {r.seed: r.loss for r in runs if r.arm == "baseline"}
+    arms: dict[str, Any] = {}
+    for arm in ARMS:
+        mine = [r for r in runs if r.arm == arm]
+        pairs = [(r.loss, base[r.seed]) for r in mine]
+        paired = Paired.of(pairs) if arm != "baseline" and len(pairs) > 1 else None
+        arms[arm] = {
+            "loss": statistics.fmean(r.loss for r in mine),
+            "paired": None if paired is None else asdict(paired),
+            "bits_mean": None
+            if mine[0].bits_mean is None
+            else statistics.fmean(r.bits_mean for r in mine),
+            "bits_plain": None
+            if mine[0].bits_plain is None
+            else statistics.fmean(r.bits_plain for r in mine),
+            "max_changes": max(r.max_changes for r in mine),
+            "escalations": statistics.fmean(r.escalations for r in mine),
+            "deescalations": statistics.fmean(r.deescalations for r in mine),
+            "seconds": statistics.fmean(r.seconds for r in mine),
+            "budget": budget_outcomes(mine),
+        }
+    return {"workload": title, "arms": arms}
+
+
+def bar(summary: dict[str, Any]) -> dict[str, bool]:
+    """Issue 32's bar on one workload."""
+    arms = summary["arms"]
+    both, up = arms["both ways"], arms["escalation only"]
+    paired = both["paired"]
+    within = paired is not None and paired["change"] + paired["ci"] <= LOSS_BAR
+    budget = arms["budget"]["budget"]
+    return {
+        "fewer bits both ways": both["bits_mean"] < up["bits_mean"],
+        "both ways' loss within 1% (upper 95% bound)": within,
+        f"no module changes width more than {MAX_CHANGES} times": max(
+            a["max_changes"] for a in arms.values()
+        )
+        <= MAX_CHANGES,
+        "budget: every check within 5%, or its WARNING names the modules the threshold holds": (
+            budget is not None and budget["under"] == 0
+        ),
+    }
+
+
+def markdown(results: list[dict[str, Any]], steps: int, seeds: int, seconds: float) -> str:
+    lines = [
+        "# Bits both ways (issue 32)",
+        "",
+        "Written by `benchmarks/bits_both_ways.py` (`make bench`); its docstring says how.",
+        f"{steps} AdamW steps, {seeds} paired seeds per arm, CPU, {seconds / 60:.1f} min in all.",
+        f"Drift: {json.dumps(DRIFT)}; both ways adds {json.dumps(LOWER)}; budget arm: "
+        f"`quantize.budget: {BUDGET}`.",
+        "",
+        "`vs baseline`: mean over seeds of the held-out loss over the baseline's on the same "
+        "seed, minus 1, with its 95% interval. `bits`: mean bits at the end weighted by the bytes "
+        "each module saves (unweighted in brackets). `changes`: the most width changes of any "
+        "module between checks. `budget`: of the checks, after how many the next training "
+        "forward kept within 5% of the budget (`saved_stored`, measured), how many missed it "
+        "with the threshold holding modules (the check's WARNING names them), how many kept "
+        "under 95% of it.",
+    ]
+    for result in results:
+        lines += ["", f"## {result['workload']}", ""]
+        lines += [
+            "| arm | held-out loss | vs baseline | bits | changes | up / down | budget | s/run |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for arm, a in result["arms"].items():
+            p = a["paired"]
+            versus = "-" if p is None else f"{100 * p['change']:+.2f}% ± {100 * p['ci']:.2f}%"
+            bits = (
+                "-" if a["bits_mean"] is None else f"{a['bits_mean']:.2f} ({a['bits_plain']:.2f})"
+            )
+            b = a["budget"]
+            budget = (
+                "-"
+                if b is None
+                else f"{b['within']} within, {b['held']} held, {b['under']} under "
+                f"(of {b['checks']})"
+            )
+            moves = (
+                "-" if arm == "baseline" else f"{a['escalations']:.1f} / {a['deescalations']:.1f}"
+            )
+            lines.append(
+                f"| {arm} | {a['loss']:.4f} | {versus} | {bits} | {a['max_changes']} | {moves} "
+                f"| {budget} | {a['seconds']:.0f} |"
+            )
+        lines += ["", "Bar:", ""]
+        lines += [f"- {name}: {'yes' if ok else 'NO'}" for name, ok in result["bar"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, a few steps")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--out", default=str(HERE), help="folder for bits.md and bits.json")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (small models)")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite bits.md from --out's bits.json"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if args.report_only:
+        saved = json.loads((out / "bits.json").read_text())
+        for result in saved["workloads"]:
+            result.update(summarize(result["workload"], [Run(**r) for r in result["runs"]]))
+            result["bar"] = bar(result)
+        (out / "bits.md").write_text(
+            markdown(saved["workloads"], saved["steps"], saved["seeds"], saved["seconds"])
+        )
+        return 0
+    sizes = (QUICK if args.quick else SIZES).with_train_steps(args.steps)
+    start = time.perf_counter()
+    results = []
+    for workload in (gpt_workload(sizes), cnn_workload(sizes)):
+        runs = []
+        for seed in range(args.seeds):
+            for arm in ARMS:
+                run = train(workload, arm, seed, args.steps)
+                print(
+                    f"{workload.key} seed {seed} {arm}: loss {run.loss:.4f}, bits "
+                    f"{run.bits_mean}, max changes {run.max_changes}, {run.seconds:.0f} s",
+                    flush=True,
+                )
+                runs.append(run)
+        summary = summarize(workload.title, runs)
+        summary["bar"] = bar(summary)
+        summary["runs"] = [asdict(r) for r in runs]
+        results.append(summary)
+    seconds = time.perf_counter() - start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    saved = {"steps": args.steps, "seeds": args.seeds, "seconds": seconds, "workloads": results}
+    (out / "bits.json").write_text(json.dumps(saved, indent=1) + "\n")
+    (out / "bits.md").write_text(markdown(results, args.steps, args.seeds, seconds))
+    print(f"wrote {out / 'bits.md'} ({seconds / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
