@@ -143,3 +143,15 @@ def test_accelerator_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert accelerator_devices(model) == {"cuda": [0, 1]}  # any device may draw noise
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stream_continues_as_without_the_pass():
+    model = _model().cuda()
+    torch.cuda.manual_seed_all(1)
+    without = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed_all(1)
+    with isolated(model):
+        model(torch.randn(5, 6, device="cuda"))  # dropout draws on the device
+        torch.rand(4, device="cuda")
+    assert torch.equal(torch.rand(4, device="cuda"), without)
