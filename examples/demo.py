@@ -7,8 +7,8 @@
    printed as they happen through the ``memopt`` logger;
 5. trains the same number of steps without memopt and prints both losses side by side;
 6. draws what happened in one picture, ``demo.png`` next to the logs: the loss curves of both
-   runs, the activation memory each kept for backward, and the bits of the modules the drift
-   checks escalated.
+   runs, the activation memory each kept for backward, the mean bits, and the bits of the
+   modules the drift checks moved (up, and with ``drift.lower`` back down).
 
     python examples/demo.py [--config configs/int4_drift.yaml] [--seconds 120] [--threads 2]
 """
@@ -81,6 +81,7 @@ class Curves(PrintLoss):
         self.kept: list[int] = []
         self.uncompressed: list[int] = []
         self.bits: list[dict[str, int]] = []
+        self.bits_mean: list[float] = []  # weighted by the bytes each module saves
 
     def validate(self, model: CharGPT, step: int) -> None:
         t0 = time.perf_counter()
@@ -99,6 +100,7 @@ class Curves(PrintLoss):
         self.kept.append(stats.forward_stored)
         self.uncompressed.append(stats.forward_original)
         self.bits.append(self.memopt.bits)
+        self.bits_mean.append(self.memopt.memopt.bits_mean)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -118,7 +120,7 @@ class Demo:
     baseline: Curves
     seconds_per_step: dict[str, float]
     retained: dict[str, int]  # bytes kept for backward after one forward (the meter's reading)
-    checks: list[dict[str, Any]]  # the drift history: step, round_max, escalated {fqn: (old, new)}
+    checks: list[dict[str, Any]]  # drift history: step, round_max, escalated/lowered {fqn: (a, b)}
     drift: DriftConfig
     config: str
 
@@ -159,7 +161,7 @@ def moving_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def escalated_modules(bits: list[dict[str, int]]) -> list[str]:
+def moved_modules(bits: list[dict[str, int]]) -> list[str]:
     """The modules whose bits changed during training, in the model's order."""
     if not bits:
         return []
@@ -167,18 +169,20 @@ def escalated_modules(bits: list[dict[str, int]]) -> list[str]:
 
 
 def plot_demo(demo: Demo, path: Path) -> Path:
-    """``demo.png``: loss, activation memory kept for backward, drift checks and bits, by step."""
-    escalated = escalated_modules(demo.memopt.bits)
-    heights = [3.0, 1.7, 1.3, 0.6 + 0.24 * max(2, len(escalated))]
+    """``demo.png``: loss, activation memory kept for backward, drift checks, mean bits and the
+    bits of the modules that moved, by step."""
+    moved = moved_modules(demo.memopt.bits)
+    heights = [3.0, 1.7, 1.3, 1.1, 0.6 + 0.24 * max(2, len(moved))]
     steps = len(demo.memopt.losses)
     with style.chart(path, (10.0, sum(heights) + 1.0)) as fig:
-        loss_ax, memory_ax, drift_ax, bits_ax = fig.subplots(
-            4, 1, sharex=True, gridspec_kw={"height_ratios": heights}
+        loss_ax, memory_ax, drift_ax, mean_ax, bits_ax = fig.subplots(
+            5, 1, sharex=True, gridspec_kw={"height_ratios": heights}
         )
         plot_loss(loss_ax, demo)
         plot_memory(memory_ax, demo)
         plot_drift(drift_ax, demo)
-        plot_bits(bits_ax, demo, escalated)
+        plot_mean_bits(mean_ax, demo)
+        plot_bits(bits_ax, demo, moved)
         bits_ax.set_xlabel("optimizer step")
         bits_ax.set_xlim(-0.012 * steps, 1.012 * steps)
         fig.suptitle(
@@ -259,20 +263,26 @@ def plot_memory(ax: Any, demo: Demo) -> None:
 
 def plot_drift(ax: Any, demo: Demo) -> None:
     drift = demo.drift
+
+    def kind(check: dict[str, Any]) -> str:
+        return "up" if check["escalated"] else "down" if check.get("lowered") else "calm"
+
     found = [
-        (c["step"], c["round_max"][0] if c["round_max"] else c["max"], bool(c["escalated"]))
-        for c in demo.checks
+        (c["step"], c["round_max"][0] if c["round_max"] else c["max"], kind(c)) for c in demo.checks
     ]
     ax.axhline(
         drift.threshold, color=style.LIMIT, ls="--", lw=1, label=f"threshold {drift.threshold:g}"
     )
-    for escalating, marker, color, label in (
-        (False, "o", "0.5", "check: all under it"),
-        (True, "^", style.LIMIT, "check: modules over it escalated"),
+    for what, marker, color, label in (
+        ("calm", "o", "0.5", "check: all under it"),
+        ("up", "^", style.LIMIT, "check: modules over it escalated"),
+        ("down", "v", style.MEMOPT, "check: calm modules lowered"),
     ):
+        if what == "down" and not drift.lower:
+            continue
         ax.scatter(
-            [s for s, _, e in found if e == escalating],
-            [d for _, d, e in found if e == escalating],
+            [s for s, _, k in found if k == what],
+            [d for _, d, k in found if k == what],
             marker=marker,
             color=color,
             s=24,
@@ -281,15 +291,42 @@ def plot_drift(ax: Any, demo: Demo) -> None:
         )
     ax.set_ylim(0, max([d for _, d, _ in found] + [drift.threshold]) * 1.4)
     ax.set_ylabel(f"max drift\n({drift.metric})")
-    escalating = sum(e for *_, e in found)
+    up = sum(k == "up" for *_, k in found)
+    down = sum(k == "down" for *_, k in found)
     ax.set_title(
         f"Drift checks every {drift.check_every} steps: the largest drift of any module at each; "
-        f"{escalating} of the {len(found)} checks escalated modules"
+        f"{up} of the {len(found)} checks escalated modules"
+        + (f", {down} lowered some" if drift.lower else "")
     )
     ax.legend(ncols=3, loc="upper right")
 
 
-def plot_bits(ax: Any, demo: Demo, escalated: list[str]) -> None:
+def plot_mean_bits(ax: Any, demo: Demo) -> None:
+    run = demo.memopt
+    values = run.bits_mean
+    ax.plot(range(len(values)), values, color=style.MEMOPT, lw=1.8, drawstyle="steps-post")
+    top = max(values)
+    peak = values.index(top)
+    ax.annotate(
+        f"{values[0]:.2f} at the start, {top:.2f} at the most (step {peak}), {values[-1]:.2f} at "
+        "the end",
+        (len(values) - 1, values[-1]),
+        xytext=(0, 4),
+        textcoords="offset points",
+        ha="right",
+        va="bottom",
+        color=style.ink(style.MEMOPT, 0.2),
+        fontsize=8.5,
+    )
+    low = min(values)
+    ax.set_ylim(max(0.0, low - 1), top + 0.45 * (top - low + 2))
+    ax.set_ylabel("bits")
+    ax.set_title(
+        "Mean bits of the compressed modules, weighted by the bytes each saves (memopt/bits_mean)"
+    )
+
+
+def plot_bits(ax: Any, demo: Demo, moved: list[str]) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -298,12 +335,12 @@ def plot_bits(ax: Any, demo: Demo, escalated: list[str]) -> None:
     ax.grid(False)
     for check in demo.checks:
         ax.axvline(check["step"], color="0.25", alpha=0.6, lw=0.7, ls=":", zorder=3)
-    if not escalated:
+    if not moved:
         ax.set_yticks([])
         ax.text(
             0.5,
             0.5,
-            f"no drift check escalated a module: all {total} kept their bits",
+            f"no drift check moved a module: all {total} kept their bits",
             transform=ax.transAxes,
             ha="center",
             va="center",
@@ -311,7 +348,7 @@ def plot_bits(ax: Any, demo: Demo, escalated: list[str]) -> None:
         ax.set_title("Bits of the compressed modules (dotted lines: the drift checks)")
         return
     shown: set[int] = set()
-    for row, fqn in enumerate(escalated):
+    for row, fqn in enumerate(moved):
         series = [step[fqn] for step in bits]
         start = 0
         for i in range(1, len(series) + 1):
@@ -339,13 +376,11 @@ def plot_bits(ax: Any, demo: Demo, escalated: list[str]) -> None:
         ncols=len(shown) + 1,
         loc="outside lower center",
     )
-    ax.set_yticks(
-        range(len(escalated)), [fqn.removeprefix("model.") for fqn in escalated], fontsize=8
-    )
-    ax.set_ylim(len(escalated) - 0.5, -0.5)
+    ax.set_yticks(range(len(moved)), [fqn.removeprefix("model.") for fqn in moved], fontsize=8)
+    ax.set_ylim(len(moved) - 0.5, -0.5)
     ax.set_title(
-        f"Bits of the {len(escalated)} modules the drift checks escalated "
-        f"(the other {total - len(escalated)} kept theirs)"
+        f"Bits of the {len(moved)} modules the drift checks moved "
+        f"(the other {total - len(moved)} kept theirs)"
     )
 
 
@@ -414,7 +449,9 @@ def main(argv: list[str] | None = None) -> Demo:
     fit.fit(model, train)
     memopt_seconds = time.perf_counter() - t0 - curves.eval_seconds
     steps = fit.global_step
-    escalations = int(memopt.state_dict()["drift"]["escalations"])
+    drift_state = memopt.state_dict()["drift"]
+    escalations = int(drift_state["escalations"])
+    deescalations = int(drift_state["lowering"]["deescalations"])
     final_bits = sorted(set(memopt.bits.values()))
 
     section(f"baseline: the same {steps} steps without memopt")
@@ -452,7 +489,13 @@ def main(argv: list[str] | None = None) -> Demo:
     print(
         f"activation memory kept for backward: {with_memopt.retained / MIB:.1f} MiB with memopt, "
         f"{baseline.retained / MIB:.1f} MiB without; bits at the end: "
-        f"{'/'.join(map(str, final_bits))}; escalations: {escalations}"
+        f"{'/'.join(map(str, final_bits))}; escalations: {escalations}, lowerings: "
+        f"{deescalations}"
+    )
+    means = curves.bits_mean
+    print(
+        f"mean bits (weighted by saved bytes): {means[0]:.2f} at the first step, "
+        f"{max(means):.2f} at the most, {means[-1]:.2f} at the last"
     )
     print(
         f"held by memopt's hooks: {curves.kept[0] / MIB:.1f} MiB at the first step, "
