@@ -167,8 +167,10 @@ def _compressed(t: torch.Tensor) -> tuple[object, Any] | None:
     """``(payload, unpack)`` when memopt's compression hooks are the active saved-tensor hooks
     and compress ``t``, else ``None``: saved as autograd saves it (other hooks, such as
     checkpointing's, count on their own order of saves, so they are never called here)."""
+    if torch.compiler.is_compiling():  # traced: the compiler decides what is saved
+        return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None or torch.compiler.is_compiling() or not _memopt_pack(hooks[0]):
+    if hooks is None or not _memopt_pack(hooks[0]):
         return None
     payload = hooks[0](t)  # kept as it is, a second call (save_for_backward) finds it cached
     return (payload, hooks[1]) if isinstance(payload, _Saved) else None
@@ -194,6 +196,8 @@ def _memopt_pack(pack: Any) -> bool:
 def _relu_mask(x: torch.Tensor) -> None:
     """``x`` is read by a lean max-pool: if a lean ReLU made it and holds it compressed, give
     that ReLU a 1-bit mask of ``x > 0`` instead (exact, and 1/32 of ``x``'s fp32 bytes)."""
+    if torch.compiler.is_compiling():
+        return
     node = x.grad_fn
     if type(node) is not _ReLU._backward_cls or getattr(node, "box", None) is None:
         return
