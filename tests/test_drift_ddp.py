@@ -6,6 +6,8 @@ import copy
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +33,46 @@ def _data(rank: int) -> torch.Tensor:
     return torch.randint(0, 4, (16, 256), generator=g).float()
 
 
+@contextmanager
+def _group(rank: int, out: str) -> Iterator[None]:
+    """A gloo group of WORLD processes through a file store (no port to race for)."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(out) / 'store'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _leave() -> None:
+    """Leave without interpreter finalization, as a fork-started process does (``os._exit``): a
+    spawned process that ran gloo aborted there about 1 run in 100, after its results were
+    written and the group destroyed (atexit handlers had run; "terminate called without an
+    active exception", no Python frame: a C++ thread torn down at exit, in torch, not memopt)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _spawn(worker: Callable[[int, str], None], tmp_path: Path) -> list[dict]:
+    """Run ``worker(rank, out)`` on WORLD spawned processes; what each saved, by rank."""
+    ctx = mp.start_processes(
+        worker, args=(str(tmp_path),), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 300  # a hung collective fails sooner: the 30 s group timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {WORLD}-process drift checks did not finish within 300 s")
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
 def _worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -43,14 +85,7 @@ def _worker(rank: int, out: str) -> None:
     alone.apply(alone_model)
     alone_report = alone.check_drift(lambda: alone_model(x).square().mean())
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{Path(out) / 'store'}",  # no port to race for
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=30),
-    )
-    try:
+    with _group(rank, out):
         opt = MemoryOptimizer(CONFIG)
         opt.apply(model)  # before wrapping, as the integrations do
         ddp = DistributedDataParallel(model)
@@ -70,29 +105,12 @@ def _worker(rank: int, out: str) -> None:
             },
             Path(out) / f"rank{rank}.pt",
         )
-    finally:
-        dist.destroy_process_group()
-    # Leave without interpreter finalization, as a fork-started process does (``os._exit``): a
-    # spawned process that ran gloo aborted there about 1 run in 100, after its results were
-    # written and the group destroyed (atexit handlers had run; "terminate called without an
-    # active exception", no Python frame: a C++ thread torn down at exit, in torch, not memopt).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave()
 
 
 @pytest.mark.slow
 def test_ranks_agree_on_an_escalation_only_one_rank_would_trigger(tmp_path):
-    ctx = mp.start_processes(
-        _worker, args=(str(tmp_path),), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 300  # a hung collective fails sooner: the 30 s group timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process drift check did not finish within 300 s")
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    r0, r1 = _spawn(_worker, tmp_path)
 
     # alone, only rank 0 would escalate; rank 1's gradients are exact at 2 bits
     assert r0["alone_drift"] > 0.5 and r0["alone_escalated"]["0"][0] == 2
@@ -130,37 +148,17 @@ def _both_ways_worker(rank: int, out: str) -> None:
         return opt.bits, [(r.lowered, r.escalated, r.budget) for r in reports]
 
     alone = {name: run(config) for name, config in (("lower", LOWER), ("budget", BUDGET))}
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{Path(out) / 'store'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=30),
-    )
-    try:
+    with _group(rank, out):
         together = {name: run(config) for name, config in (("lower", LOWER), ("budget", BUDGET))}
         torch.save({"alone": alone, "together": together}, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave()
 
 
 @pytest.mark.slow
 def test_ranks_agree_on_lowering_and_on_the_budget(tmp_path):
     """Alone, rank 1 (exact at 2 bits) would lower module 0 to 2 bits and spend the budget
     elsewhere than rank 0; together both take the max drift over ranks and decide the same."""
-    ctx = mp.start_processes(
-        _both_ways_worker, args=(str(tmp_path),), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process checks did not finish within 300 s")
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    r0, r1 = _spawn(_both_ways_worker, tmp_path)
     for name in ("lower", "budget"):
         assert r0["together"][name] == r1["together"][name], name
     # alone the ranks differ: rank 1 lowers to the floor, rank 0 cannot go as far
