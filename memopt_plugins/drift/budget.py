@@ -13,10 +13,15 @@ measured, stays the hard cap.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import HALF_BITS, OFF_BITS
+from ..distributed import is_rank_zero
+from .report import BUDGET_TOLERANCE
+
+log = logging.getLogger("memopt")
 
 #: Relative step of a bfloat16 copy: 8 significant bits, rounded to nearest per value (about
 #: half an 8-bit group code's step relative to the values it holds).
@@ -113,5 +118,33 @@ def solve(
         total += extra
 
 
-def mib(nbytes: float) -> str:
+def log_outcome(priced: Pricing, kept: float, held: Sequence[str], floor: int, step: int) -> None:
+    """The check's line on the budget (rank 0): the bytes the bits keep (INFO), or by how much
+    they miss it and the modules ``drift.threshold`` holds above ``floor`` bits (WARNING)."""
+    if not is_rank_zero():
+        return
+    target, scale = priced.target * priced.scale, priced.scale
+    share = kept / priced.target if priced.target else float("inf")
+    if share <= 1 + BUDGET_TOLERANCE:
+        log.info(
+            "memopt: quantize.budget %s: the bits keep %s (%.1f%%) at step %d",
+            _mib(target),
+            _mib(kept * scale),
+            100 * share,
+            step,
+        )
+        return
+    log.warning(
+        "memopt: quantize.budget %s missed by %s (%.1f%%) at step %d: %s",
+        _mib(target),
+        _mib((kept - priced.target) * scale),
+        100 * (share - 1),
+        step,
+        "drift.threshold holds " + ", ".join(f or "<root>" for f in held)
+        if held
+        else f"the modules keep more even at {floor} bits",
+    )
+
+
+def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"

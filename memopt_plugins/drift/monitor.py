@@ -15,7 +15,7 @@ from torch import nn
 from ..config import OFF_BITS, DriftConfig
 from ..distributed import is_rank_zero, max_over_ranks
 from ..measure import eagerly
-from .budget import Pricing, mib, solve, step_size
+from .budget import Pricing, log_outcome, solve, step_size
 from .judges import PARAMS, TENSORS, Judge, find_judges, module_drifts
 from .passes import (
     CheckedParameters,
@@ -28,7 +28,6 @@ from .passes import (
     summed_over_shards,
 )
 from .report import (
-    BUDGET_TOLERANCE,
     HISTORY_LIMIT,
     NEGLIGIBLE,
     DriftReport,
@@ -410,7 +409,9 @@ class DriftMonitor:
         if reverted and calm is not None:  # the last probe's bits are gone: the calm pass's
             per_module, unmeasured = calm
         kept = priced.total(current)
-        self._log_budget(priced, kept, current, step)
+        floor = cfg.ladder[0]
+        held = sorted(f for f, (w, _) in self.held.items() if current.get(f, floor) > floor)
+        log_outcome(priced, kept, held, floor, step)
         return per_module, unmeasured, (priced.target * priced.scale, kept * priced.scale)
 
     def _learn(
@@ -474,33 +475,6 @@ class DriftMonitor:
                 "-" if sensitivity is None else f"{sensitivity * step_size(new):.4f}",
                 new,
             )
-
-    def _log_budget(self, priced: Pricing, kept: float, bits: Mapping[str, int], step: int) -> None:
-        if not is_rank_zero():
-            return
-        target, scale = priced.target * priced.scale, priced.scale
-        share = kept / priced.target if priced.target else float("inf")
-        if share <= 1 + BUDGET_TOLERANCE:
-            log.info(
-                "memopt: quantize.budget %s: the bits keep %s (%.1f%%) at step %d",
-                mib(target),
-                mib(kept * scale),
-                100 * share,
-                step,
-            )
-            return
-        floor = self.config.ladder[0]
-        held = sorted(f for f, (w, _) in self.held.items() if bits.get(f, floor) > floor)
-        log.warning(
-            "memopt: quantize.budget %s missed by %s (%.1f%%) at step %d: %s",
-            mib(target),
-            mib((kept - priced.target) * scale),
-            100 * (share - 1),
-            step,
-            "drift.threshold holds " + ", ".join(f or "<root>" for f in held)
-            if held
-            else f"the modules keep more even at {floor} bits",
-        )
 
     def _record(self, report: DriftReport) -> DriftReport:
         self.last = report
