@@ -36,7 +36,9 @@ from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from .bits import BitTable
 from .codec import (
     NoiseGenerators,
+    codec_generator,
     dequantize,
+    draw_seed,
     narrow_int,
     packed_nbytes,
     quantize,
@@ -144,11 +146,13 @@ class SavedStats:
     ``held_bytes`` is live: compact payloads still referenced by autograd (freed after backward).
     ``forward_original``/``forward_stored`` cover the tensors the eager hooks saw during the last
     forward pass (every saved tensor that reached them: compressed or kept as it is; parameters
-    excluded). ``compiled`` holds, per compiled frame, the same two counts for what its graph
-    saves at each call, from the sizes its pack hooks were traced with (the graph packs inside,
-    where nothing is counted); ``saved_original``/``saved_stored`` add both. ``modules`` holds
-    the eager counts per compression scope (:class:`ModuleSaved`, each tensor under the innermost
-    scope it was saved in) of the last forward; a compiled graph's modules are not in it.
+    excluded). ``compiled`` holds, per compiled graph, the same two counts for what it saved in
+    the last forward: the sizes its pack hooks were traced with (the graph packs inside, where
+    nothing is counted) times the calls of the graph (one graph may serve every block), what it
+    saves as it is included (:mod:`.graph_count`); ``saved_original``/``saved_stored`` add both.
+    ``modules`` holds the eager counts per compression scope (:class:`ModuleSaved`, each tensor
+    under the innermost scope it was saved in) of the last forward; a compiled graph's modules
+    are not in it.
     """
 
     held_bytes: int = 0
@@ -161,17 +165,17 @@ class SavedStats:
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
 
-    def snapshot(self) -> tuple[int, int, int]:
+    def snapshot(self) -> tuple:
         """The per-forward counts, for :meth:`restore` (``held_bytes`` is live and not kept)."""
-        return (self.forward_original, self.forward_stored, self.forward_tensors)
+        return (self.forward_original, self.forward_stored, self.forward_tensors, self.compiled)
 
-    def restore(self, snapshot: tuple[int, int, int]) -> None:
+    def restore(self, snapshot: tuple) -> None:
         """Put back per-forward counts taken by :meth:`snapshot` (after an extra pass)."""
-        self.forward_original, self.forward_stored, self.forward_tensors = snapshot
+        self.forward_original, self.forward_stored, self.forward_tensors, self.compiled = snapshot
 
     def start_forward(self) -> None:
         """A new forward begins: its counts start from zero."""
-        self.restore((0, 0, 0))
+        self.restore((0, 0, 0, {}))  # a new dict: ``compiled`` is replaced, never changed
         self.modules = {}  # a new dict: a snapshot holding the old one keeps it
 
     @property
@@ -253,10 +257,17 @@ class CompressionHooks:
             min_numel=self.min_numel,
             eager_pack=self.pack,
             eager_unpack=self.unpack,
+            draw_seed=self._draw_graph_seed if self.stochastic else None,
         )
         self._watch = ScopeTracker.of(root).watch(self, fqns)
         self._running = RunningParameters(root)
         self._running.sync()
+
+    def _draw_graph_seed(self) -> int:
+        """A seed for a compiled graph's rounding noise, from the CPU generator (on the host,
+        whatever the graph's device: no wait on a GPU)."""
+        cpu = torch.device("cpu")
+        return draw_seed(self.noise(cpu) if self.noise else codec_generator(cpu))
 
     def remove(self) -> None:
         if self._watch is not None:
@@ -267,6 +278,8 @@ class CompressionHooks:
             self._running = None
         self._cache.clear()
         self._storages = None
+        if self._graph is not None:
+            self._graph.close()
         self._graph = None
 
     @contextmanager
@@ -336,6 +349,7 @@ class CompressionHooks:
                 self._counting.pop()
             if not scopes:
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
+                self._graph.forward_done(output)
                 if not self._compiled_noted:
                     self._note_compiled()
 
@@ -348,13 +362,15 @@ class CompressionHooks:
         self._compiled_noted = True
         log.info(
             "memopt: %d compressed modules ran inside torch.compile'd graphs (%s%s); the graphs "
-            "compress what they save at those modules' bits, rounded to nearest (not "
-            "stochastically), NaN/Inf groups decoded as NaN, what a graph takes as input saved "
-            "as it is, and memopt's byte counters do not see it; a change of bits recompiles "
-            "them (README: torch.compile)",
+            "compress what they save at those modules' bits (stochastic rounding, where "
+            "configured, seeded at every run from memopt's generator), NaN/Inf groups decoded "
+            "as NaN; parameters and "
+            "buffers never; %s in this forward; a change of bits recompiles them (README: "
+            "torch.compile)",
             len(traced),
             ", ".join(f or "<root>" for f in traced[:3]),
             ", ..." if len(traced) > 3 else "",
+            self._graph.kept_text(),
         )
 
     # ----------------------------------------------------------------- pack / unpack

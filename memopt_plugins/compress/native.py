@@ -201,7 +201,7 @@ def decode(
 def graph_params(
     mins: torch.Tensor, maxs: torch.Tensor, bits: int, first: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bfloat16 scale and uint8 zero point that :func:`.graph.encode` stores for groups of
+    """The bfloat16 scale and uint8 zero point that :func:`.graph_codec.encode` stores for groups of
     ``dtype`` values with float32 minima ``mins`` and maxima ``maxs``
     (:func:`.reference.graph_params`, in the same bits)."""
     lib = library()

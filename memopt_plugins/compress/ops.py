@@ -1,6 +1,6 @@
-"""The codec as PyTorch operators: ``memopt::quantize`` and ``memopt::dequantize`` (and
-``memopt::graph_params``, the group parameters of the codec that compiled graphs run,
-:mod:`.graph`).
+"""The codec as PyTorch operators: ``memopt::quantize`` and ``memopt::dequantize`` (and, for
+the codec that compiled graphs run (:mod:`.graph_codec`), ``memopt::graph_params``, its group
+parameters, and ``memopt::graph_seed``, the seed of its rounding noise at each run).
 
 Operators (``torch.library.custom_op``) are what ``torch.compile`` can trace: each has a fake
 implementation that states the shapes of its outputs, so a compiled graph can quantize a saved
@@ -239,6 +239,46 @@ def _graph_params_fake(
     mins: torch.Tensor, maxs: torch.Tensor, bits: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(mins, dtype=torch.bfloat16), torch.empty_like(mins, dtype=torch.uint8)
+
+
+#: Where compiled graphs draw their rounding seeds (:func:`graph_seed`), by key.
+_SEED_SOURCES: dict[int, Callable[[], int]] = {}
+
+
+def add_seed_source(draw: Callable[[], int]) -> int:
+    """Register ``draw`` (a host-side draw of one seed) for :func:`graph_seed`; its key."""
+    key = max(_SEED_SOURCES, default=0) + 1
+    _SEED_SOURCES[key] = draw
+    return key
+
+
+def remove_seed_source(key: int) -> None:
+    _SEED_SOURCES.pop(key, None)
+
+
+def graph_seed(anchor: torch.Tensor, source: int) -> torch.Tensor:
+    """A fresh seed for the rounding noise of one tensor a compiled graph saves, at every run
+    of the graph: one draw of seed source ``source`` (the hooks' generator, on the host: never
+    the global RNG, and no wait on the device), as an int64 scalar on ``anchor``'s device.
+    ``anchor`` (a small tensor of the graph) places the call after it; its values are unread.
+    A graph whose source was removed (memopt taken off) rounds with seed 0."""
+    draw = _SEED_SOURCES.get(source)
+    return torch.tensor(0 if draw is None else draw(), dtype=torch.int64, device=anchor.device)
+
+
+#: The operator compiled graphs call: opaque, and tagged as seeded noise, so that no pass of the
+#: compiler folds it into a constant or merges two calls.
+graph_seed_op = torch.library.custom_op(
+    "memopt::graph_seed",
+    graph_seed,
+    mutates_args=(),
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
+
+
+@graph_seed_op.register_fake
+def _graph_seed_fake(anchor: torch.Tensor, source: int) -> torch.Tensor:
+    return anchor.new_empty((), dtype=torch.int64)
 
 
 def dequantize(

@@ -172,9 +172,10 @@ def group_params(mn: torch.Tensor, mx: torch.Tensor, bits: int, dtype: torch.dty
 def graph_params(
     mn: torch.Tensor, mx: torch.Tensor, bits: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bfloat16 scale and uint8 zero point that compiled graphs store (:func:`.graph.encode`):
-    :func:`group_params`'s, except that a group kept exactly here (or a constant that is not
-    finite) gets scale 0 and the top code, which decode to NaN."""
+    """The bfloat16 scale and uint8 zero point that compiled graphs store
+    (:func:`.graph_codec.encode`): :func:`group_params`'s, except that a group kept exactly
+    here (or a constant that is not finite) gets scale 0 and the top code, which decode to
+    NaN."""
     params = group_params(mn, mx, bits, dtype)
     lost = params.exact | (params.const & ~torch.isfinite(mx))
     scale = torch.where(lost, 0.0, params.scale.to(mn.dtype)).to(torch.bfloat16)

@@ -1,0 +1,204 @@
+"""What compiled compression keeps, against the compiled baseline (issue 30's table).
+
+Hugging Face GPT-2 (4 layers x 256, batch 8 x 256, vocabulary 2048, no dropout by default),
+eager / per-block ``block.compile()`` / ``model.transformer.compile()`` / whole ``model.compile()``,
+without memopt and with it (int8 nearest by default). Each reading runs in a fresh process with
+malloc told to return freed memory (DESIGN.md "Measuring memory"): two warm-up steps (the first
+compiles), then the retained memory of one forward read from the process (RSS), the packed bytes
+the eager hooks hold, memopt's ``SavedStats`` and, walking the autograd graph, the bytes of the
+distinct storages every compiled region keeps for backward (``--detail`` lists them).
+
+    .venv/bin/python benchmarks/compiled_gap.py                  # the table, markdown
+    .venv/bin/python benchmarks/compiled_gap.py --modes per-block --detail
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
+MODES = ("eager", "per-block", "body", "whole")
+MIB = 2**20
+
+
+def build(args: argparse.Namespace):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=args.seq,
+        n_embd=args.dim,
+        n_layer=args.layers,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    cfg._attn_implementation = "eager"
+    model = GPT2LMHeadModel(cfg)
+    batch = torch.randint(0, args.vocab, (args.batch, args.seq))
+    return model, batch
+
+
+def compile_model(model, mode: str) -> None:
+    if mode == "per-block":
+        for block in model.transformer.h:
+            block.compile()
+    elif mode == "body":
+        model.transformer.compile()
+    elif mode == "whole":
+        model.compile()
+
+
+def compiled_saved(loss) -> list[dict]:
+    """Every distinct storage the compiled regions' autograd nodes keep for backward."""
+    seen, rows, stack, visited = set(), [], [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+        if "CompiledFunction" not in type(node).__name__:
+            continue
+        for t in (*node.saved_tensors, *getattr(node, "_tensors_no_vc_check", ())):
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append(
+                {
+                    "node": type(node).__name__,
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "bytes": t.numel() * t.element_size(),
+                    "storage": storage.nbytes(),
+                }
+            )
+    return rows
+
+
+def run_case(args: argparse.Namespace) -> dict:
+    import torch
+
+    from memopt_plugins import MemoryOptimizer
+    from memopt_plugins.profiler.meter import MemoryMeter
+
+    torch.set_num_threads(args.threads)
+    model, batch = build(args)
+    opt = None
+    if args.bits < 32:
+        quantize = {"bits": args.bits, "rounding": args.rounding}
+        opt = MemoryOptimizer({"quantize": quantize, "drift": {"enabled": False}})
+        opt.apply(model)
+    compile_model(model, args.mode)
+
+    def loss():
+        return model(input_ids=batch, labels=batch).loss
+
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss().backward()
+    stats = opt.hooks.stats if opt is not None else None
+    meter = MemoryMeter("cpu")
+    readings = [meter.measure(loss, stats) for _ in range(2)]
+    reading = min(readings, key=lambda r: r.retained)
+    out = {"retained": reading.retained, "peak": reading.peak, "packed": reading.packed}
+    held = loss()
+    rows = compiled_saved(held)
+    out["compiled_saved"] = sum(r["storage"] for r in rows)
+    out["compiled_rows"] = rows
+    if stats is not None:
+        out["stats"] = {
+            "eager_original": stats.forward_original,
+            "eager_stored": stats.forward_stored,
+            "compiled": {str(k): v for k, v in stats.compiled.items()},
+            "original": stats.saved_original,
+            "stored": stats.saved_stored,
+            "ratio": stats.forward_ratio,
+        }
+    del held
+    return out
+
+
+def case_in_child(args: argparse.Namespace, mode: str, bits: int) -> dict:
+    command = [sys.executable, __file__, "--case", mode, "--case-bits", str(bits)]
+    for flag in ("layers", "dim", "batch", "seq", "vocab", "threads", "rounding"):
+        command += [f"--{flag}", str(getattr(args, flag))]
+    env = {**os.environ, **MALLOC_ENV}
+    done = subprocess.run(command, check=True, env=env, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def detail(rows: list[dict]) -> str:
+    kinds = Counter()
+    for r in rows:
+        kinds[(r["dtype"], tuple(r["shape"]), r["storage"])] += 1
+    lines = []
+    for (dtype, shape, storage), n in sorted(kinds.items(), key=lambda kv: -kv[0][2] * kv[1]):
+        lines.append(f"    {n:3d} x {dtype:9s} {list(shape)!s:28s} {storage / MIB:8.3f} MiB")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bits", type=int, default=8)
+    parser.add_argument("--rounding", default="nearest")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--detail", action="store_true")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--case-bits", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        args.mode, args.bits = args.case, args.case_bits
+        print(json.dumps(run_case(args)))
+        return
+    print(
+        f"HF GPT-2 {args.layers} x {args.dim}, batch {args.batch} x {args.seq}, vocab {args.vocab},"
+        f" int{args.bits} {args.rounding}, {args.threads} thread(s)\n"
+    )
+    print(
+        "| mode | without memopt | with memopt | ratio | compiled saved (base -> memopt) "
+        "| SavedStats original -> stored | SavedStats ratio |"
+    )
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for mode in args.modes.split(","):
+        base = case_in_child(args, mode, 32)
+        ours = case_in_child(args, mode, args.bits)
+        held = max(ours["retained"], ours["packed"])
+        s = ours["stats"]
+        print(
+            f"| {mode} | {base['retained'] / MIB:.1f} MiB | {held / MIB:.1f} MiB "
+            f"| {base['retained'] / held:.2f}x "
+            f"| {base['compiled_saved'] / MIB:.1f} -> {ours['compiled_saved'] / MIB:.1f} MiB "
+            f"| {s['original'] / MIB:.1f} -> {s['stored'] / MIB:.1f} MiB | {s['ratio']:.2f}x |",
+            flush=True,
+        )
+        if args.detail:
+            print("  baseline compiled saved:\n" + detail(base["compiled_rows"]))
+            print("  memopt compiled saved:\n" + detail(ours["compiled_rows"]))
+            print("  stats:", {k: v for k, v in s.items()})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()
