@@ -54,6 +54,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 from ..config import HALF_BITS, OFF_BITS
@@ -96,17 +97,16 @@ class _SavedFilter:
 
     @classmethod
     def open(cls) -> None:
-        config = torch._functorch.config
         if cls._open == 0:
-            cls._previous = config.saved_tensors_hooks_filtering_mode
-            config.saved_tensors_hooks_filtering_mode = cls.MODE
+            cls._previous = functorch_config.saved_tensors_hooks_filtering_mode
+            functorch_config.saved_tensors_hooks_filtering_mode = cls.MODE
         cls._open += 1
 
     @classmethod
     def close(cls) -> None:
         cls._open -= 1
         if cls._open == 0:
-            torch._functorch.config.saved_tensors_hooks_filtering_mode = cls._previous
+            functorch_config.saved_tensors_hooks_filtering_mode = cls._previous
 
 
 def _views_an_input(node: torch.fx.Node, graph: torch.fx.Graph) -> bool:
