@@ -13,10 +13,13 @@ few steps after a warm-up, no profiler), so the price of the larger batch shows 
 Beside memopt: PyTorch's checkpoint around every block (non-reentrant). The lean-ops rows chunk
 the language models' loss head, fuse their chains and run their (eager-built) attention as SDPA,
 and swap the CNN's batch norms, convolutions, ReLUs and max-pool for the lean ones (``ops`` of
-the config). Writes ``fits.md`` and
-``fits.json`` to ``--out``.
+the config). Beside them, for GPT-2: torch.compile with and without its
+``activation_memory_budget``, each (method, batch) read in a fresh process (``COMPILED_NOTE``
+says how and why). Writes ``fits.md`` and ``fits.json`` to ``--out``; ``--compiled-only`` runs
+only the compiled rows and merges them into the fits.json there.
 
     python benchmarks/fits.py [--quick] [--out DIR] [--only gpt2,llama,resnet] [--threads N]
+                              [--compiled-only]
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import copy
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,7 +46,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from methods import checkpoint_blocks  # noqa: E402
+from memory_child import MALLOC_ENV  # noqa: E402
+from methods import checkpoint_blocks, inductor  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -53,6 +59,7 @@ from transformers import (  # noqa: E402
 
 from memopt_plugins import MemoryOptimizer  # noqa: E402
 from memopt_plugins.profiler.fit import resize_batch  # noqa: E402
+from memopt_plugins.profiler.meter import MemoryMeter  # noqa: E402
 from memopt_plugins.profiler.run import step_memory  # noqa: E402
 
 MIB = 1 << 20
@@ -164,6 +171,7 @@ class Row:
     batch: int = 0
     samples_per_s: float = 0.0
     peak_at_batch: int = 0
+    fits_compiled: float | None = None  # torch.compile rows: against the compiled baseline
 
 
 def _steps_per_second(model, batch, loss_fn, steps: int) -> float:
@@ -218,28 +226,139 @@ def run(names: list[str], quick: bool) -> list[Row]:
     return rows
 
 
-def markdown(rows: list[Row], quick: bool, seconds: float) -> str:
+#: torch.compile rows, on these models: (method, ``activation_memory_budget`` while compiling;
+#: ``None``: torch's default, 1.0; ``"eager"``: not compiled, the eager baseline read the same way)
+COMPILED_MODELS = ("gpt2",)
+COMPILED_METHODS: list[tuple[str, float | str | None]] = [
+    ("eager baseline, read as the compiled rows", "eager"),
+    ("torch.compile", None),
+    ("torch.compile activation_memory_budget 0.5", 0.5),
+    ("torch.compile activation_memory_budget 0.1", 0.1),
+]
+#: Steps before the readings (the first compiles); readings per process (the smallest is kept).
+COMPILE_WARMUP, READINGS = 2, 3
+COMPILED_NOTE = (
+    "The torch.compile rows are read differently, because a compiled step cannot be read on the "
+    "allocator's timeline: its per-module `record_function` hooks made the compiled model "
+    "recompile inside the measured step, and with `dynamic=True` the two batch sizes got "
+    "different partitions (an earlier try gave negative slopes). So each (method, batch) runs in "
+    "a fresh spawned process with glibc's malloc returning freed blocks at once "
+    "(`MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0`), the whole model is compiled "
+    "(inductor, `dynamic=False`: each batch size its own graphs) at the method's "
+    "`torch._functorch.config.activation_memory_budget`, runs "
+    f"{COMPILE_WARMUP} warm-up steps, and then {READINGS} steps, any recompile in them an error, "
+    "each read by the process's high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` "
+    "before the step, minus RSS before it; `MemoryMeter`), the smallest kept. The eager "
+    "baseline is read the same way (its row), and these rows' `fits` is against it, then in "
+    "brackets against the compiled baseline (DESIGN.md: under torch.compile, compare against the "
+    "compiled baseline). No samples/s (`-`): that needs a compile at the larger batch."
+)
+
+
+def compiled_child(key: str, budget: float | str | None, n: int, quick: bool) -> dict[str, int]:
+    """In the child process: ``key``'s model at batch ``n``, compiled at ``budget`` (or eager),
+    warmed up; ``{"peak", "retained"}``, the smallest of :data:`READINGS` steps' bytes."""
+    model, batch, loss_fn = MODELS[key].build(quick)
+    batch = resize_batch(batch, n)
+    backend = None
+    if budget != "eager":
+        backend = inductor(None if budget is None else float(budget))
+        model.compile(backend=backend, dynamic=False)
+    for _ in range(COMPILE_WARMUP):
+        loss_fn(model, batch).backward()  # the gradients stay allocated: they cancel
+    if backend is not None and not backend.graphs:
+        raise RuntimeError("torch.compile compiled no graph: the model ran eagerly")
+    meter = MemoryMeter("cpu")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        readings = [meter.measure(lambda: loss_fn(model, batch)) for _ in range(READINGS)]
+    return {"peak": min(r.peak for r in readings), "retained": min(r.retained for r in readings)}
+
+
+def _compiled_reading(key: str, budget: Any, n: int, quick: bool) -> dict[str, int]:
+    """:func:`compiled_child` in a fresh interpreter (this script with ``--child``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "reading.json"
+        child = {"key": key, "budget": budget, "n": n, "quick": quick}
+        command = [sys.executable, __file__, "--child", json.dumps(child), "--out", str(target)]
+        command += ["--threads", str(torch.get_num_threads())]
+        subprocess.run(command, check=True, env={**os.environ, **MALLOC_ENV})
+        print(f"  {key} budget {budget} batch {n}: {target.read_text()}", flush=True)
+        return json.loads(target.read_text())
+
+
+def compiled_rows(names: list[str], quick: bool) -> list[Row]:
+    """The :data:`COMPILED_METHODS` rows of the :data:`COMPILED_MODELS` among ``names``."""
+    rows: list[Row] = []
+    for key in [k for k in names if k in COMPILED_MODELS]:
+        spec = MODELS[key]
+        _, batch, _ = spec.build(quick)
+        n = len(batch)
+        read: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+        for method, budget in COMPILED_METHODS:
+            read[method] = (_compiled_reading(key, budget, n, quick),
+                            _compiled_reading(key, budget, n // 2, quick))  # fmt: skip
+            big, small = read[method]
+            per = {k: (big[k] - small[k]) / (n - n // 2) for k in ("peak", "retained")}
+            if per["peak"] <= 0:
+                raise RuntimeError(f"{spec.name} {method}: peak per sample {per['peak']} <= 0")
+            row = Row(spec.name, method, per["peak"], per["retained"], peak_at_batch=big["peak"])
+            rows.append(row)
+        eager, compiled = rows[-len(COMPILED_METHODS)], rows[-len(COMPILED_METHODS) + 1]
+        for row in rows[-len(COMPILED_METHODS) :]:
+            row.fits = eager.peak_per_sample / row.peak_per_sample
+            row.fits_compiled = compiled.peak_per_sample / row.peak_per_sample
+            row.batch = max(1, int(n * row.fits))
+            print(
+                f"{spec.name:16s} {row.method:44s} peak/sample {row.peak_per_sample / MIB:7.3f} "
+                f"MiB  fits {row.fits:5.2f}x ({row.fits_compiled:5.2f}x vs compiled)  "
+                f"peak at {n}: {row.peak_at_batch / MIB:.1f} MiB",
+                flush=True,
+            )
+    return rows
+
+
+def markdown(rows: list[Row], quick: bool, seconds: float, source: str | None = None) -> str:
+    """The table; ``source`` replaces the first sentence (which run made which rows)."""
+    ran = (
+        "Generated by `benchmarks/fits.py`" + (" --quick" if quick else "") + f" on "
+        f"{torch.get_num_threads()} CPU threads in {seconds / 60:.1f} min (the module docstring "
+        "says how)."
+    )
     out = [
         "# What fits: the step's peak per sample",
         "",
-        "Generated by `benchmarks/fits.py`" + (" --quick" if quick else "") + f" on "
-        f"{torch.get_num_threads()} CPU threads in {seconds / 60:.1f} min (the module docstring "
-        "says how). `fits`: how many times larger a batch fits in the memory the baseline's "
-        "step needs at the model's batch (the baseline's peak per sample over the method's); "
-        "`samples/s` at that batch. Per sample: the slope between the model's batch and its "
-        "half (16 and 8 for GPT-2 and Llama, 64 and 32 for the ResNet), on the allocator's "
-        "timeline.",
+        (source or ran) + " `fits`: how many times larger a batch fits in the memory the "
+        "baseline's step needs at the model's batch (the baseline's peak per sample over the "
+        "method's); `samples/s` at that batch. Per sample: the slope between the model's batch "
+        "and its half (16 and 8 for GPT-2 and Llama, 64 and 32 for the ResNet), on the "
+        "allocator's timeline.",
+        "",
+        COMPILED_NOTE,
         "",
         "| model | method | peak / sample | retained / sample | fits | batch | samples/s |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        fits = f"{r.fits:.2f}x"
+        if r.fits_compiled is not None:
+            fits += f" ({r.fits_compiled:.2f}x)"
+        speed = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
         out.append(
             f"| {r.model} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
-            f"{r.retained_per_sample / MIB:.3f} MiB | {r.fits:.2f}x | {r.batch} | "
-            f"{r.samples_per_s:.1f} |"
+            f"{r.retained_per_sample / MIB:.3f} MiB | {fits} | {r.batch} | {speed} |"
         )
     return "\n".join(out) + "\n"
+
+
+def merged(old: list[Row], new: list[Row]) -> list[Row]:
+    """``old`` with ``new``'s rows in place of those of the same model and method, and the rest
+    of ``new`` after its model's last row (or at the end)."""
+    fresh = {(r.model, r.method): r for r in new}
+    rows = [fresh.pop((r.model, r.method), r) for r in old]
+    for row in fresh.values():
+        after = [i for i, r in enumerate(rows) if r.model == row.model]
+        rows.insert(after[-1] + 1 if after else len(rows), row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,18 +367,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE), help="folder for fits.md and fits.json")
     parser.add_argument("--only", default=",".join(MODELS), help="models, comma-separated")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
+    parser.add_argument(
+        "--compiled-only",
+        action="store_true",
+        help="only the torch.compile rows, merged into the --out folder's fits.json",
+    )
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # compiled_child's JSON
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.child is not None:  # one compiled reading, written to --out (a file)
+        Path(args.out).write_text(json.dumps(compiled_child(**json.loads(args.child))))
+        return 0
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"--only: unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     start = time.perf_counter()
-    rows = run(names, args.quick)
     out = Path(args.out)
+    source = None
+    if args.compiled_only:
+        rows = compiled_rows(names, args.quick)
+        old = json.loads((out / "fits.json").read_text())
+        rows = merged([Row(**r) for r in old], rows)
+        # the header's first paragraph, less this sentence from an earlier --compiled-only run
+        kept = (out / "fits.md").read_text().split("\n")[2].split(" The other rows: ")[-1]
+        kept = kept.split(" `fits`: how many")[0]
+        source = (
+            f"The torch.compile rows: `benchmarks/fits.py --compiled-only --only {args.only}` on "
+            f"{torch.get_num_threads()} CPU threads, {(time.perf_counter() - start) / 60:.1f} "
+            f"min. The other rows: {kept}"
+        )
+    else:
+        rows = merged(run(names, args.quick), compiled_rows(names, args.quick))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fits.md").write_text(markdown(rows, args.quick, time.perf_counter() - start))
+    (out / "fits.md").write_text(markdown(rows, args.quick, time.perf_counter() - start, source))
     (out / "fits.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     print(f"wrote {out / 'fits.md'}, {out / 'fits.json'}")
     return 0
