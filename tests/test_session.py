@@ -141,6 +141,7 @@ def test_plan_line_and_drift_active(caplog):
     assert session.drift_active
     session.apply(mlp())
     with caplog.at_level(logging.INFO, logger="memopt"):
+        caplog.clear()  # apply's own lines are not the plan's
         session.log_plan()
     assert [r.getMessage() for r in caplog.records] == [
         "memopt: plan for 4 modules: 1 compress@2; dropout keep, batchnorm batch; "
