@@ -1,23 +1,20 @@
-"""Validated memopt configuration: frozen pydantic models, YAML loading, :class:`ConfigError`.
+"""Validated memopt configuration: frozen pydantic models and :func:`load_config`.
 
 The schema is the contract of DESIGN.md ("Config schema"). Every key has a default, so the empty
 file, the empty dict and ``None`` are all valid and change nothing. Bad input is never ignored:
 every problem becomes one line of a :class:`ConfigError` that names the key path, the value given
-and what is allowed (and, for a typo, the closest valid key).
+and what is allowed (and, for a typo, the closest valid key): :mod:`.config_io` reads the YAML and
+words the messages.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
-import reprlib
 import typing
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -27,7 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
+
+from .config_io import Allowed, ConfigError, closest, config_error, dump_yaml, read_yaml, show
 
 __all__ = [
     "BITS_CHOICES",
@@ -45,31 +43,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A config that cannot be used. The message is written for a person reading a traceback.
-
-    Attributes:
-        problems: one line per problem found (all of them, not only the first).
-    """
-
-    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.problems: tuple[str, ...] = tuple(problems) or (message,)
-
-
-def closest(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.6) -> list[str]:
-    """The up to ``n`` candidates most similar to ``name``, best first (difflib ratio >= cutoff)."""
-    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=cutoff)
-
-
 # --------------------------------------------------------------------------- field types
-
-
-@dataclass(frozen=True)
-class _Allowed:
-    """Field metadata: what a valid value looks like, quoted in error messages."""
-
-    text: str
 
 
 def _list_to_tuple(value: Any) -> Any:
@@ -125,16 +99,16 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 GlobList = Annotated[
     tuple[NonEmptyStr, ...],
     BeforeValidator(_glob_list),
-    _Allowed("a list of non-empty module-name globs, e.g. ['*.mlp', 'blocks.*.ff']"),
+    Allowed("a list of non-empty module-name globs, e.g. ['*.mlp', 'blocks.*.ff']"),
 ]
 ClassNameList = Annotated[
     tuple[NonEmptyStr, ...],
     BeforeValidator(_glob_list),
-    _Allowed("a list of non-empty module class names, e.g. ['GELU', 'LayerNorm']"),
+    Allowed("a list of non-empty module class names, e.g. ['GELU', 'LayerNorm']"),
 ]
-Fraction = Annotated[float, Field(gt=0, le=1), _Allowed("a number in (0, 1]")]
-NonNegativeInt = Annotated[int, Field(ge=0), _Allowed("an integer >= 0")]
-PositiveInt = Annotated[int, Field(ge=1), _Allowed("an integer >= 1")]
+Fraction = Annotated[float, Field(gt=0, le=1), Allowed("a number in (0, 1]")]
+NonNegativeInt = Annotated[int, Field(ge=0), Allowed("an integer >= 0")]
+PositiveInt = Annotated[int, Field(ge=1), Allowed("an integer >= 1")]
 
 
 class _Section(BaseModel):
@@ -179,7 +153,7 @@ class RecomputeConfig(_Section):
     )
     auto: Annotated[
         AutoRecomputeConfig | None,
-        _Allowed("null (planner off) or a mapping {budget: b} with 0 < b <= 1"),
+        Allowed("null (planner off) or a mapping {budget: b} with 0 < b <= 1"),
     ] = Field(
         None,
         description=(
@@ -192,7 +166,7 @@ class RecomputeConfig(_Section):
 class QuantizeConfig(_Section):
     """Compression of saved activations to fewer bits (per-group scale, bit-packed)."""
 
-    bits: Annotated[Bits, _Allowed(_BITS_TEXT)] = Field(
+    bits: Annotated[Bits, Allowed(_BITS_TEXT)] = Field(
         32,
         description=(
             "Bit width for the selected modules: 2, 4 or 8 (quantized), 16 (half cast) or 32 "
@@ -207,13 +181,13 @@ class QuantizeConfig(_Section):
     )
     overrides: Annotated[
         dict[NonEmptyStr, Bits],
-        _Allowed(f"a mapping {{module-name glob: bits}} with bits {_BITS_TEXT}"),
+        Allowed(f"a mapping {{module-name glob: bits}} with bits {_BITS_TEXT}"),
     ] = Field(
         default_factory=dict,
         description="Per-module bit widths, {module-name glob: bits}; the last matching glob wins.",
     )
     group_size: Annotated[
-        int, Field(gt=0, multiple_of=8), _Allowed("a positive multiple of 8, e.g. 128 or 256")
+        int, Field(gt=0, multiple_of=8), Allowed("a positive multiple of 8, e.g. 128 or 256")
     ] = Field(256, description="Elements sharing one minimum and scale.")
     rounding: Literal["stochastic", "nearest"] = Field(
         "stochastic",
@@ -236,7 +210,7 @@ class QuantizeConfig(_Section):
     budget: Annotated[
         int | float | None,
         BeforeValidator(_budget),
-        _Allowed(
+        Allowed(
             "null, a fraction in (0, 1] (a float, e.g. 0.25) or an amount of memory: bytes (an "
             "integer >= 1024) or text such as '6MiB'"
         ),
@@ -268,7 +242,7 @@ class QuantizeConfig(_Section):
 class DriftConfig(_Section):
     """Gradient-drift monitoring: compare compressed and exact gradients, escalate bits."""
 
-    enabled: Annotated[bool, _Allowed("true or false")] = Field(
+    enabled: Annotated[bool, Allowed("true or false")] = Field(
         True, description="Run the check (only meaningful when something is below 32 bits)."
     )
     threshold: Fraction = Field(
@@ -291,12 +265,12 @@ class DriftConfig(_Section):
     ladder: Annotated[
         tuple[Bits, ...],
         BeforeValidator(_list_to_tuple),
-        _Allowed("a strictly increasing list of bit widths from {2, 4, 8, 16, 32} ending at 32"),
+        Allowed("a strictly increasing list of bit widths from {2, 4, 8, 16, 32} ending at 32"),
     ] = Field(
         (2, 4, 8, 16, 32),
         description="Bit widths a drifting module climbs, one rung per escalation.",
     )
-    lower: Annotated[bool, _Allowed("true or false")] = Field(
+    lower: Annotated[bool, Allowed("true or false")] = Field(
         False,
         description=(
             "Bring bits back down: a module whose drift one rung lower is predicted (and then "
@@ -368,7 +342,7 @@ class OpsConfig(_Section):
             "then); none: the model's own loss."
         ),
     )
-    chunk_size: Annotated[int | None, Field(ge=1), _Allowed("null or an integer >= 1")] = Field(
+    chunk_size: Annotated[int | None, Field(ge=1), Allowed("null or an integer >= 1")] = Field(
         None,
         description="Tokens per chunk (null: chunks of logits about the hidden states' size).",
     )
@@ -389,7 +363,7 @@ class OpsConfig(_Section):
             ...,
         ],
         BeforeValidator(_glob_list),
-        _Allowed(f"a list of {', '.join(FUSED_CHAINS)}, or [all]"),
+        Allowed(f"a list of {', '.join(FUSED_CHAINS)}, or [all]"),
     ] = Field(
         (),
         description=(
@@ -453,7 +427,7 @@ class MemOptConfig(_Section):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> MemOptConfig:
         """Load and validate a YAML file; an empty file gives the defaults."""
-        return cls._validate(_read_yaml(path), f"invalid memopt config in {os.fspath(path)}")
+        return cls._validate(read_yaml(path), f"invalid memopt config in {os.fspath(path)}")
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of builtins (lists, not tuples) that YAML and JSON can write."""
@@ -461,7 +435,7 @@ class MemOptConfig(_Section):
 
     def to_yaml(self) -> str:
         """The config as YAML text that :meth:`from_yaml` reads back to an equal config."""
-        return yaml.dump(self.to_dict(), Dumper=_FlowListDumper, sort_keys=False)
+        return dump_yaml(self.to_dict())
 
     def with_changes(self, **section_updates: Mapping[str, Any] | BaseModel | None) -> MemOptConfig:
         """A validated copy with some keys changed, e.g. ``cfg.with_changes(quantize={"bits": 4})``.
@@ -486,12 +460,12 @@ class MemOptConfig(_Section):
         if not isinstance(data, Mapping):
             raise ConfigError(
                 f"{header}: the top level must be a mapping of sections "
-                f"({', '.join(cls.model_fields)}); got {_show(data)}"
+                f"({', '.join(cls.model_fields)}); got {show(data)}"
             )
         try:
             return cls.model_validate(dict(data))
         except ValidationError as err:
-            raise _config_error(err, cls, header) from None
+            raise config_error(err, cls, header) from None
 
 
 def load_config(
@@ -506,180 +480,5 @@ def load_config(
         return MemOptConfig.from_yaml(config)
     raise ConfigError(
         "a memopt config must be a MemOptConfig, a dict, a path to a YAML file or None; "
-        f"got {_show(config)}"
+        f"got {show(config)}"
     )
-
-
-# --------------------------------------------------------------------------- YAML
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that rejects a key written twice in one mapping (PyYAML keeps the last
-    one silently, which would hide a mistake)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
-                continue
-            key = self.construct_object(key_node)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    f"found duplicate key {key!r}",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-class _FlowListDumper(yaml.SafeDumper):
-    """Writes lists inline (``ladder: [2, 4, 8, 16, 32]``), as the presets do."""
-
-
-_FlowListDumper.add_representer(
-    list,
-    lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True),
-)
-
-
-def _read_yaml(path: str | os.PathLike[str]) -> Any:
-    name = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {name}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read config file {name}: {err}") from None
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = err.problem or err.context or "syntax error"
-        raise ConfigError(f"invalid YAML in {name}{where}: {problem}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"invalid YAML in {name}: {err}") from None
-
-
-# --------------------------------------------------------------------------- error messages
-
-_repr = reprlib.Repr()
-_repr.maxstring = 60
-_repr.maxother = 60
-
-
-def _show(value: Any) -> str:
-    """``'eight' (str)``: the value and its type, as a reader of the YAML would want them."""
-    kind = "null" if value is None else type(value).__name__
-    return f"{_repr.repr(value)} ({kind})"
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The config model a field holds (``AutoRecomputeConfig | None`` -> AutoRecomputeConfig)."""
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
-
-
-def _resolve(
-    root: type[BaseModel], loc: tuple[int | str, ...]
-) -> tuple[str, FieldInfo | None, type[BaseModel] | None]:
-    """Walk ``loc`` through the models: (key path text, deepest field, model still being walked).
-
-    The model is ``None`` once the walk has left the models (list items, mapping keys).
-    """
-    parts: list[str] = []
-    model: type[BaseModel] | None = root
-    field: FieldInfo | None = None
-    for step in loc:
-        if model is not None and isinstance(step, str) and step in model.model_fields:
-            field = model.model_fields[step]
-            parts.append(step)
-            model = _model_in(field.annotation)
-        else:
-            model = None
-            if step == "[key]":
-                suffix = " (mapping key)"
-            elif isinstance(step, int):
-                suffix = f"[{step}]"
-            else:
-                suffix = f"[{step!r}]"
-            parts[-1:] = [(parts[-1] if parts else "") + suffix]
-    return ".".join(parts) or "config", field, model
-
-
-def _allowed(field: FieldInfo | None) -> str | None:
-    if field is None:
-        return None
-    texts = [m.text for m in field.metadata if isinstance(m, _Allowed)]
-    if texts:
-        return texts[-1]
-    model = _model_in(field.annotation)
-    if model is not None:
-        return f"a mapping with keys {', '.join(model.model_fields)}"
-    choices = _literal_choices(field)
-    if choices:
-        return "one of " + ", ".join(repr(c) for c in choices)
-    return None
-
-
-def _literal_choices(field: FieldInfo) -> tuple[Any, ...]:
-    if typing.get_origin(field.annotation) is Literal:
-        return typing.get_args(field.annotation)
-    return ()
-
-
-def _problem_line(root: type[BaseModel], error: Any) -> str:
-    loc = tuple(error["loc"])
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        parent, _, model = _resolve(root, loc[:-1])
-        key = str(loc[-1])
-        path = f"{parent}.{key}" if parent != "config" else key
-        keys = list(model.model_fields) if model is not None else []
-        guess = closest(key, keys, n=1)
-        hint = f" Did you mean {guess[0]!r}?" if guess else ""
-        return f"{path}: unknown key.{hint} Allowed keys: {', '.join(keys)}"
-
-    if not loc and kind == "value_error":  # a rule across sections
-        return f"config: {error['ctx']['error']}"
-    path, field, _ = _resolve(root, loc)
-    value = error.get("input")
-    line = f"{path}: got {_show(value)}"
-    if kind == "value_error":
-        line += f" - {error['ctx']['error']}"
-    allowed = _allowed(field)
-    line += f"; allowed: {allowed}" if allowed else f"; {error['msg'].lower()}"
-    if isinstance(value, str) and field is not None:
-        choices = [c for c in _literal_choices(field) if isinstance(c, str)]
-        guess = closest(value, choices, n=1)
-        if guess:
-            line += f". Did you mean {guess[0]!r}?"
-        elif not choices and _is_number(value):
-            line += f". Write it as a plain number: {_plain_number(value)}"
-    return line
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _plain_number(text: str) -> str:
-    # PyYAML reads 5e-2 (no dot) and quoted numbers as text; repr gives a form it reads as a number.
-    number = float(text)
-    return repr(int(number)) if number.is_integer() and "." not in text else repr(number)
-
-
-def _config_error(err: ValidationError, root: type[BaseModel], header: str) -> ConfigError:
-    lines = [_problem_line(root, e) for e in err.errors(include_url=False)]
-    noun = "problem" if len(lines) == 1 else "problems"
-    message = f"{header} ({len(lines)} {noun}):\n" + "\n".join(f"  {line}" for line in lines)
-    return ConfigError(message, lines)

@@ -27,8 +27,9 @@ from torch import nn
 from ..config import MemOptConfig
 from ..tree import map_tensors, tensors_in
 from .plan import Suggestion, suggest_config
-from .report import ProfileReport, StepMemory, human_bytes
+from .report import ProfileReport, StepMemory
 from .run import batch_size, profile_model, step_memory
+from .units import human_bytes
 
 #: Bisection steps of :func:`plan_peak` (each runs one config) and tries of :func:`largest_batch`.
 TRIES = 5
