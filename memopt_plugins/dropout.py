@@ -53,8 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .compress import ops
-from .compress.bitpack import pack_bits, unpack_bits
+from .compress.codec import pack_mask, unpack_mask
 from .measure import ScopeTracker, Watch
 
 log = logging.getLogger("memopt")
@@ -65,30 +64,6 @@ MODES = (BITMASK, REGENERATE)
 
 _ALPHA = 1.7580993408473766  # SELU's -scale * alpha, as in ATen's alpha dropout
 _SEED_HIGH = 2**63 - 1
-
-
-# --------------------------------------------------------------------------- mask storage
-
-
-def _triton_masks(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the codec's Triton kernels pack and unpack masks of ``dtype`` on ``device``: where
-    they serve the codec (``MEMOPT_CODEC``, :func:`memopt_plugins.compress.ops.codec_for`), for
-    floating masks; the torch ops of :mod:`.compress.bitpack` elsewhere, with the same bits."""
-    return dtype.is_floating_point and ops.codec_for(device) == "triton"
-
-
-def pack_mask(noise: torch.Tensor) -> torch.Tensor:
-    """A 0/1 tensor of any dtype as ``uint8`` bits, 8 elements per byte, in row-major order."""
-    if _triton_masks(noise.device, noise.dtype):
-        return ops.triton_kernels().pack_mask(noise)
-    return pack_bits(noise.to(torch.uint8).reshape(-1), 1)
-
-
-def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`pack_mask`: a contiguous 0/1 tensor of ``shape`` and ``dtype``."""
-    if _triton_masks(packed.device, dtype):
-        return ops.triton_kernels().unpack_mask(packed, math.prod(shape), dtype).view(shape)
-    return unpack_bits(packed, 1, math.prod(shape)).view(shape).to(dtype)
 
 
 def _draw_seed() -> int:

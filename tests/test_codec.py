@@ -10,20 +10,18 @@ import weakref
 import pytest
 import torch
 
-from memopt_plugins.compress import native, reference
-from memopt_plugins.compress.bitpack import pack_bits, unpack_bits
 from memopt_plugins.compress.codec import (
     FIRST_LEVEL,
-    NarrowedInt,
     PackedTensor,
     codec_generator,
     dequantize,
-    narrow_int,
+    native,
     packed_nbytes,
     quantize,
+    reference,
     tensor_nbytes,
-    widen_int,
 )
+from memopt_plugins.packing import NarrowedInt, narrow_int, pack_bits, unpack_bits, widen_int
 
 BITS = (2, 4, 8)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

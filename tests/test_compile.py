@@ -19,8 +19,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zoo import hf_gpt2
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.compress import graph_codec, ops, reference
-from memopt_plugins.compress.bitpack import unpack_bits
+from memopt_plugins.compress.codec import ops, reference
+from memopt_plugins.compress.codec import traced as graph_codec
+from memopt_plugins.packing import unpack_bits
 from memopt_plugins.tree import slice_batch
 
 INT8 = {"quantize": {"bits": 8, "rounding": "nearest"}}

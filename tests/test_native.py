@@ -6,9 +6,8 @@ import os
 import pytest
 import torch
 
-from memopt_plugins.compress import native
-from memopt_plugins.compress.codec import dequantize, quantize
-from memopt_plugins.compress.reference import FIRST_LEVEL, graph_params
+from memopt_plugins.compress.codec import dequantize, native, quantize
+from memopt_plugins.compress.codec.reference import FIRST_LEVEL, graph_params
 
 BITS = (2, 4, 8)
 

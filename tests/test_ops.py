@@ -8,10 +8,9 @@ import sys
 import pytest
 import torch
 
-from memopt_plugins import compress
-from memopt_plugins.compress import native, ops, reference
-from memopt_plugins.compress.codec import dequantize, quantize
-from memopt_plugins.compress.ops import dequantize_op, quantize_op
+from memopt_plugins.compress import codec
+from memopt_plugins.compress.codec import dequantize, native, ops, quantize, reference
+from memopt_plugins.compress.codec.ops import dequantize_op, quantize_op
 
 NUMEL = 1000  # three whole groups of 256 and a partial one
 
@@ -110,8 +109,8 @@ def test_triton_is_an_error_when_triton_cannot_be_imported(monkeypatch, caplog):
     monkeypatch.setenv("MEMOPT_CODEC", "triton")
     monkeypatch.setattr(ops, "_triton", {})
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    monkeypatch.delitem(sys.modules, "memopt_plugins.compress.triton_codec", raising=False)
-    monkeypatch.delattr(compress, "triton_codec", raising=False)
+    monkeypatch.delitem(sys.modules, "memopt_plugins.compress.codec.triton_kernels", raising=False)
+    monkeypatch.delattr(codec, "triton_kernels", raising=False)
     with pytest.raises(
         RuntimeError, match=r"Triton kernels cannot be imported .*pip install triton"
     ):

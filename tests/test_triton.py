@@ -27,8 +27,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from test_native import _adversarial, _same_bits  # noqa: E402
 
-from memopt_plugins import compress, dropout  # noqa: E402
-from memopt_plugins.compress import ops, reference  # noqa: E402
+from memopt_plugins import dropout  # noqa: E402
+from memopt_plugins.compress import codec  # noqa: E402
+from memopt_plugins.compress.codec import ops, reference  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # numpy, under the interpreter, warns about the NaN/Inf of groups kept exactly (as torch would not).
@@ -53,7 +54,7 @@ _COMPILE_FOR_A_GPU = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from memopt_plugins.compress import triton_codec as tc
+    from memopt_plugins.compress.codec import triton_kernels as tc
 
     def ptx(fn, constexprs, **pointers):
         signature = {
@@ -107,8 +108,10 @@ if not INTERPRETED:  # the suite's process
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton is imported already, compiled
         monkeypatch.setenv("MEMOPT_CODEC", "triton")
         monkeypatch.setattr(ops, "_triton", {})
-        monkeypatch.delitem(sys.modules, "memopt_plugins.compress.triton_codec", raising=False)
-        monkeypatch.delattr(compress, "triton_codec", raising=False)
+        monkeypatch.delitem(
+            sys.modules, "memopt_plugins.compress.codec.triton_kernels", raising=False
+        )
+        monkeypatch.delattr(codec, "triton_kernels", raising=False)
         with pytest.raises(RuntimeError, match="before the process imports triton"):
             ops.quantize(torch.randn(300), 8, 256, None)
 

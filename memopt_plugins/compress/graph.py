@@ -59,9 +59,9 @@ from torch import nn
 
 from ..config import HALF_BITS, OFF_BITS
 from .bits import BitTable
-from .graph_codec import CODED, HALVED, Coded, decode, encode, memory_order
+from .codec.ops import add_seed_source, remove_seed_source
+from .codec.traced import CODED, HALVED, Coded, decode, encode, memory_order
 from .graph_count import KEPT, CompiledCounts, nbytes
-from .ops import add_seed_source, remove_seed_source
 
 if TYPE_CHECKING:
     from .hooks import SavedStats

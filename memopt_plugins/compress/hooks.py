@@ -33,17 +33,16 @@ from ..config import HALF_BITS, OFF_BITS
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
+from ..packing import narrow_int, widen_int
 from .bits import BitTable
 from .codec import (
     NoiseGenerators,
     codec_generator,
     dequantize,
     draw_seed,
-    narrow_int,
     packed_nbytes,
     quantize,
     tensor_nbytes,
-    widen_int,
 )
 from .graph import GraphHooks
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ..buffers import private
-from ..compress.bitpack import pack_bits, unpack_bits
 from ..compress.hooks import _Saved
+from ..packing import pack_bits, unpack_bits
 from .chains import BATCH_NORM_PIECES, PIECE, _work
 
 
@@ -219,7 +219,7 @@ def _tuple(value: Sequence[int] | int, dims: int) -> tuple[int, ...]:
 
 class _Window:
     """Where in its pooling window each output's argmax sits: a code below ``kernel``'s size,
-    stored in :func:`~memopt_plugins.compress.bitpack.pack_bits`' 1-8 bits instead of a flat
+    stored in :func:`~memopt_plugins.packing.pack_bits`' 1-8 bits instead of a flat
     int64 index (the hooks would narrow that to int16 at best: 4x the bytes of 4-bit codes)."""
 
     def __init__(self, x: torch.Tensor, out: torch.Tensor, kernel, stride, padding, dilation):

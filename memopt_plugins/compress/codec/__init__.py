@@ -1,13 +1,29 @@
 """Activation codec: group-wise integer quantization of floating tensors.
 
+This package is the codec in layers, each importing only those below it:
+
+* here, the façade: :class:`PackedTensor`, :func:`quantize`, :func:`dequantize`,
+  :func:`packed_nbytes`, the noise generators, and dropout's 1-bit masks (:func:`pack_mask`);
+* :mod:`.ops`, the dispatch: the codec as PyTorch operators that ``torch.compile`` can trace, and
+  which implementation serves each call (``MEMOPT_CODEC``, :func:`.ops.codec_for`);
+* :mod:`.reference`, the specification: the codec in torch operations, run where no kernel serves;
+* :mod:`.native` and ``kernels.c``, the fused C kernels for the CPU and their loader;
+* :mod:`.triton_kernels`, the fused Triton kernels for CUDA;
+* :mod:`.traced`, the codec in traceable operations that compiled graphs inline (the compression
+  hooks put it into the graphs, :mod:`..hooks`).
+
+The reference, C and Triton kernels write one byte layout: codes packed low bits first,
+``8 // bits`` neighbours to a byte (:mod:`memopt_plugins.packing`); compiled graphs pack a group's
+codes in planes instead (:func:`.traced.encode`), since inductor vectorizes planes and fell back to
+scalar loops, ten times slower, on neighbours, and those bytes never leave the graph that wrote
+them.
+
 ``quantize`` turns a floating tensor into a :class:`PackedTensor` that holds only compact tensors:
-codes of 8, 4 or 2 bits packed into ``uint8`` (:mod:`.bitpack`), plus a bfloat16 scale and a
-``uint8`` zero point per group of ``group_size`` consecutive elements; :func:`packed_nbytes` states
-that cost. ``dequantize`` restores shape and dtype. Both call the codec's PyTorch operators
-(:mod:`.ops`), which ``torch.compile`` can trace and which run the fused C kernels of
-:mod:`.native` on the CPU, the Triton kernels of :mod:`.triton_codec` on CUDA, or the torch
-reference of :mod:`.reference` (their specification), as ``MEMOPT_CODEC`` selects
-(:func:`.ops.codec_for`).
+codes of 8, 4 or 2 bits packed into ``uint8``, plus a bfloat16 scale and a ``uint8`` zero point per
+group of ``group_size`` consecutive elements; :func:`packed_nbytes` states that cost.
+``dequantize`` restores shape and dtype. Both call the codec's operators (:mod:`.ops`), which run
+the fused C kernels of :mod:`.native` on the CPU, the Triton kernels of :mod:`.triton_kernels` on
+CUDA, or the torch reference of :mod:`.reference`, as ``MEMOPT_CODEC`` selects.
 
 Guarantees the rest of the engine builds on:
 
@@ -27,33 +43,33 @@ zero, by less than that, where a first level of a whole step would bias every va
 step (measured in ``benchmarks/gradient_bias.md``). At 2 bits four levels cannot spare the room,
 and the first level is a whole step.
 
-Integer tensors are not quantized: ``narrow_int`` / ``widen_int`` (:mod:`.narrow`, exported here
-too) store them losslessly in the smallest integer type that holds their range.
+Integer tensors are not quantized: the hooks narrow them losslessly
+(:func:`memopt_plugins.packing.narrow_int`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ...packing import pack_bits, unpack_bits
 from . import ops
-from .narrow import NarrowedInt, narrow_int, widen_int
 from .reference import FIRST_LEVEL, FLOAT_DTYPES, SUPPORTED_BITS
 
-# The integer narrowing of :mod:`.narrow` is exported here with the codec.
 __all__ = [
     "FIRST_LEVEL",
-    "NarrowedInt",
     "NoiseGenerators",
     "PackedTensor",
     "codec_generator",
     "dequantize",
-    "narrow_int",
+    "draw_seed",
+    "pack_mask",
     "packed_nbytes",
     "quantize",
     "tensor_nbytes",
-    "widen_int",
+    "unpack_mask",
 ]
 
 _GENERATOR_SEED = 0x6D656D6F  # of codec_generator: fixed; "memo" in ASCII
@@ -252,3 +268,25 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     tables = (p.exact_index, p.exact_values, p.const_index, p.const_values)
     out = run(p.codes, p.scale, p.zero_point, *tables, p.bits, p.group_size, p.numel, p.dtype)
     return out.view(p.shape)
+
+
+def _triton_masks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels pack and unpack masks of ``dtype`` on ``device``: where they
+    serve the codec (``MEMOPT_CODEC``, :func:`.ops.codec_for`), for floating masks; the torch ops
+    of :mod:`memopt_plugins.packing` elsewhere, with the same bits."""
+    return dtype.is_floating_point and ops.codec_for(device) == "triton"
+
+
+def pack_mask(noise: torch.Tensor) -> torch.Tensor:
+    """A 0/1 tensor of any dtype (a dropout mask) as ``uint8`` bits, 8 elements per byte, in
+    row-major order."""
+    if _triton_masks(noise.device, noise.dtype):
+        return ops.triton_kernels().pack_mask(noise)
+    return pack_bits(noise.to(torch.uint8).reshape(-1), 1)
+
+
+def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: a contiguous 0/1 tensor of ``shape`` and ``dtype``."""
+    if _triton_masks(packed.device, dtype):
+        return ops.triton_kernels().unpack_mask(packed, math.prod(shape), dtype).view(shape)
+    return unpack_bits(packed, 1, math.prod(shape)).view(shape).to(dtype)

@@ -1,9 +1,9 @@
 """The codec inside ``torch.compile``'d graphs, in traceable PyTorch operations.
 
 :func:`encode` and :func:`decode` are what the compression scopes' GraphModule hooks
-(:mod:`.graph`) put into the compiled graphs: the codes, bfloat16 scale and zero point of
-:mod:`.reference` (below 8 bits packed in planes, :func:`_pack_planes`), which inductor fuses into
-the kernels around them.
+(:mod:`memopt_plugins.compress.hooks`) put into the compiled graphs: the codes, bfloat16 scale and
+zero point of :mod:`.reference` (below 8 bits packed in planes, :func:`_pack_planes`), which
+inductor fuses into the kernels around them.
 """
 
 from __future__ import annotations

@@ -4,16 +4,17 @@ Quantizing with torch's elementwise ops makes about a dozen passes over a saved 
 ``memopt_quantize`` kernel makes one (group minimum and maximum, group parameters, codes and bit
 packing while a group is in cache), and ``memopt_decode`` one back. Both split a tensor's groups
 between ``torch.get_num_threads()`` OpenMP threads, on the OpenMP runtime torch has loaded.
-``codec.py`` stays the specification: with round-to-nearest the kernels write the same bytes as
-its torch path (tests check it). Stochastic rounding draws its noise from a hash of each element's
-index and a seed drawn from the codec's private generator.
+:mod:`.reference` is the specification: with round-to-nearest the kernels write the same bytes as
+it (tests check it). Stochastic rounding draws its noise from a hash of each element's index and
+the ``seed`` argument (:func:`~memopt_plugins.compress.codec.quantize` draws it from the
+generator it is given, or the codec's private one).
 
 The library is compiled once per source, compiler and CPU with the system C compiler (``CC``, a
 command with its arguments, or ``cc``; ``-O3 -march=native -fopenmp``, about a second) into
 ``$XDG_CACHE_HOME/memopt_plugins`` (default ``~/.cache``). Where the CPU has AVX-512, rounding runs
 in hand-written 16-lane code; elsewhere the portable C loop computes the same bytes. Without a
 compiler, on another architecture, or with ``MEMOPT_NATIVE=0`` in the environment, the library is
-not loaded and the codec uses its torch path on the CPU (``MEMOPT_CODEC=native`` then raises; see
+not loaded and the codec runs the reference on the CPU (``MEMOPT_CODEC=native`` then raises; see
 :func:`.ops.codec_for`); a failed build is logged once as a warning.
 """
 
@@ -128,7 +129,7 @@ def library() -> ctypes.CDLL | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Quantized:
+class KernelCodes:
     """What :func:`quantize` returns: packed codes and per-group parameters and flags."""
 
     codes: torch.Tensor  # uint8, packed
@@ -140,11 +141,12 @@ class Quantized:
 
 def quantize(
     flat: torch.Tensor, group_size: int, bits: int, first: float, seed: int | None
-) -> Quantized:
-    """``codec.quantize``'s codes and group parameters for contiguous 1-D ``flat``.
+) -> KernelCodes:
+    """The codes and group parameters of contiguous 1-D ``flat`` (:func:`.reference.quantize`'s),
+    with the groups to keep exactly or as one value flagged.
 
-    ``first``: the first level in steps (``codec.FIRST_LEVEL``); ``seed``: stochastic rounding
-    with noise from this seed, round-to-nearest when ``None``.
+    ``first``: the first level in steps (:data:`.reference.FIRST_LEVEL`); ``seed``: stochastic
+    rounding with noise from this seed, round-to-nearest when ``None``.
     """
     lib = library()
     per_byte = 8 // bits
@@ -161,7 +163,7 @@ def quantize(
     if flagged < 0:
         raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
     any_flagged = flagged > 0
-    return Quantized(
+    return KernelCodes(
         codes=packed,
         scale=scale,
         zero_point=zero_point,
@@ -179,8 +181,8 @@ def decode(
     zero_point: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The levels of every group's codes (``codec._decode``), as ``(groups, group_size)`` of
-    ``dtype``.
+    """The levels of every group's codes (:func:`.reference.decode`), as ``(groups, group_size)``
+    of ``dtype``.
 
     ``first``: the first level in steps; ``scale``: bfloat16 per group; ``zero_point``: uint8 per
     group.
@@ -201,7 +203,7 @@ def decode(
 def graph_params(
     mins: torch.Tensor, maxs: torch.Tensor, bits: int, first: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bfloat16 scale and uint8 zero point that :func:`.graph_codec.encode` stores for groups of
+    """The bfloat16 scale and uint8 zero point that :func:`.traced.encode` stores for groups of
     ``dtype`` values with float32 minima ``mins`` and maxima ``maxs``
     (:func:`.reference.graph_params`, in the same bits)."""
     lib = library()

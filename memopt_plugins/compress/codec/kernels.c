@@ -1,7 +1,7 @@
 /* Fused CPU kernels of the activation codec, called through ctypes by native.py.
  *
- * codec.py holds the specification, and with round-to-nearest these kernels write the same bytes
- * as its torch path (tests/test_native.py checks it). Quantizing makes one pass over memory
+ * reference.py holds the specification, and with round-to-nearest these kernels write the same
+ * bytes as its torch code (tests/test_native.py checks it). Quantizing makes one pass over memory
  * (group statistics, parameters, codes and packing while a block of groups is in cache) instead
  * of torch's dozen, decoding one; both work on a range of groups, so callers can split a tensor.
  *
@@ -47,7 +47,7 @@ static void load(const void *x, int dtype, int64_t start, int64_t count, float *
 
 /* A group's elements as float32: in place for a whole float32 group, else converted into buf
  * (group_size floats); the tensor's last group is padded by repeating its last element, as
- * codec.py's _Groups does. */
+ * reference.py's Groups does. */
 static const float *load_group(const void *x, int dtype, int64_t numel, int64_t group_size,
                                int64_t g, float *buf) {
     int64_t start = g * group_size;

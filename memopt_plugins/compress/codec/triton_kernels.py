@@ -15,7 +15,8 @@ byte side by side, so packing is a shift and a sum over the last axis. A group i
 of two by repeating its last element, which changes neither its minimum and maximum nor whether it
 is constant, and the tensor's partial last group the same way, as :class:`.reference.Groups` pads
 it. When ``group_size`` is not a multiple of the codes per byte, bytes straddle groups: the kernels
-then write (or read) one code per byte, and :mod:`.bitpack` packs (or unpacks) them in torch.
+then write (or read) one code per byte, and :mod:`memopt_plugins.packing` packs (or unpacks) them
+in torch.
 
 The kernels take float32, bfloat16 and float16 tensors on CUDA, or on the CPU through Triton's
 interpreter (:data:`INTERPRETED`): ``TRITON_INTERPRET=1`` in the environment before ``triton`` is
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bitpack import pack_bits, unpack_bits
+from ...packing import pack_bits, unpack_bits
 from .reference import FIRST_LEVEL
 
 #: Elements a program holds (a whole group when the group is larger).

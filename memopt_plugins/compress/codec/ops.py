@@ -1,5 +1,5 @@
 """The codec as PyTorch operators: ``memopt::quantize`` and ``memopt::dequantize`` (and, for
-the codec that compiled graphs run (:mod:`.graph_codec`), ``memopt::graph_params``, its group
+the codec that compiled graphs run (:mod:`.traced`), ``memopt::graph_params``, its group
 parameters, and ``memopt::graph_seed``, the seed of its rounding noise at each run).
 
 Operators (``torch.library.custom_op``) are what ``torch.compile`` can trace: each has a fake
@@ -8,7 +8,7 @@ activation in its forward and decode it in its backward. The real implementation
 call, by the tensor's device and the environment variable ``MEMOPT_CODEC`` (:func:`codec_for`):
 
 * ``auto`` (the default): on the CPU the fused C kernels of :mod:`.native` where they are built,
-  on CUDA the Triton kernels of :mod:`.triton_codec` where ``triton`` imports; the torch
+  on CUDA the Triton kernels of :mod:`.triton_kernels` where ``triton`` imports; the torch
   reference of :mod:`.reference` otherwise and on other devices;
 * ``torch``: the reference everywhere;
 * ``native``: the C kernels; an error for a tensor that is not on the CPU, or when the kernels
@@ -53,14 +53,14 @@ _triton: dict[str, object] = {}
 
 
 def triton_kernels() -> ModuleType | None:
-    """The Triton kernels (:mod:`.triton_codec`), imported on first call (the first codec call
+    """The Triton kernels (:mod:`.triton_kernels`), imported on first call (the first codec call
     on a CUDA tensor, or under ``MEMOPT_CODEC=triton``); ``None`` where ``triton`` cannot be
     imported (or its interpreter setting changed after it was): a warning says so once, and the
     reason is kept for the error that
     ``MEMOPT_CODEC=triton`` raises."""
     if "module" not in _triton:
         try:
-            from . import triton_codec
+            from . import triton_kernels as kernels
         except Exception as exc:  # not installed, or an install that fails to import
             _triton.update(module=None, error=exc)
             log.warning(
@@ -69,7 +69,7 @@ def triton_kernels() -> ModuleType | None:
                 exc,
             )
         else:
-            _triton["module"] = triton_codec
+            _triton["module"] = kernels
     return _triton["module"]  # type: ignore[return-value]
 
 
@@ -186,7 +186,8 @@ _DECODE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
-    """Codes, scale, zero point and side tables of flat contiguous ``x`` (see :mod:`.codec`)."""
+    """Codes, scale, zero point and side tables of flat contiguous ``x`` (see the package,
+    :mod:`memopt_plugins.compress.codec`)."""
     return _QUANTIZE_KERNELS[_codec(x.device, x.dtype)](x, bits, group_size, seed)
 
 

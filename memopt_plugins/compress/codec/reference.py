@@ -2,7 +2,7 @@
 
 Every kernel (the C kernel of :mod:`.native`, Triton on CUDA) writes the same bytes as this code
 at round-to-nearest; :mod:`.ops` chooses which one runs. Levels and rounding are described in
-:mod:`.codec`.
+:mod:`memopt_plugins.compress.codec`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bitpack import pack_bits, unpack_bits
+from ...packing import pack_bits, unpack_bits
 
 SUPPORTED_BITS = (2, 4, 8)
 # The first level on each side of zero, in steps, per code width (a power of two, so that a
@@ -173,7 +173,7 @@ def graph_params(
     mn: torch.Tensor, mx: torch.Tensor, bits: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The bfloat16 scale and uint8 zero point that compiled graphs store
-    (:func:`.graph_codec.encode`): :func:`group_params`'s, except that a group kept exactly
+    (:func:`.traced.encode`): :func:`group_params`'s, except that a group kept exactly
     here (or a constant that is not finite) gets scale 0 and the top code, which decode to
     NaN."""
     params = group_params(mn, mx, bits, dtype)
@@ -363,8 +363,8 @@ def side_tables(
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
-    """Quantize contiguous ``x`` (see :mod:`.codec`); stochastic rounding with noise from a
-    generator seeded with ``seed``, round-to-nearest when ``None``."""
+    """Quantize contiguous ``x`` (see :mod:`memopt_plugins.compress.codec`); stochastic rounding
+    with noise from a generator seeded with ``seed``, round-to-nearest when ``None``."""
     generator = None
     if seed is not None:
         generator = torch.Generator(device=x.device)
