@@ -6,7 +6,7 @@ weights on the same batches; ``running`` switches after ``--warmup`` optimizer s
 counts them through ``MemoryOptimizer.count_step``). Several seeds, since a test split of 360
 images moves 0.28 points per image. Writes a markdown table (``--out``).
 
-    python benchmarks/batchnorm_digits.py --out benchmarks/batchnorm.md
+    python -m benchmarks.batchnorm_digits --out benchmarks/batchnorm.md
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from torch import nn
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.profiler.meter import MemoryMeter
+
+from . import RESULTS
+from .harness.memory import least_retained
 
 
 def digits(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -95,12 +98,10 @@ def retained_bytes(config: dict | None, batch_size: int = 512) -> tuple[int, int
     opt = MemoryOptimizer(config) if config is not None else None
     if opt is not None:
         opt.apply(model)
-    meter = MemoryMeter("cpu")
     F.cross_entropy(model(x), y).backward()  # gradients allocated before measuring
-    readings = [meter.measure(lambda: F.cross_entropy(model(x), y)) for _ in range(3)]
+    best = least_retained(MemoryMeter("cpu"), lambda: F.cross_entropy(model(x), y), 3)
     if opt is not None:
         opt.remove()
-    best = min(readings, key=lambda r: r.retained)
     return best.retained, best.peak
 
 
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=200, help="optimizer steps in batch mode")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/batchnorm.md"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "batchnorm.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # tiny tensors: threads only add noise
@@ -133,7 +134,7 @@ def main() -> None:
     lines = [
         "# BatchNorm `running` mode vs `batch` mode on real data",
         "",
-        "`python benchmarks/batchnorm_digits.py` — scikit-learn's bundled handwritten digits "
+        "`python -m benchmarks.batchnorm_digits` — scikit-learn's bundled handwritten digits "
         "(1797 images of 8×8, 80/20 stratified split, 360 test images), a three-block "
         "conv → BN → ReLU CNN, AdamW (lr 1e-3, weight decay 1e-4, cosine schedule), "
         f"batch size {args.batch_size}, {args.epochs} epochs = {steps} optimizer steps. "

@@ -20,7 +20,7 @@ module changed width between checks, and with a budget the bytes the bits keep a
 predicted by the check (``DriftReport.budget``) and measured by the next training forward
 (``SavedStats.saved_stored``). Writes ``bits.md`` and ``bits.json`` to ``--out``.
 
-    python benchmarks/bits_both_ways.py [--quick] [--steps 200] [--seeds 3] [--out DIR]
+    python -m benchmarks.bits_both_ways [--quick] [--steps 200] [--seeds 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -39,15 +39,22 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from sizes import FULL, QUICK, CNNSizes, CNNTraining, GPTSizes, GPTTraining, Sizes
-from stats import Paired
-from training import lr_factor
-from workloads import Workload, cnn_workload, evaluate, gpt_workload, precise_batchnorm
 
-from memopt_plugins import MemoryOptimizer
-from memopt_plugins.tree import slice_batch
+from memopt_plugins import MemoryOptimizer  # noqa: E402
+from memopt_plugins.tree import slice_batch  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+from . import RESULTS  # noqa: E402
+from .harness.sizes import FULL, QUICK, CNNSizes, CNNTraining, GPTSizes, GPTTraining, Sizes  # noqa: E402
+from .harness.stats import Paired  # noqa: E402
+from .harness.training import lr_factor  # noqa: E402
+from .harness.workloads import (  # noqa: E402
+    Workload,
+    cnn_workload,
+    evaluate,
+    gpt_workload,
+    precise_batchnorm,
+)
+
 #: Smaller than ``make bench``'s convergence runs, so that four arms x seeds x two workloads of
 #: 200 steps stay within minutes on two CPU cores.
 SIZES = Sizes(
@@ -237,7 +244,7 @@ def markdown(results: list[dict[str, Any]], steps: int, seeds: int, seconds: flo
     lines = [
         "# Bits both ways (issue 32)",
         "",
-        "Written by `benchmarks/bits_both_ways.py` (`make bench`); its docstring says how.",
+        "Written by `python -m benchmarks.bits_both_ways` (`make bench`); its docstring says how.",
         f"{steps} AdamW steps, {seeds} paired seeds per arm, CPU, {seconds / 60:.1f} min in all.",
         f"Drift: {json.dumps(DRIFT)}; both ways adds {json.dumps(LOWER)}; budget arm: "
         f"`quantize.budget: {BUDGET}`.",
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models, a few steps")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE), help="folder for bits.md and bits.json")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for bits.md and bits.json")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (small models)")
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite bits.md from --out's bits.json"

@@ -8,44 +8,31 @@ compiles), then the retained memory of one forward read from the process (RSS), 
 the eager hooks hold, memopt's ``SavedStats`` and, walking the autograd graph, the bytes of the
 distinct storages every compiled region keeps for backward (``--detail`` lists them).
 
-    .venv/bin/python benchmarks/compiled_gap.py                  # the table, markdown
-    .venv/bin/python benchmarks/compiled_gap.py --modes per-block --detail
+    python -m benchmarks.compiled_gap                  # the table, markdown
+    python -m benchmarks.compiled_gap --modes per-block --detail
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
+import torch
+
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.profiler.meter import MemoryMeter
+
+from .harness.memory import in_fresh_process, least_retained
+from .harness.workloads import hf_gpt2
+
 MODES = ("eager", "per-block", "body", "whole")
 MIB = 2**20
 
 
-def build(args: argparse.Namespace):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=args.seq,
-        n_embd=args.dim,
-        n_layer=args.layers,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    cfg._attn_implementation = "eager"
-    model = GPT2LMHeadModel(cfg)
+def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model (no dropout) and its batch of random tokens."""
+    model = hf_gpt2(args.vocab, args.seq, args.dim, args.layers, dropout=0.0)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq))
     return model, batch
 
@@ -92,11 +79,6 @@ def compiled_saved(loss) -> list[dict]:
 
 
 def run_case(args: argparse.Namespace) -> dict:
-    import torch
-
-    from memopt_plugins import MemoryOptimizer
-    from memopt_plugins.profiler.meter import MemoryMeter
-
     torch.set_num_threads(args.threads)
     model, batch = build(args)
     opt = None
@@ -113,9 +95,7 @@ def run_case(args: argparse.Namespace) -> dict:
         model.zero_grad(set_to_none=True)
         loss().backward()
     stats = opt.hooks.stats if opt is not None else None
-    meter = MemoryMeter("cpu")
-    readings = [meter.measure(loss, stats) for _ in range(2)]
-    reading = min(readings, key=lambda r: r.retained)
+    reading = least_retained(MemoryMeter("cpu"), loss, 2, stats)
     out = {"retained": reading.retained, "peak": reading.peak, "packed": reading.packed}
     held = loss()
     rows = compiled_saved(held)
@@ -135,11 +115,10 @@ def run_case(args: argparse.Namespace) -> dict:
 
 
 def case_in_child(args: argparse.Namespace, mode: str, bits: int) -> dict:
-    command = [sys.executable, __file__, "--case", mode, "--case-bits", str(bits)]
+    command = ["--case", mode, "--case-bits", str(bits)]
     for flag in ("layers", "dim", "batch", "seq", "vocab", "threads", "rounding"):
         command += [f"--{flag}", str(getattr(args, flag))]
-    env = {**os.environ, **MALLOC_ENV}
-    done = subprocess.run(command, check=True, env=env, capture_output=True, text=True)
+    done = in_fresh_process("benchmarks.compiled_gap", command, capture=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -200,5 +179,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()

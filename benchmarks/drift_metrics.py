@@ -8,26 +8,30 @@ baseline's on the same seed (mean change and its 95% interval, :class:`stats.Pai
 checks' cost in training steps (their time over the median step's). Small sizes: a few minutes on
 two CPU cores. Writes ``benchmarks/drift_metrics.md``.
 
-    python benchmarks/drift_metrics.py [--steps 60] [--seeds 3]
+    python -m benchmarks.drift_metrics [--steps 60] [--seeds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
-import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
-import sizes as sizes_module
 import torch
-from stats import Paired
-from training import lr_factor
-from workloads import (
+
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.tree import slice_batch
+
+from . import RESULTS
+from .harness import sizes as sizes_module
+from .harness.stats import Paired
+from .harness.timing import seconds
+from .harness.training import lr_factor
+from .harness.workloads import (
     Workload,
-    _char_batches,
-    _text_splits,
     cnn_workload,
     evaluate,
     gpt_workload,
@@ -35,11 +39,8 @@ from workloads import (
     precise_batchnorm,
 )
 
-from memopt_plugins import MemoryOptimizer
-from memopt_plugins.tree import slice_batch
-
 METRICS = ("rel_l2", "cosine", "noise")
-OUT = Path(__file__).with_name("drift_metrics.md")
+OUT = RESULTS / "drift_metrics.md"
 
 
 def small_sizes(steps: int) -> sizes_module.Sizes:
@@ -63,16 +64,6 @@ def small_sizes(steps: int) -> sizes_module.Sizes:
     return sizes_module.Sizes(gpt=gpt, cnn=sizes_module.CNNSizes(16, 64, cnn_training))
 
 
-def trained_hf_gpt2(s: sizes_module.Sizes) -> Workload:
-    """HF GPT-2 with the GPT's text batches (the bench measures it only; here it trains)."""
-    workload = hf_gpt2_workload(s)
-    train, val = _text_splits(s)
-    t = s.gpt.training
-    workload.train_batches = lambda seed: _char_batches(train, t.batch, t.length, t.steps, seed)
-    workload.val = _char_batches(val, t.batch, t.length, t.val_batches, 1)
-    return workload
-
-
 @dataclass
 class Run:
     loss: float
@@ -90,15 +81,19 @@ def train(workload: Workload, metric: str | None, seed: int, check_every: int) -
     adamw = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lr_factor(len(batches)))
     step_times, check_times = [], []
-    for batch in batches:
-        start = time.perf_counter()
+    cpu = torch.device("cpu")
+
+    def step(batch: Any) -> None:
         adamw.zero_grad(set_to_none=True)
         workload.loss_fn(model, batch).backward()
-        step_times.append(time.perf_counter() - start)
+
+    def check(batch: Any) -> None:
+        opt.check_drift(lambda: workload.loss_fn(model, slice_batch(batch, 8)))
+
+    for batch in batches:
+        step_times.append(seconds(functools.partial(step, batch), cpu))
         if metric and opt.should_check():
-            start = time.perf_counter()
-            opt.check_drift(lambda b=batch: workload.loss_fn(model, slice_batch(b, 8)))
-            check_times.append(time.perf_counter() - start)
+            check_times.append(seconds(functools.partial(check, batch), cpu))
         adamw.step()
         schedule.step()
         opt.count_step()
@@ -121,11 +116,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     s = small_sizes(args.steps)
-    workloads = [gpt_workload(s), trained_hf_gpt2(s), cnn_workload(s)]
+    workloads = [gpt_workload(s), hf_gpt2_workload(s, trained=True), cnn_workload(s)]
     lines = [
         "# Which drift metric",
         "",
-        f"`python benchmarks/drift_metrics.py --steps {args.steps} --seeds {args.seeds} "
+        f"`python -m benchmarks.drift_metrics --steps {args.steps} --seeds {args.seeds} "
         f"--check-every {args.check_every}`: AdamW for {args.steps} steps from 4 bits (drift "
         f"threshold 0.05, sample 8, a check every {args.check_every} steps) against the "
         f"uncompressed baseline on the same seeds ({args.seeds}: data order, dropout, codec "

@@ -3,11 +3,14 @@
 For each model (the examples' GPT and ResNet), one row per configuration: the modules it
 recomputes, retained memory (held for backward after the forward) and peak over a step, both
 as MiB and as a ratio to the baseline, and the median step time (forward + backward) as a ratio
-to the baseline. Steps are interleaved across the configurations, so load drift on a shared
-machine hits all of them alike. "planner @ matched" runs the planner at the budget equal to the
-memory that checkpointing every block reaches, for a comparison at equal memory.
+to the baseline. Built on the harness: each configuration is a method on its own copy
+(``harness.measured.Measured``), memory is the least retained of a few readings after a warm-up
+step (``harness.memory.read_memory``), and steps are timed round-robin, the order rotating every
+round (``harness.timing.time_steps``), so load drift on a shared machine hits all alike.
+"planner @ matched" runs the planner at the budget equal to the memory that checkpointing every
+block reaches, for a comparison at equal memory.
 
-    python benchmarks/recompute_bench.py [--steps 15] [--device cpu] [--out FILE]
+    python -m benchmarks.recompute_bench [--steps 15] [--device cpu] [--out FILE]
 
 The markdown goes to stdout, and to FILE when given.
 """
@@ -16,90 +19,104 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from examples.models import cnn, gpt
+from memopt_plugins import MemoryOptimizer
+from memopt_plugins.profiler.meter import MemoryReading
 
-from methods import checkpoint_blocks, summarize  # noqa: E402
-from models import cnn, gpt  # noqa: E402
-
-from memopt_plugins import MemoryOptimizer  # noqa: E402
-from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading  # noqa: E402
-from memopt_plugins.tree import map_tensors  # noqa: E402
+from .harness.measured import FULL_SETTINGS, Measured
+from .harness.memory import one_step, read_memory
+from .harness.methods import (
+    BASELINE,
+    MEMOPT,
+    PYTORCH,
+    Method,
+    Patched,
+    checkpoint_blocks,
+    summarize,
+)
+from .harness.timing import time_steps
+from .harness.workloads import CONFIGS, Workload
 
 MIB = 1 << 20
+CHECKPOINT = "PyTorch checkpoint, every block"
+
+
+def example_workload(title: str, factory: Callable[[], tuple[Any, ...]], block: str) -> Workload:
+    """An example's ``(model, batch, loss_fn)`` factory as a workload: measured, not trained."""
+    _, batch, loss_fn = factory()
+    return Workload(
+        key=factory.__name__,
+        label=factory.__name__,
+        title=title,
+        build=lambda: factory()[0],  # seeded: every call builds the same weights
+        loss_fn=loss_fn,
+        block_class=block,
+        preset=CONFIGS / ("convnet.yaml" if factory is cnn else "gpt_int4_auto.yaml"),
+        measure=batch,
+        train_batches=None,
+        val=[],
+        lr=0.0,
+        data="a random batch",
+    )
 
 
 @dataclass
-class Run:
-    """One configuration of one model, ready to step."""
+class Planned(Patched):
+    """A model the planner patched, with what the planner estimated for its plan."""
 
-    name: str
-    model: nn.Module
-    batch: object
-    loss_fn: Callable
-    recomputed: str = "-"
     estimate: str = "-"
-    reading: MemoryReading | None = None
-    times: list[float] = field(default_factory=list)
-
-    def step(self) -> None:
-        self.loss_fn(self.model, self.batch).backward()
 
 
-def build(factory: Callable, device: torch.device, name: str) -> Run:
-    model, batch, loss_fn = factory()
-    return Run(name, model.to(device).train(), map_tensors(lambda t: t.to(device), batch), loss_fn)
+def _baseline(model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: Any) -> Patched:
+    return Patched(model)
 
 
-def checkpoint_every(run: Run, block_class: str) -> Run:
-    """PyTorch's non-reentrant checkpoint around every block: the usual full-block recipe."""
-    run.recomputed = summarize(checkpoint_blocks(run.model, block_class))
-    return run
+def _checkpoint(model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: Any) -> Patched:
+    return Patched(model, detail=summarize(checkpoint_blocks(model, workload.block_class)))
 
 
-def planner(run: Run, budget: float) -> Run:
-    opt = MemoryOptimizer({"recompute": {"auto": {"budget": budget}}})
-    opt.apply(run.model)
-    plan = opt.plan_recompute(lambda: run.loss_fn(run.model, run.batch))
-    run.recomputed = summarize(plan.chosen)
-    peak = plan.peak_bytes / plan.baseline_bytes if plan.baseline_bytes else 1.0
-    run.estimate = f"{plan.kept_fraction:.0%} / {peak:.0%}"
-    return run
+def planner(budget: float) -> Callable[..., Patched]:
+    """memopt's recompute planner at ``budget``, planned on the measurement batch."""
+
+    def patch(model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: Any) -> Planned:
+        opt = MemoryOptimizer({"recompute": {"auto": {"budget": budget}}})
+        opt.apply(model)
+        plan = opt.plan_recompute(lambda: workload.loss_fn(model, batch))
+        peak = plan.peak_bytes / plan.baseline_bytes if plan.baseline_bytes else 1.0
+        estimate = f"{plan.kept_fraction:.0%} / {peak:.0%}"
+        return Planned(model, optimizer=opt, detail=summarize(plan.chosen), estimate=estimate)
+
+    return patch
 
 
-def measure_memory(run: Run, meter: MemoryMeter, repeats: int = 2) -> None:
-    run.step()  # gradients allocated first: the readings cover activations
-    readings = [meter.measure(lambda: run.loss_fn(run.model, run.batch)) for _ in range(repeats)]
-    run.reading = min(readings, key=lambda r: r.retained)
+BASE = Method(BASELINE, PYTORCH, _baseline)
+EVERY = Method(CHECKPOINT, PYTORCH, _checkpoint)
 
 
-def time_steps(runs: list[Run], steps: int, device: torch.device) -> None:
-    for run in runs:  # warm-up
-        run.step()
-    for _ in range(steps):
-        for run in runs:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            run.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            run.times.append(time.perf_counter() - start)
+def measure(
+    workload: Workload, methods: list[Method], device: torch.device, steps: int | None
+) -> tuple[Measured, dict[int, MemoryReading], dict[int, float]]:
+    """Each method's copy, its memory (least retained of two readings after a warm-up step)
+    and, with ``steps``, its median step time over that many round-robin rounds."""
+    measured = Measured(workload, methods, device)
+    one_step(measured, workload)
+    memory = read_memory(measured, workload, device, repeats=2)
+    times = {}
+    if steps:
+        settings = replace(FULL_SETTINGS, warmup_steps=1, timed_rounds=steps)
+        times = time_steps(measured, workload, settings, device)
+    return measured, memory, times
 
 
-def table(title: str, runs: list[Run]) -> str:
-    base = runs[0]
-    base_time = statistics.median(base.times)
+def table(title: str, methods: list[Method], measured: Measured, memory, times) -> str:
     lines = [
         f"### {title}",
         "",
@@ -107,37 +124,41 @@ def table(title: str, runs: list[Run]) -> str:
         "| peak MiB | peak vs baseline | step time vs baseline | planner estimate, kept / peak |",
         "|---|---|--:|--:|--:|--:|--:|--:|",
     ]
-    for run in runs:
-        r = run.reading
+    base, base_time = memory[0], times[0]
+    for i, method in enumerate(methods):
+        p = measured.patched[i]
+        if p is None:
+            lines.append(f"| {method.name} | failed: {measured.errors[i]} |" + " |" * 6)
+            continue
+        r = memory[i]
         lines.append(
-            f"| {run.name} | {run.recomputed} | {r.retained / MIB:.1f} "
-            f"| {r.retained / base.reading.retained:.0%} | {r.peak / MIB:.1f} "
-            f"| {r.peak / base.reading.peak:.0%} "
-            f"| {statistics.median(run.times) / base_time:.2f}x | {run.estimate} |"
+            f"| {method.name} | {p.detail} | {r.retained / MIB:.1f} "
+            f"| {r.retained / base.retained:.0%} | {r.peak / MIB:.1f} "
+            f"| {r.peak / base.peak:.0%} | {times[i] / base_time:.2f}x "
+            f"| {getattr(p, 'estimate', '-')} |"
         )
     return "\n".join(lines)
 
 
-def bench_model(
-    title: str, factory: Callable, block_class: str, device: torch.device, steps: int
-) -> str:
-    meter = MemoryMeter(device)
-    every = checkpoint_every(build(factory, device, "PyTorch checkpoint, every block"), block_class)
-    runs = [
-        build(factory, device, "baseline"),
-        every,
-        planner(build(factory, device, "planner, budget 0.5"), 0.5),
-        planner(build(factory, device, "planner, budget 0.3"), 0.3),
-    ]
-    for run in runs:
-        measure_memory(run, meter)
-    matched = every.reading.retained / runs[0].reading.retained
+def bench_model(workload: Workload, device: torch.device, steps: int) -> str:
+    """The table of one model: baseline, planner at 0.5 and 0.3, checkpointing every block, and
+    the planner at the budget that checkpointing's retained memory matches."""
+    workload.to(device)
+    first, memory, _ = measure(workload, [BASE, EVERY], device, None)
+    first.close()
+    matched = memory[1].retained / memory[0].retained
     budget = min(max(matched, 0.01), 1.0)
-    extra = planner(build(factory, device, f"planner @ matched, budget {budget:.2f}"), budget)
-    measure_memory(extra, meter)
-    runs.append(extra)
-    time_steps(runs, steps, device)
-    return table(title, [runs[0], runs[2], runs[3], runs[1], runs[4]])
+    methods = [
+        BASE,
+        Method("planner, budget 0.5", MEMOPT, planner(0.5)),
+        Method("planner, budget 0.3", MEMOPT, planner(0.3)),
+        EVERY,
+        Method(f"planner @ matched, budget {budget:.2f}", MEMOPT, planner(budget)),
+    ]
+    measured, memory, times = measure(workload, methods, device, steps)
+    text = table(workload.title, methods, measured, memory, times)
+    measured.close()
+    return text
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -163,12 +184,14 @@ def main(argv: list[str] | None = None) -> str:
         "the planner predicted from its measured forward, kept after the forward and at the "
         "estimated backward peak (activation gradients not included).",
         "",
-        bench_model("GPT (examples/models.py: gpt, 4 blocks)", gpt, "Block", device, args.steps),
+        bench_model(
+            example_workload("GPT (examples/models.py: gpt, 4 blocks)", gpt, "Block"),
+            device,
+            args.steps,
+        ),  # fmt: skip
         "",
         bench_model(
-            "ResNet (examples/models.py: cnn, 4 basic blocks)",
-            cnn,
-            "BasicBlock",
+            example_workload("ResNet (examples/models.py: cnn, 4 basic blocks)", cnn, "BasicBlock"),
             device,
             args.steps,
         ),

@@ -1,7 +1,7 @@
 """memopt side by side with PyTorch's own memory tools: memory, step time, gradient error, loss.
 
-For each workload (``benchmarks/workloads.py``: our GPT, Hugging Face GPT-2, a ResNet-style CNN)
-every method of ``benchmarks/methods.py`` patches its own copy of the same initial model, then
+For each workload (``harness/workloads.py``: our GPT, Hugging Face GPT-2, a ResNet-style CNN)
+every method of ``harness/methods.py`` patches its own copy of the same initial model, then
 
 1. memory of one training step with :class:`memopt_plugins.profiler.meter.MemoryMeter`, in a fresh
    child process (DESIGN.md: the meter tunes glibc's malloc process-wide, which would slow the
@@ -36,13 +36,13 @@ to ``--out``. On a CUDA machine everything runs on the GPU (memory from ``memory
 ``max_memory_allocated``). Timings are reported, never asserted.
 
 This file is the entry point: the command line, one workload's phases in order, the results
-files. The phases live beside it: ``memory_child.py`` (1), ``gradients.py`` (2), ``timing.py``
+files. The phases live in ``harness/``: ``memory.py`` (1), ``gradients.py`` (2), ``timing.py``
 (3), ``training.py`` (4) and ``compiled.py`` (what differs for the compiled methods), sharing
-``harness.py`` (settings, the patched copies), ``records.py`` (the rows), ``stats.py`` (paired
+``measured.py`` (settings, the patched copies), ``records.py`` (the rows), ``stats.py`` (paired
 intervals) and ``sizes.py`` (how big each workload is); ``report.py`` writes the tables and the
 plot.
 
-    python benchmarks/run.py [--quick] [--out DIR] [--device cpu|cuda] [--threads N]
+    python -m benchmarks.run [--quick] [--out DIR] [--device cpu|cuda] [--threads N]
                              [--only gpt,hf-gpt2,cnn] [--methods NAMES] [--no-compile]
 """
 
@@ -54,7 +54,6 @@ import json
 import logging
 import os
 import platform
-import sys
 import time
 import warnings
 from dataclasses import asdict, replace
@@ -64,15 +63,11 @@ from typing import Any
 import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers is imported
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for folder in (ROOT, HERE):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
 
-from compiled import compile_all, compiled_memory, compiling  # noqa: E402
-from gradients import gradient_errors  # noqa: E402
-from harness import (  # noqa: E402
+from . import RESULTS  # noqa: E402
+from .harness.compiled import compile_all, compiled_memory, compiling  # noqa: E402
+from .harness.gradients import gradient_errors  # noqa: E402
+from .harness.measured import (  # noqa: E402
     FULL_SETTINGS,
     QUICK_SETTINGS,
     Measured,
@@ -81,8 +76,8 @@ from harness import (  # noqa: E402
     log,
     shape_of,
 )
-from memory_child import measure_memory, memory_in_child, record_memory  # noqa: E402
-from methods import (  # noqa: E402
+from .harness.memory import measure_memory, memory_in_child, record_memory  # noqa: E402
+from .harness.methods import (  # noqa: E402
     BASELINE,
     C_BASELINE,
     COMPILED_METHODS,
@@ -90,13 +85,13 @@ from methods import (  # noqa: E402
     METHODS,
     Method,
 )
-from records import Row, WorkloadResult  # noqa: E402
-from report import write_plot, write_results  # noqa: E402
-from sizes import Sizes  # noqa: E402
-from stats import Paired  # noqa: E402, F401 -- tests/test_bench.py imports it from here
-from timing import time_steps  # noqa: E402
-from training import train  # noqa: E402
-from workloads import Workload, workloads  # noqa: E402
+from .harness.plot import write_plot  # noqa: E402
+from .harness.records import Row, WorkloadResult  # noqa: E402
+from .harness.sizes import Sizes  # noqa: E402
+from .harness.timing import time_steps  # noqa: E402
+from .harness.training import train  # noqa: E402
+from .harness.workloads import Workload, workloads  # noqa: E402
+from .report import write_results  # noqa: E402
 
 
 def measure_rows(
@@ -177,7 +172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (``argv``, or ``sys.argv``); ``--quick`` defaults to one thread."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one thread: a smoke run")
-    parser.add_argument("--out", type=Path, default=HERE, help="folder for the results")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results")
     parser.add_argument("--device", help="cpu or cuda[:i] (default: cuda when available)")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's; --quick: 1)")
     parser.add_argument("--only", help="comma-separated workload keys: gpt,hf-gpt2,cnn")

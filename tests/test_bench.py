@@ -1,4 +1,4 @@
-"""The benchmark keeps working: `benchmarks/run.py --quick` runs and writes complete results.
+"""The benchmark keeps working: `python -m benchmarks.run --quick` runs and writes complete results.
 
 One quick run (tiny models, a few steps, one thread) in a subprocess, shared by the tests below.
 Timings are never asserted; memory, gradient and loss figures are, where they are deterministic.
@@ -18,16 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.methods import BASELINE, LOSS_BARS, METHODS, Patched, method_names
+from benchmarks.harness.stats import Paired
+from benchmarks.harness.tables import MEASURE_COLUMNS, loss_verdict
+from benchmarks.harness.workloads import precise_batchnorm
+from benchmarks.report import main as redraw_pareto
 from memopt_plugins import MemoryOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from methods import BASELINE, LOSS_BARS, METHODS, Patched, method_names  # noqa: E402
-from report import MEASURE_COLUMNS, loss_verdict  # noqa: E402
-from report import main as redraw_pareto  # noqa: E402
-from run import Paired  # noqa: E402
-from workloads import precise_batchnorm  # noqa: E402
 
 WORKLOADS = ("gpt", "hf-gpt2", "cnn")
 
@@ -37,8 +35,7 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
         # the compiled rows cost minutes of compiling: tests/test_compile.py covers compile
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--no-compile"]
-        + ["--out", str(out)],
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--no-compile"] + ["--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,

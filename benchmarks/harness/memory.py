@@ -1,10 +1,11 @@
-"""The memory phase, run in a child process of its own (``run.py --memory-json PATH``).
+"""The memory phase, run in a child process of its own (``benchmarks.run --memory-json PATH``).
 
 :class:`memopt_plugins.profiler.meter.MemoryMeter` tunes glibc's malloc process-wide, which would
 slow the timed steps, so the parent (:func:`memory_in_child`) spawns a fresh interpreter with
 malloc set from its start (:data:`MALLOC_ENV`, DESIGN.md "Measuring memory"); the child measures
 every method (:func:`measure_memory`) and writes JSON, which the parent folds into its rows
-(:func:`record_memory`).
+(:func:`record_memory`). :func:`in_fresh_process` starts such a child for any benchmark, and
+:func:`least_retained` is the reading every study takes.
 """
 
 from __future__ import annotations
@@ -20,17 +21,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import Measured, log
-from methods import Method, Patched
-from records import Row
-from workloads import Workload
 
-from memopt_plugins.profiler.meter import MemoryMeter
+from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading
+
+from .. import ROOT
+from .measured import Measured, log
+from .methods import Method, Patched
+from .records import Row
+from .workloads import Workload
 
 #: What the memory child process sets before Python starts (DESIGN.md "Measuring memory").
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
-#: The script the child runs: the benchmark's entry point, with ``--memory-json``.
-ENTRY_POINT = Path(__file__).resolve().with_name("run.py")
+#: The module the child runs: the benchmark's entry point, with ``--memory-json``.
+ENTRY_POINT = "benchmarks.run"
+
+
+def in_fresh_process(
+    module: str, args: list[str], capture: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module *args`` from the repository root, malloc set as :data:`MALLOC_ENV`
+    from its start; raises if it fails. ``capture``: keep its stdout and stderr."""
+    command = [sys.executable, "-m", module, *args]
+    env = {**os.environ, **MALLOC_ENV}
+    return subprocess.run(command, check=True, cwd=ROOT, env=env, capture_output=capture, text=True)
+
+
+def least_retained(
+    meter: MemoryMeter, forward: Callable[[], Any], repeats: int, stats: Any = None
+) -> MemoryReading:
+    """The reading with the least retained of ``repeats`` steps (``meter.measure(forward)``)."""
+    readings = [meter.measure(forward, stats) for _ in range(repeats)]
+    return min(readings, key=lambda r: r.retained)
 
 
 def one_step(measured: Measured, workload: Workload) -> dict[int, float]:
@@ -41,6 +62,24 @@ def one_step(measured: Measured, workload: Workload) -> dict[int, float]:
 
     measured.each(step)
     return {}
+
+
+def read_memory(
+    measured: Measured, workload: Workload, device: torch.device, repeats: int
+) -> dict[int, MemoryReading]:
+    """``{index: reading}``: the least retained of ``repeats`` readings of every method still
+    standing, taken round-robin (a method that raises is dropped from ``measured``)."""
+    meter = MemoryMeter(device)
+    best: dict[int, MemoryReading] = {}
+
+    def read(i: int, p: Patched) -> None:
+        reading = meter.measure(lambda: p.loss(workload.loss_fn, workload.measure), p.stats)
+        if i not in best or reading.retained < best[i].retained:
+            best[i] = reading
+
+    for _ in range(repeats):
+        measured.each(read)
+    return best
 
 
 def measure_memory(
@@ -59,17 +98,8 @@ def measure_memory(
     planners' choices, for the parent to adopt.
     """
     measured = Measured(workload, methods, device)
-    meter = MemoryMeter(device)
     first = warm_up(measured, workload)
-    best: dict[int, Any] = {}
-
-    def read(i: int, p: Patched) -> None:
-        reading = meter.measure(lambda: p.loss(workload.loss_fn, workload.measure), p.stats)
-        if i not in best or reading.retained < best[i].retained:
-            best[i] = reading
-
-    for _ in range(repeats):
-        measured.each(read)
+    best = read_memory(measured, workload, device, repeats)
     memory: dict[str, dict[str, Any]] = {}
     plans: dict[str, list[str]] = {}
     for i, method in enumerate(methods):
@@ -96,14 +126,14 @@ def memory_in_child(args: argparse.Namespace, started: float) -> dict[str, Any]:
     """
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "memory.json"
-        command = [sys.executable, str(ENTRY_POINT), "--memory-json", str(target)]
+        command = ["--memory-json", str(target)]
         command += ["--quick"] if args.quick else []
         for flag in ("device", "threads", "only", "methods"):
             if getattr(args, flag):
                 command += [f"--{flag}", str(getattr(args, flag))]
         command += ["--no-compile"] if args.no_compile else []
         log("memory: measuring in a child process", started)
-        subprocess.run(command, check=True, env={**os.environ, **MALLOC_ENV})
+        in_fresh_process(ENTRY_POINT, command)
         return json.loads(target.read_text())
 
 

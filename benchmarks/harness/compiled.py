@@ -30,10 +30,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from harness import Measured
-from memory_child import measure_memory
-from methods import Method, Patched
-from workloads import Workload
+
+from .measured import Measured
+from .memory import measure_memory
+from .methods import Method, Patched
+from .workloads import Workload
 
 #: Untimed steps of each compiled method before its first reading (the first one compiles).
 COMPILE_WARMUP = 2

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from methods import Method, Patched
-from sizes import FULL, QUICK, Sizes
 from torch import nn
-from workloads import Workload
+
+from .methods import Method, Patched
+from .sizes import FULL, QUICK, Sizes
+from .workloads import Workload
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,36 @@
 
 Methods are alternated round-robin, the order rotating every round, so that load drift on the
 machine hits all of them alike; a few warm-up steps of each come first. Timings are reported,
-never asserted.
+never asserted. :func:`median_seconds` times one call the same way (warm-up, then the median).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
-from harness import Measured, Settings, sync
-from methods import Patched
-from workloads import Workload
+
+from .measured import Measured, Settings, sync
+from .methods import Patched
+from .workloads import Workload
+
+
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of ``fn()``, the device's queued work included."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
+    """Median :func:`seconds` of ``repeats`` calls of ``fn`` after an untimed one."""
+    fn()
+    return statistics.median(seconds(fn, device) for _ in range(repeats))
 
 
 def time_steps(
@@ -39,11 +57,7 @@ def time_steps(
             if p is None:
                 continue
             try:
-                sync(device)
-                start = time.perf_counter()
-                step(i, p)
-                sync(device)
-                times[i].append(time.perf_counter() - start)
+                times[i].append(seconds(functools.partial(step, i, p), device))
             except Exception as exc:
                 measured.drop(i, exc)
     return {i: statistics.median(t) for i, t in times.items() if t and i not in measured.errors}

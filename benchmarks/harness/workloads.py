@@ -13,7 +13,6 @@ the full run's or ``--quick``'s).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,16 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+from examples.data import CharWindows, digits, encode, stdlib_text
+from examples.models import GPT, SmallResNet, classification_loss, lm_loss
+from memopt_plugins.tree import map_tensors
+
+from .. import ROOT
+from .sizes import Sizes
+
 CONFIGS = ROOT / "configs"
-if str(ROOT / "examples") not in sys.path:
-    sys.path.insert(0, str(ROOT / "examples"))
-
-from data import CharWindows, digits, encode, stdlib_text  # noqa: E402
-from models import GPT, SmallResNet, classification_loss, lm_loss  # noqa: E402
-from sizes import Sizes  # noqa: E402
-
-from memopt_plugins.tree import map_tensors  # noqa: E402
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -165,35 +162,48 @@ def hf_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(input_ids=batch, labels=batch).loss
 
 
-def hf_gpt2_workload(sizes: Sizes) -> Workload:
-    """Hugging Face GPT-2 from a config (tests/zoo.py's, with ASCII vocabulary and dropout 0.1).
-
-    Measured only: its training curve would repeat the GPT's at twice the cost.
-    """
+def hf_gpt2(
+    vocab: int, positions: int, dim: int, depth: int, dropout: float, **config: Any
+) -> nn.Module:
+    """A Hugging Face GPT-2 from a config (4 heads, eager attention), seeded: no download."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=dim,
+        n_layer=depth,
+        n_head=4,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+        **config,
+    )
+    cfg._attn_implementation = "eager"
+    return GPT2LMHeadModel(cfg)
+
+
+def hf_gpt2_workload(sizes: Sizes, trained: bool = False) -> Workload:
+    """Hugging Face GPT-2 from a config (tests/zoo.py's, with ASCII vocabulary and dropout 0.1).
+
+    Measured only in the bench: its training curve would repeat the GPT's at twice the cost.
+    ``trained``: with the GPT's training and held-out text batches (``drift_metrics.py``).
+    """
     gpt = sizes.gpt
-    train, _ = _text_splits(sizes)
+    train, val = _text_splits(sizes)
 
     def build() -> nn.Module:
-        torch.manual_seed(0)
-        cfg = GPT2Config(
-            vocab_size=128,
-            n_positions=128,
-            n_embd=gpt.dim,
-            n_layer=gpt.depth,
-            n_head=4,
-            resid_pdrop=0.1,
-            embd_pdrop=0.1,
-            attn_pdrop=0.1,
-            bos_token_id=0,
-            eos_token_id=0,
-            use_cache=False,
-        )
-        cfg._attn_implementation = "eager"
-        return GPT2LMHeadModel(cfg)
+        return hf_gpt2(128, 128, gpt.dim, gpt.depth, dropout=0.1, use_cache=False)
 
     measure = _char_batches(train, gpt.measure_batch, gpt.measure_len - 1, 1, seed=99)[0]
+    t = gpt.training
+
+    def train_batches(seed: int) -> list[torch.Tensor]:
+        return _char_batches(train, t.batch, t.length, t.steps, seed)
+
     return Workload(
         key="hf-gpt2",
         label="HF GPT-2",
@@ -204,10 +214,15 @@ def hf_gpt2_workload(sizes: Sizes) -> Workload:
         block_class="GPT2Block",
         preset=CONFIGS / "gpt_int4_auto.yaml",
         measure=measure,
-        train_batches=None,
-        val=[],
+        train_batches=(
+            (lambda seed: _char_batches(train, t.batch, t.length, t.steps, seed))
+            if trained
+            else None
+        ),
+        val=_char_batches(val, t.batch, t.length, t.val_batches, 1) if trained else [],
         lr=3e-3,
-        data="characters of the standard library's .py files (measurement batch only)",
+        data="characters of the standard library's .py files"
+        + ("" if trained else " (measurement batch only)"),
     )
 
 

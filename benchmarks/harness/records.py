@@ -1,15 +1,19 @@
 """What the benchmark records: a :class:`Row` per method, a :class:`WorkloadResult` per workload.
 
-Every phase fills its own fields (memory from :mod:`memory_child`, gradient error from
-:mod:`gradients`, step time from :mod:`timing`, losses from :mod:`training`); ``report.py``
-turns them into tables and the plot, and ``run.py`` writes them to ``results.json`` as they are.
+Every phase fills its own fields (memory from :mod:`.memory`, gradient error from
+:mod:`.gradients`, step time from :mod:`.timing`, losses from :mod:`.training`);
+``benchmarks/report.py`` turns them into tables and the plot, and ``run.py`` writes them to
+``results.json`` as they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stats import Paired
+from .stats import Paired
+
+#: The row of the baseline trained on other seeds: the run-to-run spread, for scale.
+NOISE = "baseline, other seeds"
 
 
 @dataclass

@@ -48,7 +48,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.tree import slice_batch
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from .workloads import CONFIGS
+
 PYTORCH, MEMOPT = "PyTorch", "memopt"
 
 _aten = torch.ops.aten

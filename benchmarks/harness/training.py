@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from harness import failure, rng_state, set_rng_state, shape_of, sync
-from methods import BASELINE, LOSS_BARS, Method, Patched
-from records import Row, WorkloadResult
-from report import NOISE
-from stats import Paired
 from torch import nn
-from workloads import Workload, evaluate, precise_batchnorm
+
+from .measured import failure, rng_state, set_rng_state, shape_of, sync
+from .methods import BASELINE, LOSS_BARS, Method, Patched
+from .records import NOISE, Row, WorkloadResult
+from .stats import Paired
+from .workloads import Workload, evaluate, precise_batchnorm
 
 
 def lr_factor(steps: int, warmup: int = 10, floor: float = 0.1) -> Callable[[int], float]:

@@ -1,0 +1,25 @@
+"""memopt's benchmarks: one harness and the studies built on it, run from the repository root.
+
+    python -m benchmarks.run [--quick] [--out DIR]     memopt next to PyTorch's memory tools
+    python -m benchmarks.fits                          the batch that fits (fits.md/json)
+    python -m benchmarks.bits_both_ways                bits raised and lowered (bits.md/json)
+    python -m benchmarks.compiled_gap                  what compiled compression keeps
+    python -m benchmarks.recompute_bench               the planner against checkpointing
+    python -m benchmarks.batchnorm_digits              running-statistics BatchNorm on digits
+    python -m benchmarks.drift_metrics                 which drift metric
+    python -m benchmarks.gradient_bias                 bias of the compressed gradient
+    python -m benchmarks.cuda                          codec throughput, memory, time on a GPU
+    python -m benchmarks.report [results.json]         redraw pareto.png / merge compiled rows
+
+``harness/`` is what they share: the workloads and their sizes, the methods, a patched copy per
+method (``measured.py``), the phases (memory, gradients, timing, training, compiled), the rows
+they fill (``records.py``) and the tables and plot (``tables*.py``, ``plot.py``, ``notes.md``).
+Results are committed beside this file (:data:`RESULTS`).
+"""
+
+from pathlib import Path
+
+#: The folder the results are committed in (``results.md``, ``fits.md``, ...).
+RESULTS = Path(__file__).resolve().parent
+#: The repository root: the working directory of the child processes (``python -m``).
+ROOT = RESULTS.parent
