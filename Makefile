@@ -28,12 +28,12 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py --out benchmarks
-	$(BIN)/python benchmarks/fits.py --out benchmarks
-	$(BIN)/python benchmarks/bits_both_ways.py --out benchmarks
+	$(BIN)/python -m benchmarks.run --out benchmarks
+	$(BIN)/python -m benchmarks.fits --out benchmarks
+	$(BIN)/python -m benchmarks.bits_both_ways --out benchmarks
 
 bench-quick: $(STAMP)
-	$(BIN)/python benchmarks/run.py --quick --out /tmp/memopt-bench
+	$(BIN)/python -m benchmarks.run --quick --out /tmp/memopt-bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
