@@ -169,17 +169,6 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
-def _mib(nbytes: float) -> str:
-    return "-" if math.isnan(nbytes) else f"{nbytes / 2**20:.1f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` as ``1.23x``, or ``-`` where either is missing (``None`` or NaN)."""
-    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
-        return "-"
-    return f"{a / b:.2f}x"
-
-
 def report(device: torch.device, throughput: list[str], tables: list[str]) -> str:
     """The results file: both sections as markdown."""
     try:
