@@ -22,7 +22,8 @@ from .batchnorm import BatchNormPatch
 from .compress.bits import BitTable
 from .compress.codec import NoiseGenerators
 from .compress.estimate import storage_ratio
-from .compress.hooks import CompressionHooks, ModuleSaved, PackObserver
+from .compress.hooks import CompressionHooks, PackObserver
+from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import distributed, max_over_ranks
 from .drift import DriftMonitor, DriftReport

@@ -1,7 +1,7 @@
 """memopt under torch.compile (inductor's CPU backend): per-block and whole-model compile.
 
 Compression acts inside the compiled graphs (the scopes' hooks are GraphModules that AOTAutograd
-inlines: ``compress/graph.py``) at each module's own bits, and recompute is torch's checkpoint
+inlines: ``compress/compiled.py``) at each module's own bits, and recompute is torch's checkpoint
 inside them. Compile tests are few and small: each costs seconds of compiling.
 """
 

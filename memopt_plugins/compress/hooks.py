@@ -5,6 +5,12 @@ Entering a selected module (a :class:`~memopt_plugins.measure.ScopeTracker` scop
 module runs — by an ``nn.Module`` or a functional call — goes through
 :meth:`CompressionHooks.pack` with the bits the :class:`~.bits.BitTable` gives that module.
 
+The pair a scope enters serves eager and compiled code alike (:meth:`CompressionHooks.pair`): two
+GraphModules of one call, which AOTAutograd inlines into the graphs it compiles
+(:mod:`.compiled`). Called by autograd, the pack hook runs the eager path
+(:meth:`CompressionHooks.pack`: fused codec, dedup, statistics); traced, it puts the traced codec
+(:mod:`.codec.traced`) into the graph. The unpack hook decodes either.
+
 Parameters are never compressed, nor anything sharing their memory, and that is decided when a
 tensor is packed: against the parameters' and buffers' storages read when the step began and,
 on a sharded model (FSDP2), against those its modules hold at that moment
@@ -21,7 +27,6 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -35,16 +40,18 @@ from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
 from .bits import BitTable
-from .codec import (
-    NoiseGenerators,
-    codec_generator,
-    dequantize,
-    draw_seed,
-    packed_nbytes,
-    quantize,
-    tensor_nbytes,
+from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
+from .codec.ops import add_seed_source, remove_seed_source
+from .codec.traced import CODED, HALVED, Coded, decode, encode, memory_order
+from .compiled import (
+    CompiledGraphs,
+    SavedFilter,
+    hook_module,
+    nbytes,
+    traced_context,
+    views_an_input,
 )
-from .graph import GraphHooks
+from .stats import ModuleSaved, SavedStats
 
 log = logging.getLogger("memopt")
 
@@ -118,90 +125,6 @@ def _with_strides(out: torch.Tensor, shape: torch.Size, stride: tuple[int, ...])
     return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
 
 
-@dataclass
-class ModuleSaved:
-    """What one compression scope saved in a forward (its innermost-scope tensors, counted once).
-
-    ``original``/``stored``: bytes before and after the hooks. ``fixed``: the stored bytes no bit
-    width changes (integer and bool tensors). ``floats``: ``(numel, element_size)`` of each
-    floating tensor the scope's bits act on, so its bytes at another width follow from the codec
-    (:meth:`bytes_at`).
-    """
-
-    original: int = 0
-    stored: int = 0
-    fixed: int = 0
-    floats: list[tuple[int, int]] = field(default_factory=list)
-
-    def bytes_at(self, bits: int, group_size: int) -> int:
-        """The bytes this scope would have stored at ``bits`` (the codec's packed sizes)."""
-        return self.fixed + sum(_stored_nbytes(n, e, bits, group_size) for n, e in self.floats)
-
-
-@dataclass
-class SavedStats:
-    """Byte counts of what the hooks handled.
-
-    ``held_bytes`` is live: compact payloads still referenced by autograd (freed after backward).
-    ``forward_original``/``forward_stored`` cover the tensors the eager hooks saw during the last
-    forward pass (every saved tensor that reached them: compressed or kept as it is; parameters
-    excluded). ``compiled`` holds, per compiled graph, the same two counts for what it saved in
-    the last forward: the sizes its pack hooks were traced with (the graph packs inside, where
-    nothing is counted) times the calls of the graph (one graph may serve every block), what it
-    saves as it is included (:mod:`.graph_count`); ``saved_original``/``saved_stored`` add both.
-    ``modules`` holds the eager counts per compression scope (:class:`ModuleSaved`, each tensor
-    under the innermost scope it was saved in) of the last forward; a compiled graph's modules
-    are not in it.
-    """
-
-    held_bytes: int = 0
-    forward_original: int = 0
-    forward_stored: int = 0
-    forward_tensors: int = 0
-    compiled: dict[object, tuple[int, int]] = field(default_factory=dict)
-    modules: dict[str, ModuleSaved] = field(default_factory=dict)
-
-    def _release(self, nbytes: int) -> None:
-        self.held_bytes -= nbytes
-
-    def snapshot(self) -> tuple:
-        """The per-forward counts, for :meth:`restore` (``held_bytes`` is live and not kept)."""
-        return (self.forward_original, self.forward_stored, self.forward_tensors, self.compiled)
-
-    def restore(self, snapshot: tuple) -> None:
-        """Put back per-forward counts taken by :meth:`snapshot` (after an extra pass)."""
-        self.forward_original, self.forward_stored, self.forward_tensors, self.compiled = snapshot
-
-    def start_forward(self) -> None:
-        """A new forward begins: its counts start from zero."""
-        self.restore((0, 0, 0, {}))  # a new dict: ``compiled`` is replaced, never changed
-        self.modules = {}  # a new dict: a snapshot holding the old one keeps it
-
-    @property
-    def saved_original(self) -> int:
-        return self.forward_original + sum(original for original, _ in self.compiled.values())
-
-    @property
-    def saved_stored(self) -> int:
-        return self.forward_stored + sum(stored for _, stored in self.compiled.values())
-
-    @property
-    def forward_ratio(self) -> float:
-        """Uncompressed ÷ stored bytes of the last forward pass, compiled graphs included (1.0
-        when nothing was saved)."""
-        stored = self.saved_stored
-        return self.saved_original / stored if stored else 1.0
-
-
-def _stored_nbytes(numel: int, element_size: int, bits: int, group_size: int) -> int:
-    """What the hooks store for a floating tensor of ``numel`` elements at ``bits``."""
-    if bits >= OFF_BITS or (bits == HALF_BITS and element_size <= 2):
-        return numel * element_size
-    if bits == HALF_BITS:
-        return numel * 2
-    return packed_nbytes(numel, bits, group_size)
-
-
 class PackObserver(Protocol):
     """Told of every tensor the hooks handle (the profiler counts what they keep)."""
 
@@ -241,23 +164,24 @@ class CompressionHooks:
         self._storages: ModelStorages | None = None
         self._running: RunningParameters | None = None
         self._watch: Watch | None = None
-        self._graph: GraphHooks | None = None
+        self._compiled: CompiledGraphs | None = None
         self._compiled_noted = False
+        self._seeds: int | None = None  # the key of the compiled graphs' seed source
+        # The hook pairs, per (scope, bits, table version). Kept while installed: torch.compile
+        # guards on the hooks' ids, which must not be reused by new objects while a graph
+        # compiled with the old ones may run.
+        self._pairs: dict[tuple, tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
+        self._unpack_hook: torch.fx.GraphModule | None = None
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
         """Give every module in ``fqns`` (names within ``root``) a compression scope."""
         self._storages = ModelStorages(root)
-        self._graph = GraphHooks(
-            root,
-            self.bits,
-            self.stats,
-            group_size=self.group_size,
-            min_numel=self.min_numel,
-            eager_pack=self.pack,
-            eager_unpack=self.unpack,
-            draw_seed=self._draw_graph_seed if self.stochastic else None,
-        )
+        self._compiled = CompiledGraphs(root, self.bits)
+        self._unpack_hook = hook_module(self.unpack, "saved")
+        if self.stochastic:
+            self._seeds = add_seed_source(self._draw_graph_seed)
+        SavedFilter.open()
         self._watch = ScopeTracker.of(root).watch(self, fqns)
         self._running = RunningParameters(root)
         self._running.sync()
@@ -277,9 +201,14 @@ class CompressionHooks:
             self._running = None
         self._cache.clear()
         self._storages = None
-        if self._graph is not None:
-            self._graph.close()
-        self._graph = None
+        if self._compiled is not None:  # graphs compiled before still run, rounding with seed 0
+            SavedFilter.close()
+            if self._seeds is not None:
+                remove_seed_source(self._seeds)
+        self._compiled = None
+        self._seeds = None
+        self._pairs = {}
+        self._unpack_hook = None
 
     @contextmanager
     def observed(self, observer: PackObserver) -> Iterator[None]:
@@ -329,12 +258,31 @@ class CompressionHooks:
             self._running.sync()
             self.stats.start_forward()
 
+    def pair(self, fqn: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        """The (pack, unpack) hooks of scope ``fqn`` at the bit table's current state: one pack
+        for eager and traced calls (:func:`.compiled.traced_context` tells them apart), one
+        unpack for every scope. A change of bits gives the scope a new pack hook."""
+        bits = self.bits.bits_of(fqn)
+        key = (fqn, bits, self.bits.version)
+        pair = self._pairs.get(key)
+        if pair is None:
+
+            def pack(t: torch.Tensor) -> object:
+                context = traced_context()
+                if context is None:
+                    return self.pack(t, bits)
+                return self._pack_traced(t, context["_node"], context["_fw_graph"], fqn)
+
+            pair = self._pairs[key] = (hook_module(pack, "t"), self._unpack_hook)
+            _SCOPE_PACKS.add(pair[0])
+        return pair
+
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._scopes:
             self._begin()
         scope = None
         if torch.is_grad_enabled() and not self.suspended:
-            scope = saved_tensors_hooks(*self._graph.pair(fqn))
+            scope = saved_tensors_hooks(*self.pair(fqn))
             scope.__enter__()
             self._counting.append(fqn)
         self._scopes.append(scope)
@@ -348,7 +296,7 @@ class CompressionHooks:
                 self._counting.pop()
             if not scopes:
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
-                self._graph.forward_done(output)
+                self.stats.add_compiled(self._compiled.forward_done(output))
                 if not self._compiled_noted:
                     self._note_compiled()
 
@@ -369,7 +317,7 @@ class CompressionHooks:
             len(traced),
             ", ".join(f or "<root>" for f in traced[:3]),
             ", ..." if len(traced) > 3 else "",
-            self._graph.kept_text(),
+            self._compiled.kept_text(),
         )
 
     # ----------------------------------------------------------------- pack / unpack
@@ -468,10 +416,90 @@ class CompressionHooks:
         )  # fmt: skip
         return _Saved(packed, _decoder(t), t.shape)
 
+    def _pack_traced(
+        self, t: torch.Tensor, node: torch.fx.Node, graph: torch.fx.Graph, default: str
+    ) -> object:
+        """What a compiled graph saves for ``t`` (its node ``node`` in ``graph``, traced inside
+        scope ``default``), noted for the graph's counts as eager counts."""
+        saved, kept = self._encode_traced(t, node, graph, default)
+        original, stored = nbytes(t), nbytes(saved)
+        if t.numel() >= self.min_numel and None not in (original, stored):
+            self._compiled.traced(node.name, original, stored, kept)
+        return saved
+
+    def _encode_traced(
+        self, t: torch.Tensor, node: torch.fx.Node, graph: torch.fx.Graph, default: str
+    ) -> tuple[object, str | None]:
+        """``t`` coded in traceable ops at the bits of the scope that produced it, or ``t``
+        itself and why (a :data:`.compiled.KEPT` kind; ``None`` for the configured bits)."""
+        if t.numel() < max(self.min_numel, 1):
+            return t, "small"
+        if not t.is_floating_point():
+            return t, "integer"
+        fqn = self._compiled.scope_of(node, default)
+        bits = self.bits.scopes.get(fqn, OFF_BITS)
+        if bits >= OFF_BITS:
+            return t, None
+        if views_an_input(node, graph):
+            return t, "input view"
+        self._compiled.note_version()
+        if bits == HALF_BITS:
+            return (t if t.element_size() <= 2 else (HALVED, t.to(torch.bfloat16), t.dtype)), None
+        if t.is_contiguous():
+            # Its memory as one flat run: inductor indexes that directly, where a reshape of
+            # ``t`` into groups that straddle its dims gave index expressions (divisions and
+            # remainders) it could not simplify, and gathers element by element.
+            flat, stride = t.as_strided((t.numel(),), (1,), t.storage_offset()), None
+        elif memory_order(t) is not None:
+            # A transposed or permuted dense tensor: grouped in its index order, as in eager
+            # (:meth:`_compress`), and decoded back to its strides.
+            flat, stride = t.reshape(-1), t.stride()
+        else:
+            return t, "gapped"
+        codes, scale, zero_point = encode(flat, bits, self.group_size, seed_source=self._seeds)
+        coded = Coded(
+            codes, scale, zero_point, bits, self.group_size, t.numel(), t.dtype,
+            tuple(t.shape), stride,
+        )  # fmt: skip
+        return coded.saved(), None
+
     @staticmethod
     def unpack(saved: object) -> torch.Tensor:
+        """The tensor ``saved`` stands for: decoded from what :meth:`pack` or a compiled graph
+        kept, or ``saved`` itself (kept as it was)."""
         if isinstance(saved, _Saved):
             with mark(UNPACK_RANGE):
                 # decoded for the one node unpacking it: the lean ops may write gradients into it
                 return mark_private(saved.decode(saved.payload))
+        tag = saved[0] if isinstance(saved, tuple) else None
+        if tag == CODED:
+            coded = Coded(*saved[1:])
+            out = decode(coded)
+            if coded.stride is None:
+                return out
+            return torch.empty_strided(
+                coded.shape, coded.stride, dtype=out.dtype, device=out.device
+            ).copy_(out)
+        if tag == HALVED:
+            return saved[1].to(saved[2])
         return saved
+
+
+#: The pack hooks of the compression scopes (:meth:`CompressionHooks.pair`).
+_SCOPE_PACKS: weakref.WeakSet[torch.fx.GraphModule] = weakref.WeakSet()
+
+
+def compact_copy(t: torch.Tensor) -> tuple[object, Callable[[object], torch.Tensor]] | None:
+    """``(saved, unpack)``: what the active compression scope keeps for ``t`` instead of ``t``
+    (a compact copy) and how to restore it, for an autograd function that holds ``t`` itself
+    rather than in its saved tensors (:mod:`memopt_plugins.lean.conv`). ``None`` when the
+    active saved-tensor hooks are not a compression scope's (other hooks, such as
+    checkpointing's, count on their own order of saves, so they are never called here), when
+    the scope keeps ``t`` as it is, and while compiling (the compiler decides what is saved)."""
+    if torch.compiler.is_compiling():
+        return None
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None or hooks[0] not in _SCOPE_PACKS:
+        return None
+    saved = hooks[0](t)  # kept as it is, a second call (save_for_backward) finds it cached
+    return (saved, hooks[1]) if isinstance(saved, _Saved) else None

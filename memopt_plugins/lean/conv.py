@@ -21,13 +21,12 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..buffers import private
-from ..compress.hooks import _Saved
+from ..compress.hooks import compact_copy
 from ..packing import pack_bits, unpack_bits
 from .chains import BATCH_NORM_PIECES, PIECE, _work
 
@@ -137,7 +136,7 @@ class _ReLU(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             y = torch.relu(x)
-        ctx.box, ctx.mask = _compressed(y), None
+        ctx.box, ctx.mask = compact_copy(y), None
         if ctx.box is None:
             ctx.save_for_backward(y)
         else:
@@ -161,36 +160,6 @@ class _ReLU(torch.autograd.Function):
         # elementwise, so each element is read before its gradient overwrites it
         torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=y)
         return y, None
-
-
-def _compressed(t: torch.Tensor) -> tuple[object, Any] | None:
-    """``(payload, unpack)`` when memopt's compression hooks are the active saved-tensor hooks
-    and compress ``t``, else ``None``: saved as autograd saves it (other hooks, such as
-    checkpointing's, count on their own order of saves, so they are never called here)."""
-    if torch.compiler.is_compiling():  # traced: the compiler decides what is saved
-        return None
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None or not _memopt_pack(hooks[0]):
-        return None
-    payload = hooks[0](t)  # kept as it is, a second call (save_for_backward) finds it cached
-    return (payload, hooks[1]) if isinstance(payload, _Saved) else None
-
-
-_MEMOPT_PACKS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _memopt_pack(pack: Any) -> bool:
-    """Whether ``pack`` is a pack hook of memopt's compression (a one-call graph of a function
-    of :mod:`memopt_plugins.compress`: :class:`~memopt_plugins.compress.graph.GraphHooks`)."""
-    if not isinstance(pack, torch.fx.GraphModule):
-        return False
-    known = _MEMOPT_PACKS.get(pack)
-    if known is None:
-        targets = (n.target for n in pack.graph.nodes if n.op == "call_function")
-        known = _MEMOPT_PACKS[pack] = any(
-            getattr(t, "__module__", "").startswith("memopt_plugins.compress") for t in targets
-        )
-    return known
 
 
 def _relu_mask(x: torch.Tensor) -> None:

@@ -1,0 +1,259 @@
+"""Compression inside ``torch.compile``'d graphs: how the hooks get in, and what the graphs save.
+
+Since PyTorch 2.8, AOTAutograd inlines the saved-tensor hooks active when it compiles a frame
+into the compiled graphs, when both hooks are ``torch.fx.GraphModule``\\ s: the pack hook becomes
+the epilogue of the forward graph (the graph saves codes, and the original is freed inside it) and
+the unpack hook the prologue of the backward graph. Hooks that are plain Python functions run
+instead on what a compiled graph returns for backward, after the whole graph has run, so the
+graph's peak is not reduced.
+
+Each compression scope therefore enters hooks that are GraphModules of one call each
+(:func:`hook_module`; :meth:`.hooks.CompressionHooks.pair`). Called by autograd on a real tensor,
+the call is the eager path (fused codec, stochastic rounding, dedup, statistics). Traced by
+AOTAutograd (:func:`traced_context`), the call sees the graph node of the saved tensor, finds the
+innermost compressed module that produced it (:meth:`CompiledGraphs.scope_of`) and emits the codec
+in PyTorch operations that inductor compiles into the graph, at that module's bits
+(:mod:`.codec.traced`): the codes, bfloat16 scale and zero point of :mod:`.codec.reference`, in
+the same bytes compiled as eager. The groups' minima and maxima, codes and packing are fused into
+the kernels around them; the parameters between them are one opaque operator
+(``memopt::graph_params``) where the C kernels serve the tensor (:func:`.codec.ops.native_params`):
+inlined, their few dozen operations went into every kernel that saves a tensor, and compiling
+took four times as long. Elsewhere (CUDA, float64, ``MEMOPT_CODEC=torch``, no C compiler) they
+stay inlined: the operator would run them as a few dozen small tensor operations, eagerly, at
+every call.
+
+What the hooks see: every tensor a graph saves but the parameters and buffers (AOTAutograd's
+``no_static`` filter, set while memopt is applied: :class:`SavedFilter`). Its default,
+``donated``, hid the graph's inputs and the saved tensors that are also outputs of the graph:
+compiled per block, every block's input (2 MiB a block on GPT-2 4 x 256, batch 8 x 256); the whole
+model compiled, the logits (16 MiB there), which the graph saves and the caller's loss discarded.
+
+Inside a graph, compared with eager:
+
+* stochastic rounding draws its noise from a seed drawn on the host at every run of the graph
+  (``memopt::graph_seed``, from memopt's CPU generator, never the global RNG) and hashed per
+  element as the C kernel hashes it: at the same seed the codes are the native codec's;
+* a group the eager codec keeps exactly (NaN/Inf, a range the bfloat16 scale cannot express)
+  decodes to NaN, and a constant group to its value rounded up to a bfloat16 step;
+* saved as they are (:data:`KEPT`): integer tensors, slices with gaps and views of the graph's
+  inputs (they may be views of parameters), besides tensors under ``min_numel``;
+* tensors are not deduplicated across graphs (a block's output saved by the next block's graph
+  as its input is coded there once, and again if its own graph saves it too);
+* what the graphs save is counted from the sizes they were traced with, times the calls of each
+  graph in the forward (``SavedStats.compiled``, per compiled graph; :class:`CompiledGraphs`).
+
+The bits are read when a graph is compiled; a change of bits gives every scope new hook objects,
+so ``torch.compile``'s guard on the hooks recompiles the graphs at their next call.
+
+A compiled graph's pack hooks run once, when AOTAutograd traces the graph; the graph then runs
+any number of times per forward (compiled per block, one graph serves every block). So the bytes
+are noted per traced graph (:meth:`CompiledGraphs.traced`, under AOTAutograd's id of the graph)
+and, after each forward, multiplied by how often each graph ran in it: its autograd nodes found
+walking back from the forward's outputs (:meth:`CompiledGraphs.forward_done`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch._functorch.config as functorch_config
+from torch import nn
+
+from ..tree import tensors_in
+from .bits import BitTable
+
+log = logging.getLogger("memopt")
+
+_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
+_LOGGING_UTILS = "torch._functorch._aot_autograd.logging_utils"
+
+#: Why a compiled graph saves a tensor as it is, for the log and the README.
+KEPT = {
+    "small": "tensors under quantize.min_numel",
+    "integer": "integer and bool tensors (eager narrows them losslessly)",
+    "gapped": "slices with gaps (not dense)",
+    "input view": "views of the graph's inputs (they may alias parameters)",
+}
+
+
+def traced_context() -> dict[str, Any] | None:
+    """AOTAutograd's context of the saved tensor being traced (private; ``None`` outside a
+    trace). Not imported here: a process that never compiles never loads the compiler."""
+    module = sys.modules.get(_GRAPH_COMPILE)
+    context = getattr(module, "_get_saved_tensor_hook_context", None)
+    return None if context is None else context()
+
+
+def hook_module(fn: Callable[[Any], Any], name: str) -> torch.fx.GraphModule:
+    """A GraphModule whose forward is ``fn(arg)``: a saved-tensor hook AOTAutograd inlines."""
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(fn, (graph.placeholder(name),)))
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+class SavedFilter:
+    """AOTAutograd's ``saved_tensors_hooks_filtering_mode`` at ``no_static`` while any
+    compression hooks are installed (a process-wide setting, read when a graph is compiled; put
+    back when the last of them is removed)."""
+
+    MODE = "no_static"
+    _open = 0
+    _previous: str | None = None
+
+    @classmethod
+    def open(cls) -> None:
+        if cls._open == 0:
+            cls._previous = functorch_config.saved_tensors_hooks_filtering_mode
+            functorch_config.saved_tensors_hooks_filtering_mode = cls.MODE
+        cls._open += 1
+
+    @classmethod
+    def close(cls) -> None:
+        cls._open -= 1
+        if cls._open == 0:
+            functorch_config.saved_tensors_hooks_filtering_mode = cls._previous
+
+
+def views_an_input(node: torch.fx.Node, graph: torch.fx.Graph) -> bool:
+    """True when ``node`` (not a placeholder) shares the memory of one of ``graph``'s inputs."""
+    if node.op == "placeholder":
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    storage = val.untyped_storage()._cdata
+    for p in graph.find_nodes(op="placeholder"):
+        other = p.meta.get("val")
+        if isinstance(other, torch.Tensor) and other.untyped_storage()._cdata == storage:
+            return True
+    return False
+
+
+def traced_graph() -> int | None:
+    """AOTAutograd's id of the graph being compiled (private; ``None`` when unknown)."""
+    module = sys.modules.get(_LOGGING_UTILS)
+    context = getattr(module, "get_aot_compilation_context", None)
+    if context is None:
+        return None
+    names = context()[0]
+    head = names[0].split("_", 1)[0] if names else ""
+    return int(head) if head.isdigit() else None
+
+
+def nbytes(x: object) -> int | None:
+    """Bytes of a tensor or a tuple of tensors (others count 0); ``None`` when symbolic."""
+    items = x if isinstance(x, tuple) else (x,)
+    total = 0
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            n = t.numel() * t.element_size()
+            if not isinstance(n, int):
+                return None
+            total += n
+    return total
+
+
+@dataclass(frozen=True)
+class _GraphSave:
+    """One tensor a traced graph saves: its bytes, what the graph keeps for it, why as it is."""
+
+    original: int
+    stored: int
+    kept: str | None  # a KEPT kind, or None: compressed (or cast to 16 bits)
+
+
+class CompiledGraphs:
+    """The bookkeeping of the graphs compiled with the compression hooks of one model.
+
+    Args:
+        root: the patched model (its modules' ids name them in compiled graphs).
+        bits: the bit table, read when a graph is traced.
+
+    Attributes:
+        kept: bytes the graphs saved as they are in the last forward, per :data:`KEPT` kind.
+    """
+
+    def __init__(self, root: nn.Module, bits: BitTable):
+        self.root = root
+        self.bits = bits
+        self.kept: dict[str, int] = {}
+        self._graphs: dict[int, dict[str, _GraphSave]] = {}
+        self._traced_version: int | None = None  # the bits the last traced graph holds
+
+    def scope_of(self, node: torch.fx.Node, default: str) -> str:
+        """The innermost scope among the modules that produced ``node`` (``nn_module_stack``
+        keys are module ids); ``default`` (the scope active when the graph was compiled) when
+        none of them has one."""
+        stack = node.meta.get("nn_module_stack") or {}
+        scopes = self.bits.scopes
+        ids = {str(id(m)): f for f, m in self.root.named_modules() if f in scopes}
+        for key in reversed(list(stack)):
+            if key in ids:
+                return ids[key]
+        return default
+
+    def note_version(self) -> None:
+        """A graph is traced at the bit table's current bits: say so once they changed."""
+        version = self.bits.version
+        if self._traced_version not in (None, version):
+            log.info(
+                "memopt: bits changed since the last compiled graph was traced: torch.compile "
+                "recompiles each compiled graph at its next call (its recompile_limit, %d, "
+                "bounds how often; past it the graph runs eagerly)",
+                torch._dynamo.config.recompile_limit,
+            )
+        self._traced_version = version
+
+    def traced(self, node: str, original: int, stored: int, kept: str | None) -> None:
+        """Note what the graph being traced saves for its node ``node`` (traced twice: once)."""
+        graph = traced_graph()
+        if graph is not None:
+            self._graphs.setdefault(graph, {})[node] = _GraphSave(original, stored, kept)
+
+    def forward_done(self, outputs: Any) -> dict[int, tuple[int, int]]:
+        """A forward returned ``outputs``: ``{graph: (original, stored)}``, the bytes each traced
+        graph saved in it (per run, times its runs); the kinds saved as they are go to
+        :attr:`kept`."""
+        if not self._graphs:
+            return {}
+        runs = self._runs(outputs)
+        out: dict[int, tuple[int, int]] = {}
+        kept: Counter[str] = Counter()
+        for graph, n in runs.items():
+            saved = self._graphs[graph].values()
+            out[graph] = (n * sum(s.original for s in saved), n * sum(s.stored for s in saved))
+            for s in saved:
+                if s.kept is not None:
+                    kept[s.kept] += n * s.stored
+        self.kept = dict(kept)
+        return out
+
+    def _runs(self, outputs: Any) -> Counter[int]:
+        """How often each traced graph ran in the forward that returned ``outputs``."""
+        stack = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
+        seen, runs = set(), Counter()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack.extend(n for n, _ in node.next_functions)
+            graph = getattr(getattr(type(node), "_forward_cls", None), "_aot_id", None)
+            if graph in self._graphs:
+                runs[graph] += 1
+        return runs
+
+    def kept_text(self) -> str:
+        """What the graphs saved as it is in the last forward, per kind, for the log."""
+        if not self.kept:
+            return "nothing else saved as it is"
+        return "saved as they are: " + ", ".join(
+            f"{KEPT[kind]} ({n / 2**20:.2f} MiB)"
+            for kind, n in sorted(self.kept.items(), key=lambda kv: -kv[1])
+        )

@@ -1,0 +1,103 @@
+"""Byte counts of what the compression hooks saved: per forward, per scope, per compiled graph."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..config import HALF_BITS, OFF_BITS
+from .codec import packed_nbytes
+
+
+@dataclass
+class ModuleSaved:
+    """What one compression scope saved in a forward (its innermost-scope tensors, counted once).
+
+    ``original``/``stored``: bytes before and after the hooks. ``fixed``: the stored bytes no bit
+    width changes (integer and bool tensors). ``floats``: ``(numel, element_size)`` of each
+    floating tensor the scope's bits act on, so its bytes at another width follow from the codec
+    (:meth:`bytes_at`).
+    """
+
+    original: int = 0
+    stored: int = 0
+    fixed: int = 0
+    floats: list[tuple[int, int]] = field(default_factory=list)
+
+    def bytes_at(self, bits: int, group_size: int) -> int:
+        """The bytes this scope would have stored at ``bits`` (the codec's packed sizes)."""
+        return self.fixed + sum(_stored_nbytes(n, e, bits, group_size) for n, e in self.floats)
+
+
+@dataclass
+class SavedStats:
+    """Byte counts of what the hooks handled.
+
+    ``held_bytes`` is live: compact payloads still referenced by autograd (freed after backward).
+    ``forward_original``/``forward_stored`` cover the tensors the eager hooks saw during the last
+    forward pass (every saved tensor that reached them: compressed or kept as it is; parameters
+    excluded). ``compiled`` holds, per compiled graph, the same two counts for what it saved in
+    the last forward: the sizes its pack hooks were traced with (the graph packs inside, where
+    nothing is counted) times the calls of the graph (one graph may serve every block), what it
+    saves as it is included (:class:`.compiled.CompiledGraphs`); ``saved_original`` and
+    ``saved_stored`` add both. ``modules`` holds the eager counts per compression scope
+    (:class:`ModuleSaved`, each tensor under the innermost scope it was saved in) of the last
+    forward; a compiled graph's modules are not in it.
+    """
+
+    held_bytes: int = 0
+    forward_original: int = 0
+    forward_stored: int = 0
+    forward_tensors: int = 0
+    compiled: dict[object, tuple[int, int]] = field(default_factory=dict)
+    modules: dict[str, ModuleSaved] = field(default_factory=dict)
+
+    def _release(self, nbytes: int) -> None:
+        self.held_bytes -= nbytes
+
+    def add_compiled(self, graphs: Mapping[object, tuple[int, int]]) -> None:
+        """Add ``{graph: (original, stored)}``, what compiled graphs saved in this forward."""
+        if not graphs:
+            return
+        compiled = dict(self.compiled)  # a new dict: a snapshot may hold the old one
+        for graph, (original, stored) in graphs.items():
+            before = compiled.get(graph, (0, 0))
+            compiled[graph] = (before[0] + original, before[1] + stored)
+        self.compiled = compiled
+
+    def snapshot(self) -> tuple:
+        """The per-forward counts, for :meth:`restore` (``held_bytes`` is live and not kept)."""
+        return (self.forward_original, self.forward_stored, self.forward_tensors, self.compiled)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put back per-forward counts taken by :meth:`snapshot` (after an extra pass)."""
+        self.forward_original, self.forward_stored, self.forward_tensors, self.compiled = snapshot
+
+    def start_forward(self) -> None:
+        """A new forward begins: its counts start from zero."""
+        self.restore((0, 0, 0, {}))  # a new dict: ``compiled`` is replaced, never changed
+        self.modules = {}  # a new dict: a snapshot holding the old one keeps it
+
+    @property
+    def saved_original(self) -> int:
+        return self.forward_original + sum(original for original, _ in self.compiled.values())
+
+    @property
+    def saved_stored(self) -> int:
+        return self.forward_stored + sum(stored for _, stored in self.compiled.values())
+
+    @property
+    def forward_ratio(self) -> float:
+        """Uncompressed ÷ stored bytes of the last forward pass, compiled graphs included (1.0
+        when nothing was saved)."""
+        stored = self.saved_stored
+        return self.saved_original / stored if stored else 1.0
+
+
+def _stored_nbytes(numel: int, element_size: int, bits: int, group_size: int) -> int:
+    """What the hooks store for a floating tensor of ``numel`` elements at ``bits``."""
+    if bits >= OFF_BITS or (bits == HALF_BITS and element_size <= 2):
+        return numel * element_size
+    if bits == HALF_BITS:
+        return numel * 2
+    return packed_nbytes(numel, bits, group_size)
