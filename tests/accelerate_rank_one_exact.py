@@ -7,13 +7,16 @@ ordinary, statistically alike batches, they would escalate alike without it).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import train_accelerate  # noqa: E402
+# Loaded from its file: the example imports its neighbours (data, models) itself.
+_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_accelerate.py"
+_spec = importlib.util.spec_from_file_location("train_accelerate", _SCRIPT)
+train_accelerate = sys.modules["train_accelerate"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_accelerate)
 
 _loss = train_accelerate.lm_loss
 

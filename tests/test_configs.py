@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from memory import gradients, measure
-from models import cnn, gpt
 from torch import nn
 from zoo import hf_gpt2, hf_llama, hf_resnet
 
+from examples.models import cnn, gpt
 from memopt_plugins import MemOptConfig, MemoryOptimizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -6,9 +6,9 @@ import io
 import pytest
 import torch
 from memory import gradients, rel_error
-from models import cnn, gpt
 from torch.optim.swa_utils import AveragedModel
 
+from examples.models import cnn, gpt
 from memopt_plugins import MemoryOptimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
