@@ -31,6 +31,7 @@ from .drift.budget import Pricing
 from .dropout import DropoutPatch
 from .lean import LeanOps
 from .measure.process import peak_bytes, reset_peak
+from .policy import resolve_bits
 from .recompute import (
     IN_RECOMPUTE,
     RECOMPUTE,
@@ -40,7 +41,7 @@ from .recompute import (
     recompute_targets,
     region_actions,
 )
-from .select import check_globs, fqn_matches, layer_kind, parent_fqns
+from .select import layer_kind
 from .tree import slice_batch
 
 __all__ = [
@@ -199,7 +200,7 @@ class MemoryOptimizer:
                 "call remove() on that one before applying another"
             )
         targets = recompute_targets(model, self.config.recompute)  # validates before patching
-        scopes = self._resolve_bits(model)
+        scopes = resolve_bits(model, self.config.quantize)
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
         # Lean ops first: they validate against the model too, and recompute wraps what they make.
         lean = self._lean.apply(model)
@@ -558,53 +559,3 @@ class MemoryOptimizer:
         if self._model is None:
             raise RuntimeError("call apply(model) first")
         return self._model
-
-    def _resolve_bits(self, model: nn.Module) -> dict[str, int]:
-        """Bits of every module that needs a compression scope (innermost scope decides).
-
-        A module excluded by ``quantize.exclude`` (or inside one) is never compressed; otherwise the
-        nearest ``overrides`` glob on the module or an ancestor wins, then the default ``bits`` when
-        the module or an ancestor is in ``quantize.modules``. A scope at 32 bits is installed only
-        where it shields a module from a compressing ancestor. Bits loaded before :meth:`apply`
-        are laid on top by the bit table.
-        """
-        q = self.config.quantize
-        names = [fqn for fqn, _ in model.named_modules()]
-        check_globs("quantize.modules", q.modules, names)
-        check_globs("quantize.exclude", q.exclude, names)
-        check_globs("quantize.overrides", list(q.overrides), names)
-
-        def override_of(fqn: str) -> int | None:
-            for glob, bits in reversed(list(q.overrides.items())):
-                if fqn_matches(fqn, [glob]):
-                    return bits
-            return None
-
-        scoped: dict[str, int] = {}
-        # fqn -> (effective bits, set by an override?) for modules under some rule
-        effective: dict[str, tuple[int, bool]] = {}
-        for fqn in names:
-            parents = parent_fqns(fqn)
-            inherited = effective.get(parents[0]) if parents else None
-            compressing_parent = inherited is not None and inherited[0] < OFF_BITS
-            if fqn_matches(fqn, q.exclude):
-                if compressing_parent:
-                    scoped[fqn] = OFF_BITS  # shield the subtree from a compressing ancestor
-                effective[fqn] = (OFF_BITS, True)  # nothing below may compress again
-                continue
-            override = override_of(fqn)
-            if override is not None:
-                mine = (override, True)
-            elif inherited is not None and inherited[1]:
-                effective[fqn] = inherited  # inside an override or exclusion: its scope decides
-                continue
-            elif fqn_matches(fqn, q.modules):
-                mine = (q.bits, False)
-            else:
-                if inherited is not None:
-                    effective[fqn] = inherited
-                continue
-            effective[fqn] = mine
-            if mine[0] < OFF_BITS or compressing_parent:
-                scoped[fqn] = mine[0]
-        return scoped

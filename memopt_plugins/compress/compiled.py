@@ -35,8 +35,9 @@ Inside a graph, compared with eager:
   element as the C kernel hashes it: at the same seed the codes are the native codec's;
 * a group the eager codec keeps exactly (NaN/Inf, a range the bfloat16 scale cannot express)
   decodes to NaN, and a constant group to its value rounded up to a bfloat16 step;
-* saved as they are (:data:`KEPT`): integer tensors, slices with gaps and views of the graph's
-  inputs (they may be views of parameters), besides tensors under ``min_numel``;
+* saved as they are (:data:`memopt_plugins.policy.KEPT`): integer tensors, slices with gaps and
+  views of the graph's inputs (they may be views of parameters), besides tensors under
+  ``min_numel``;
 * tensors are not deduplicated across graphs (a block's output saved by the next block's graph
   as its input is coded there once, and again if its own graph saves it too);
 * what the graphs save is counted from the sizes they were traced with, times the calls of each
@@ -65,6 +66,7 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 
+from ..policy import KEPT
 from ..tree import tensors_in
 from .bits import BitTable
 
@@ -72,14 +74,6 @@ log = logging.getLogger("memopt")
 
 _GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 _LOGGING_UTILS = "torch._functorch._aot_autograd.logging_utils"
-
-#: Why a compiled graph saves a tensor as it is, for the log and the README.
-KEPT = {
-    "small": "tensors under quantize.min_numel",
-    "integer": "integer and bool tensors (eager narrows them losslessly)",
-    "gapped": "slices with gaps (not dense)",
-    "input view": "views of the graph's inputs (they may alias parameters)",
-}
 
 
 def traced_context() -> dict[str, Any] | None:
@@ -120,21 +114,6 @@ class SavedFilter:
             functorch_config.saved_tensors_hooks_filtering_mode = cls._previous
 
 
-def views_an_input(node: torch.fx.Node, graph: torch.fx.Graph) -> bool:
-    """True when ``node`` (not a placeholder) shares the memory of one of ``graph``'s inputs."""
-    if node.op == "placeholder":
-        return False
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return False
-    storage = val.untyped_storage()._cdata
-    for p in graph.find_nodes(op="placeholder"):
-        other = p.meta.get("val")
-        if isinstance(other, torch.Tensor) and other.untyped_storage()._cdata == storage:
-            return True
-    return False
-
-
 def traced_graph() -> int | None:
     """AOTAutograd's id of the graph being compiled (private; ``None`` when unknown)."""
     module = sys.modules.get(_LOGGING_UTILS)
@@ -165,7 +144,7 @@ class _GraphSave:
 
     original: int
     stored: int
-    kept: str | None  # a KEPT kind, or None: compressed (or cast to 16 bits)
+    kept: str | None  # a KEPT kind, or None: saved at its scope's bits
 
 
 class CompiledGraphs:
@@ -176,7 +155,8 @@ class CompiledGraphs:
         bits: the bit table, read when a graph is traced.
 
     Attributes:
-        kept: bytes the graphs saved as they are in the last forward, per :data:`KEPT` kind.
+        kept: bytes the graphs saved as they are in the last forward, per
+            :data:`~memopt_plugins.policy.KEPT` kind.
     """
 
     def __init__(self, root: nn.Module, bits: BitTable):

@@ -1,9 +1,12 @@
-"""What compression would keep of a measured forward's saved storages: the planner's estimate.
+"""What compression stores, from sizes and bits alone: the prices of ``quantize.budget`` and the
+planner's estimate.
 
-The recompute planner (``recompute.auto`` and ``memopt plan``) chooses from a forward measured
-without compression; with compression on, each storage it would keep costs what the codec stores
-for it (:func:`~.codec.packed_nbytes`), not its full size, so that recompute is only chosen for
-what compression leaves.
+:func:`stored_nbytes` is what the hooks store for one floating tensor at a bit width (the codec's
+packed sizes, :func:`~.codec.packed_nbytes`); the budget prices each scope's saved tensors at every
+width with it (:meth:`.stats.ModuleSaved.bytes_at`). The recompute planner (``recompute.auto``
+and ``memopt plan``) chooses from a forward measured without compression; with compression on,
+each storage it would keep costs what the hooks would store for it (:func:`storage_ratio`), not
+its full size, so that recompute is only chosen for what compression leaves.
 """
 
 from __future__ import annotations
@@ -12,27 +15,27 @@ from collections.abc import Callable
 
 from ..config import HALF_BITS, OFF_BITS, QuantizeConfig
 from ..measure import SavedStorage
+from ..policy import compresses_storage
 from .codec import packed_nbytes
 
 
-def storage_ratio(bits: int, quantize: QuantizeConfig) -> Callable[[SavedStorage], float]:
-    """Stored ÷ original bytes of each saved storage when the model compresses at ``bits``.
+def stored_nbytes(numel: int, element_size: int, bits: int, group_size: int) -> int:
+    """What the hooks store for a floating tensor of ``numel`` elements at ``bits``."""
+    if bits >= OFF_BITS or (bits == HALF_BITS and element_size <= 2):
+        return numel * element_size
+    if bits == HALF_BITS:
+        return numel * 2
+    return packed_nbytes(numel, bits, group_size)
 
-    Only what the hooks would compress changes: floating tensors kept as they are, of at least
-    ``min_numel`` elements, saved inside the model (a loss computed outside it is not).
-    """
+
+def storage_ratio(bits: int, quantize: QuantizeConfig) -> Callable[[SavedStorage], float]:
+    """Stored ÷ original bytes of each saved storage when the model compresses at ``bits``
+    (1 for what the policy leaves as it is, :func:`memopt_plugins.policy.compresses_storage`)."""
 
     def ratio(s: SavedStorage) -> float:
-        if (
-            bits >= OFF_BITS
-            or not s.compressible
-            or s.owner is None
-            or s.numel < quantize.min_numel
-        ):
+        if bits >= OFF_BITS or not compresses_storage(s, quantize.min_numel):
             return 1.0
         original = s.numel * s.element_size
-        if bits == HALF_BITS:
-            return min(1.0, 2 / s.element_size)
-        return packed_nbytes(s.numel, bits, quantize.group_size) / original
+        return stored_nbytes(s.numel, s.element_size, bits, quantize.group_size) / original
 
     return ratio

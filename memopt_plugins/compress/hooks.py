@@ -11,8 +11,9 @@ GraphModules of one call, which AOTAutograd inlines into the graphs it compiles
 (:meth:`CompressionHooks.pack`: fused codec, dedup, statistics); traced, it puts the traced codec
 (:mod:`.codec.traced`) into the graph. The unpack hook decodes either.
 
-Parameters are never compressed, nor anything sharing their memory, and that is decided when a
-tensor is packed: against the parameters' and buffers' storages read when the step began and,
+What is kept as it is follows the compression policy (:mod:`memopt_plugins.policy`). Parameters
+are never compressed, nor anything sharing their memory, and that is decided when a tensor is
+packed: against the parameters' and buffers' storages read when the step began and,
 on a sharded model (FSDP2), against those its modules hold at that moment
 (:class:`~memopt_plugins.measure.storage.RunningParameters`). FSDP2 unshards a parameter into
 fresh memory every forward and frees it after; autograd may save the unsharded weight or a view
@@ -39,18 +40,12 @@ from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
+from ..policy import kept_as_is, kept_in_graph
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
 from .codec.traced import CODED, HALVED, Coded, decode, encode, memory_order
-from .compiled import (
-    CompiledGraphs,
-    SavedFilter,
-    hook_module,
-    nbytes,
-    traced_context,
-    views_an_input,
-)
+from .compiled import CompiledGraphs, SavedFilter, hook_module, nbytes, traced_context
 from .stats import ModuleSaved, SavedStats
 
 log = logging.getLogger("memopt")
@@ -321,20 +316,6 @@ class CompressionHooks:
         )
 
     # ----------------------------------------------------------------- pack / unpack
-    def _keep_as_is(self, t: torch.Tensor) -> bool:
-        if t.numel() < self.min_numel or (
-            self._storages is not None and (t in self._storages or t in self._running)
-        ):
-            return True  # small, or a parameter, a buffer, or a view of one
-        if t.untyped_storage().nbytes() < tensor_nbytes(t):
-            return True  # a broadcast (expanded) view: smaller as it is than any copy
-        grad_fn = t.grad_fn
-        if grad_fn is not None and grad_fn.name() == "ToCopyBackward0":
-            # autocast's cast copy of a parameter: cached and shared, compressing it saves nothing
-            source = grad_fn.next_functions[0][0]
-            return source is not None and type(source).__name__ == "AccumulateGrad"
-        return False
-
     def pack(self, t: torch.Tensor, bits: int) -> object:
         """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself or a compact copy."""
         with mark(PACK_RANGE):
@@ -344,7 +325,8 @@ class CompressionHooks:
         return saved
 
     def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
-        if self._keep_as_is(t):
+        model = () if self._storages is None else (self._storages, self._running)
+        if kept_as_is(t, self.min_numel, model):
             return t, 0
         key = _alias_key(t)
         hit = self._cache.get(key) if key is not None else None
@@ -423,7 +405,7 @@ class CompressionHooks:
         scope ``default``), noted for the graph's counts as eager counts."""
         saved, kept = self._encode_traced(t, node, graph, default)
         original, stored = nbytes(t), nbytes(saved)
-        if t.numel() >= self.min_numel and None not in (original, stored):
+        if kept != "small" and None not in (original, stored):  # as eager counts
             self._compiled.traced(node.name, original, stored, kept)
         return saved
 
@@ -431,17 +413,15 @@ class CompressionHooks:
         self, t: torch.Tensor, node: torch.fx.Node, graph: torch.fx.Graph, default: str
     ) -> tuple[object, str | None]:
         """``t`` coded in traceable ops at the bits of the scope that produced it, or ``t``
-        itself and why (a :data:`.compiled.KEPT` kind; ``None`` for the configured bits)."""
-        if t.numel() < max(self.min_numel, 1):
-            return t, "small"
-        if not t.is_floating_point():
-            return t, "integer"
+        itself and why (a :data:`~memopt_plugins.policy.KEPT` kind; ``None`` for the configured
+        bits)."""
+        kept = kept_in_graph(t, node, graph, self.min_numel)
+        if kept is not None:
+            return t, kept
         fqn = self._compiled.scope_of(node, default)
         bits = self.bits.scopes.get(fqn, OFF_BITS)
         if bits >= OFF_BITS:
             return t, None
-        if views_an_input(node, graph):
-            return t, "input view"
         self._compiled.note_version()
         if bits == HALF_BITS:
             return (t if t.element_size() <= 2 else (HALVED, t.to(torch.bfloat16), t.dtype)), None

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..config import HALF_BITS, OFF_BITS
-from .codec import packed_nbytes
+from .estimate import stored_nbytes
 
 
 @dataclass
@@ -26,7 +25,7 @@ class ModuleSaved:
 
     def bytes_at(self, bits: int, group_size: int) -> int:
         """The bytes this scope would have stored at ``bits`` (the codec's packed sizes)."""
-        return self.fixed + sum(_stored_nbytes(n, e, bits, group_size) for n, e in self.floats)
+        return self.fixed + sum(stored_nbytes(n, e, bits, group_size) for n, e in self.floats)
 
 
 @dataclass
@@ -92,12 +91,3 @@ class SavedStats:
         when nothing was saved)."""
         stored = self.saved_stored
         return self.saved_original / stored if stored else 1.0
-
-
-def _stored_nbytes(numel: int, element_size: int, bits: int, group_size: int) -> int:
-    """What the hooks store for a floating tensor of ``numel`` elements at ``bits``."""
-    if bits >= OFF_BITS or (bits == HALF_BITS and element_size <= 2):
-        return numel * element_size
-    if bits == HALF_BITS:
-        return numel * 2
-    return packed_nbytes(numel, bits, group_size)

@@ -13,6 +13,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..distributed import rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
 from ..measure.storage import RunningParameters, is_sharded
+from ..policy import compressible
 from ..tree import tensors_in
 
 
@@ -76,8 +77,8 @@ class PassRecorder:
     Records the tensors whose gradients judge parameter-free modules (their inputs, and their
     direct children's outputs), the parameters a sharded model's modules ran with (``running``),
     and, when ``scopes`` is given, counts per scope the saved tensors compression would touch
-    (floating, ``min_numel`` or more, not a parameter or buffer) -- each attributed to the
-    innermost scope, as the compression hooks do.
+    (:func:`memopt_plugins.policy.compressible`) -- each attributed to the innermost scope, as the
+    compression hooks do.
     """
 
     def __init__(
@@ -156,12 +157,7 @@ class PassRecorder:
 
     def _counter(self, fqn: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def count(t: torch.Tensor) -> torch.Tensor:
-            if (
-                t.is_floating_point()
-                and t.numel() >= self.min_numel
-                and t not in self._storages
-                and t not in self.running
-            ):
+            if compressible(t, self.min_numel, (self._storages, self.running)):
                 self.saved[fqn] += 1
             return t
 

@@ -41,6 +41,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..policy import compressible
 from ..select import layer_kind
 from ..tree import tensors_in
 from .isolate import isolated
@@ -101,7 +102,7 @@ class SavedStorage:
     inputs_of: frozenset[str]  # modules it was an input of (their recompute keeps it)
     element_size: int
     numel: int
-    compressible: bool  # floating point, kept as it is, not a broadcast view
+    compressible: bool  # kept as saved, and compression would touch it (policy.compressible)
     order: int  # rank of its first save among the step's saved storages
 
 
@@ -307,7 +308,7 @@ class StepRecorder:
             record.inside = set(self._stack)
             record.element_size = t.element_size()
             record.numel = t.numel()
-            record.compressible = raw and t.is_floating_point() and nbytes >= t.nbytes
+            record.compressible = raw and compressible(t)
         else:
             record.inside &= set(self._stack)
 

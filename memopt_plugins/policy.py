@@ -1,0 +1,171 @@
+"""The compression policy: which modules get which bits, and which saved tensors are kept as they
+are. The one place these rules are spelled: the eager hooks and the compiled graphs' hooks
+(:mod:`.compress.hooks`), the step recorder (:mod:`.measure.step`), the drift check's passes
+(:mod:`.drift.passes`) and the planner's estimate (:mod:`.compress.estimate`) all ask here.
+
+Kept as it is, whatever its scope's bits (:func:`kept_as_is`), is a saved tensor that is
+
+* memory of the model: a parameter or a buffer, or a view of one (compressing it would keep a copy
+  of the weight for backward and feed backward a compressed weight);
+* smaller than ``quantize.min_numel`` elements;
+* a broadcast (expanded) view: smaller as it is than any copy;
+* autocast's cast copy of a parameter: cached and shared, so compressing it saves nothing.
+
+The step recorder never counts the batch, nor any other storage that exists before the step; the
+hooks are given the model's parameters and buffers only, and compress the batch where a module
+saves it. Of what is not kept as it is, floating tensors are what the bits act on
+(:func:`compressible`); the hooks narrow integer tensors losslessly and keep bool and complex ones.
+Compiled graphs keep a tensor as it is for reasons of their own (:func:`kept_in_graph`).
+
+This module sits below both compression and the measurement layer, which asks it too: it imports
+nothing of memopt's but the config and module selection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .config import OFF_BITS, QuantizeConfig
+from .select import check_globs, fqn_matches, parent_fqns
+
+#: Why a compiled graph saves a tensor as it is, for the log and the README.
+KEPT = {
+    "small": "tensors under quantize.min_numel",
+    "integer": "integer and bool tensors (eager narrows them losslessly)",
+    "gapped": "slices with gaps (not dense)",
+    "input view": "views of the graph's inputs (they may alias parameters)",
+}
+
+
+def resolve_bits(model: nn.Module, quantize: QuantizeConfig) -> dict[str, int]:
+    """Bits of every module of ``model`` that needs a compression scope (innermost scope decides).
+
+    A module excluded by ``quantize.exclude`` (or inside one) is never compressed; otherwise the
+    nearest ``overrides`` glob on the module or an ancestor wins, then the default ``bits`` when
+    the module or an ancestor is in ``quantize.modules``. A scope at 32 bits is installed only
+    where it shields a module from a compressing ancestor. Bits loaded from a checkpoint are laid
+    on top by the engine's bit table.
+
+    Raises:
+        ConfigError: a glob of ``quantize`` matches no module.
+    """
+    q = quantize
+    names = [fqn for fqn, _ in model.named_modules()]
+    check_globs("quantize.modules", q.modules, names)
+    check_globs("quantize.exclude", q.exclude, names)
+    check_globs("quantize.overrides", list(q.overrides), names)
+
+    def override_of(fqn: str) -> int | None:
+        for glob, bits in reversed(list(q.overrides.items())):
+            if fqn_matches(fqn, [glob]):
+                return bits
+        return None
+
+    scoped: dict[str, int] = {}
+    # fqn -> (effective bits, set by an override?) for modules under some rule
+    effective: dict[str, tuple[int, bool]] = {}
+    for fqn in names:
+        parents = parent_fqns(fqn)
+        inherited = effective.get(parents[0]) if parents else None
+        compressing_parent = inherited is not None and inherited[0] < OFF_BITS
+        if fqn_matches(fqn, q.exclude):
+            if compressing_parent:
+                scoped[fqn] = OFF_BITS  # shield the subtree from a compressing ancestor
+            effective[fqn] = (OFF_BITS, True)  # nothing below may compress again
+            continue
+        override = override_of(fqn)
+        if override is not None:
+            mine = (override, True)
+        elif inherited is not None and inherited[1]:
+            effective[fqn] = inherited  # inside an override or exclusion: its scope decides
+            continue
+        elif fqn_matches(fqn, q.modules):
+            mine = (q.bits, False)
+        else:
+            if inherited is not None:
+                effective[fqn] = inherited
+            continue
+        effective[fqn] = mine
+        if mine[0] < OFF_BITS or compressing_parent:
+            scoped[fqn] = mine[0]
+    return scoped
+
+
+def kept_as_is(
+    t: torch.Tensor, min_numel: int = 0, model: Iterable[Container[object]] = ()
+) -> bool:
+    """Whether compression keeps saved tensor ``t`` as it is, whatever its scope's bits.
+
+    ``model``: the model's memory, ``t in memory`` for each: the storages of its parameters and
+    buffers (:class:`~memopt_plugins.measure.ModelStorages`) and of the parameters a sharded
+    model's modules hold while they run (:class:`~.measure.storage.RunningParameters`).
+    """
+    if t.numel() < min_numel or any(t in memory for memory in model):
+        return True  # small, or a parameter, a buffer, or a view of one
+    if t.untyped_storage().nbytes() < t.numel() * t.element_size():
+        return True  # a broadcast (expanded) view: smaller as it is than any copy
+    grad_fn = t.grad_fn
+    if grad_fn is not None and grad_fn.name() == "ToCopyBackward0":
+        # autocast's cast copy of a parameter: cached and shared, compressing it saves nothing
+        source = grad_fn.next_functions[0][0]
+        return source is not None and type(source).__name__ == "AccumulateGrad"
+    return False
+
+
+def compressible(
+    t: torch.Tensor, min_numel: int = 0, model: Iterable[Container[object]] = ()
+) -> bool:
+    """Whether a scope's bits act on saved tensor ``t``: floating, and not kept as it is."""
+    return t.is_floating_point() and not kept_as_is(t, min_numel, model)
+
+
+class MeasuredStorage(Protocol):
+    """What :func:`compresses_storage` reads of a storage measured without compression
+    (:class:`~memopt_plugins.measure.SavedStorage`)."""
+
+    owner: str | None
+    numel: int
+    compressible: bool
+
+
+def compresses_storage(s: MeasuredStorage, min_numel: int) -> bool:
+    """Whether compression would touch a storage a forward without it saved: :func:`compressible`
+    when it was saved, of at least ``min_numel`` elements, and saved inside the model (a loss
+    computed outside it is not)."""
+    return s.compressible and s.owner is not None and s.numel >= min_numel
+
+
+def views_an_input(node: torch.fx.Node, graph: torch.fx.Graph) -> bool:
+    """True when ``node`` (not a placeholder) shares the memory of one of ``graph``'s inputs."""
+    if node.op == "placeholder":
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    storage = val.untyped_storage()._cdata
+    for p in graph.find_nodes(op="placeholder"):
+        other = p.meta.get("val")
+        if isinstance(other, torch.Tensor) and other.untyped_storage()._cdata == storage:
+            return True
+    return False
+
+
+def kept_in_graph(
+    t: torch.Tensor, node: torch.fx.Node, graph: torch.fx.Graph, min_numel: int
+) -> str | None:
+    """Why a compiled graph saves ``t`` (traced as ``node`` of ``graph``) as it is, whatever the
+    bits: a :data:`KEPT` kind, or ``None``. The graph's parameters and buffers never reach the
+    hooks (AOTAutograd's filter, :class:`~memopt_plugins.compress.compiled.SavedFilter`); views of
+    its inputs may alias them. Besides these, the traced codec takes dense tensors only
+    (``"gapped"``)."""
+    if t.numel() < max(min_numel, 1):
+        return "small"
+    if not t.is_floating_point():
+        return "integer"
+    if views_an_input(node, graph):
+        return "input view"
+    return None
