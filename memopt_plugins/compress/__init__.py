@@ -1,1 +1,12 @@
-"""Activation compression: the codec and the per-module saved-tensor hooks."""
+"""Activation compression: the codec, the per-module saved-tensor hooks and their bookkeeping.
+
+* :mod:`.codec`: the codec, a package in layers (façade, dispatch, specification, kernels);
+* :mod:`.hooks`: the compression scopes' saved-tensor hook pair, for eager and compiled code;
+* :mod:`.compiled`: how the hooks get into compiled graphs, and what those graphs save;
+* :mod:`.stats`: byte counts of what the hooks saved, per forward, scope and compiled graph;
+* :mod:`.estimate`: what the hooks store, from sizes and bits alone (prices, the planner's ratio);
+* :mod:`.bits`: the engine's bit table.
+
+Which modules get which bits, and which saved tensors are kept as they are, is the compression
+policy's (:mod:`memopt_plugins.policy`).
+"""
