@@ -13,11 +13,6 @@ from __future__ import annotations
 import copy
 import csv
 import functools
-import gc
-import os
-import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,14 +20,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from memopt_plugins.callbacks import MemOptCallback
+from ranks import TIMEOUT, WORLD, local, rel, run_two_ranks, shard, tokens, train
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2, hf_llama
 
@@ -41,48 +35,8 @@ from memopt_plugins.patching import EngineHook
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-WORLD = 2
-TIMEOUT = timedelta(seconds=120)  # a hung collective fails the run in minutes, not hours
 INT8 = {"quantize": {"bits": 8, "rounding": "nearest"}}
 TWO_BITS = {"quantize": {"bits": 2, "rounding": "nearest"}, "drift": {"check_every": 1}}
-
-
-def shard(model: nn.Module, blocks: list[nn.Module] | None = None, **kwargs) -> nn.Module:
-    """``fully_shard`` every block (default: a Hugging Face model's transformer blocks), then the
-    root, as torchtitan does."""
-    if blocks is None:
-        gpt2 = hasattr(model, "transformer")
-        blocks = list(model.transformer.h if gpt2 else model.model.layers)
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def train(model, loss_fn, batch, steps=3, opt=None, check=None, seed=1):
-    """``steps`` SGD steps; the losses. ``check(step)`` runs after each backward."""
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(seed)
-    losses = []
-    for step in range(steps):
-        loss = loss_fn(model, batch)
-        loss.backward()
-        if check is not None:
-            check(step)
-        sgd.step()
-        sgd.zero_grad()
-        if opt is not None:
-            opt.count_step()
-        losses.append(loss.item())
-    return losses
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
 # --------------------------------------------------------------------------- one process
@@ -190,10 +144,6 @@ def test_callback_profile_is_refused_under_model_parallel_strategy():
 
 
 # --------------------------------------------------------------------------- two processes
-def _tokens(rank: int, n: int = 8) -> torch.Tensor:
-    return torch.randint(0, 512, (n, 32), generator=torch.Generator().manual_seed(rank))
-
-
 def _memory(rank: int) -> dict[str, int]:
     """Retained bytes of a forward (per rank, max of RSS and packed bytes), FSDP2 baseline and
     int8; measured first, while the spawned process is fresh (tests/memory.py says why)."""
@@ -202,7 +152,7 @@ def _memory(rank: int) -> dict[str, int]:
     out = {}
     for name, config in (("baseline", None), ("int8", INT8)):
         model, _, loss_fn = hf_gpt2(batch_size=16, seq=32, dim=64, layers=2)
-        batch = _tokens(rank, 16)
+        batch = tokens(rank, 16)
         opt = MemoryOptimizer(config) if config else None
         if opt is not None:
             opt.apply(model)
@@ -230,7 +180,7 @@ def _losses(rank: int) -> dict:
     out: dict = {}
     for name, (config, dropout) in runs.items():
         model, _, loss_fn = hf_gpt2(batch_size=8, seq=32, dim=64, layers=2, dropout=dropout)
-        batch = _tokens(rank)
+        batch = tokens(rank)
         opt = MemoryOptimizer(config) if config else None
         if opt is not None:
             opt.apply(model)
@@ -261,7 +211,7 @@ def _lean(rank: int) -> dict:
     for engine in ("fsdp2", "ddp"):
         for name, config in (("baseline", None), ("lean", LEAN), ("lean int8", {**LEAN, **INT8})):
             model, _, loss_fn = hf_llama(batch_size=8, seq=32, dim=64, layers=2)
-            batch = _tokens(rank) % 256  # Llama's vocabulary
+            batch = tokens(rank) % 256  # Llama's vocabulary
             opt = MemoryOptimizer(config) if config else None
             if opt is not None:
                 opt.apply(model)
@@ -335,7 +285,7 @@ def _drift(rank: int) -> dict:
     """From 2 bits with a check every step, each rank on its own data; and, on the same data on
     both ranks, the drifts against the unsharded model's."""
     model, _, loss_fn = hf_gpt2(batch_size=8, seq=32, dim=64, layers=2)
-    batch = _tokens(rank)
+    batch = tokens(rank)
     opt = MemoryOptimizer({"quantize": {"bits": 2}, "drift": {"check_every": 1}})
     opt.apply(model)
     shard(model)
@@ -348,7 +298,7 @@ def _drift(rank: int) -> dict:
 
     train(model, loss_fn, batch, opt=opt, check=check)
 
-    same = _tokens(0)
+    same = tokens(0)
     model, _, loss_fn = hf_gpt2(batch_size=8, seq=32, dim=64, layers=2)
     plain = copy.deepcopy(model)
     reference = MemoryOptimizer(TWO_BITS)
@@ -378,7 +328,7 @@ def _accelerate(rank: int, root: Path) -> dict:
     accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     plugin = MemOptPlugin(config)
     model, _, loss_fn = hf_gpt2(batch_size=4, seq=32, dim=32, layers=1)
-    batch = _tokens(rank, 4)
+    batch = tokens(rank, 4)
     shard(plugin.apply(model))
     optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.01))
     plugin.attach(accelerator)
@@ -482,59 +432,21 @@ def _lightning(rank: int, root: Path) -> dict:
     }
 
 
-def _worker(rank: int, out: str) -> None:
-    torch.set_num_threads(1)
-    # What a launcher sets: Lightning then takes the processes as created for it. The group
-    # meets in a file (no port to race for); Lightning finds it initialized and uses it.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",  # read by Lightning's environment, never bound
-        WORLD_SIZE=str(WORLD),
-        NODE_RANK="0",
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-    )
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD, timeout=TIMEOUT
-    )
-    gc.freeze()  # the meter's gc.collect() would walk every object of the imports (0.6 s a call)
-    results: dict = {}
-    try:
-        for name, run in (
-            ("memory", _memory),
-            ("losses", _losses),
-            ("lean", _lean),
-            ("drift", _drift),
-            ("accelerate", functools.partial(_accelerate, root=Path(out))),
-            ("lightning", functools.partial(_lightning, root=Path(out))),
-        ):
-            start = time.monotonic()
-            results[name] = run(rank)
-            results[name + " seconds"] = time.monotonic() - start
-    finally:
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    # Leave without interpreter finalization, as tests/test_drift_ddp.py explains (a gloo
-    # teardown abort at exit, after the results are written).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _cases(out: Path) -> dict:
+    return {
+        "memory": _memory,
+        "losses": _losses,
+        "lean": _lean,
+        "drift": _drift,
+        "accelerate": functools.partial(_accelerate, root=out),
+        "lightning": functools.partial(_lightning, root=out),
+    }
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     """One spawned 2-process gloo run of everything below; each rank's results."""
-    out = tmp_path_factory.mktemp("fsdp2")
-    ctx = mp.start_processes(
-        _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process FSDP2 run did not finish within 300 s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_two_ranks(_cases, tmp_path_factory.mktemp("fsdp2"))
 
 
 @pytest.mark.slow
