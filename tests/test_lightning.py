@@ -521,7 +521,7 @@ def test_ddp_on_two_cpu_processes_keeps_identical_bits(tmp_path):
 
 # --------------------------------------------------------------------------- examples
 def test_demo_prints_the_plan_memory_drift_checks_and_both_losses(tmp_path, capsys, caplog):
-    import demo
+    from examples import demo
 
     with caplog.at_level(logging.INFO, logger="memopt"):
         args = ["--seconds", "30", "--max-steps", "3", "--batch-size", "4", "--threads", "1"]
@@ -555,7 +555,7 @@ def test_demo_prints_the_plan_memory_drift_checks_and_both_losses(tmp_path, caps
 
 
 def test_digits_example_trains_with_the_convnet_preset(tmp_path):
-    import train_digits_lightning
+    from examples import train_digits_lightning
 
     result = train_digits_lightning.main(
         ["--epochs", "1", "--width", "8", "--log-dir", str(tmp_path)]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compress.hooks import SavedStats
+from ..compress.stats import SavedStats
 from ..measure.process import current_bytes, peak_bytes, reset_peak
 
 _M_TRIM_THRESHOLD = -1
