@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {w.label} | {bits} | {one:.2%} | {rel_error(mean, exact):.2%} "
                 f"| {one / args.draws**0.5:.2%} |"
             )
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gradient_bias.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
