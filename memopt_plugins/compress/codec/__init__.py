@@ -151,14 +151,15 @@ def codec_generator(device: torch.device | str) -> torch.Generator:
     """The private generator that stochastic rounding uses on ``device`` when :func:`quantize` is
     given none (a direct call; the engine's hooks pass their :class:`NoiseGenerators`).
 
-    Created on first use and seeded with a fixed constant; the global RNG is never touched.
+    Created on first use and seeded with a fixed constant; the global RNG is never touched. It
+    lives on the host whatever ``device`` is (:func:`draw_seed` then never waits for a GPU).
     Callers that must replay a computation exactly can save and restore its state
     (``get_state`` / ``set_state``).
     """
     device = _indexed(device)
     generator = _GENERATORS.get(device)
     if generator is None:
-        generator = torch.Generator(device=device)
+        generator = torch.Generator()
         generator.manual_seed(_GENERATOR_SEED)
         _GENERATORS[device] = generator
     return generator
@@ -168,7 +169,10 @@ class NoiseGenerators:
     """Per-device generators of stochastic-rounding noise, all seeded with ``seed``.
 
     Each is created, seeded, on the first tensor packed on its device, so the same seed gives the
-    same noise whatever else ran in the process; the global RNG is never drawn from.
+    same noise whatever else ran in the process; the global RNG is never drawn from. They are
+    host generators for every device: a tensor's noise is decided by one seed (:func:`draw_seed`),
+    and drawing it from a CUDA generator would make the host wait for the device at every saved
+    tensor.
     """
 
     def __init__(self, seed: int):
@@ -180,7 +184,7 @@ class NoiseGenerators:
         device = _indexed(device)
         generator = self._generators.get(device)
         if generator is None:
-            generator = torch.Generator(device=device)
+            generator = torch.Generator()
             generator.manual_seed(self.seed)
             self._generators[device] = generator
         return generator
@@ -208,7 +212,8 @@ def _check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
 
 
 def draw_seed(generator: torch.Generator) -> int:
-    """One draw from ``generator``: the seed of one tensor's rounding noise."""
+    """One draw from ``generator``: the seed of one tensor's rounding noise (no device sync with
+    the host generators of :class:`NoiseGenerators` and :func:`codec_generator`)."""
     return int(torch.randint(2**62, (), generator=generator, device=generator.device))
 
 
