@@ -132,8 +132,11 @@ def _with_side_tables(
 ) -> Quantized:
     """A kernel's codes, scale and zero point with the side tables of the groups it flagged
     (``exact``, ``const``: bool per group, or ``None``), gathered from ``x``."""
-    exact = exact if exact is not None and exact.any() else None
-    const = const if const is not None and const.any() else None
+    flags = [f for f in (exact, const) if f is not None]
+    if flags:  # one read of the device for both flags
+        flagged = iter(torch.stack([f.any() for f in flags]).tolist())
+        exact = exact if exact is not None and next(flagged) else None
+        const = const if const is not None and next(flagged) else None
     groups = reference.Groups.of(x, group_size) if exact is not None or const is not None else None
     tables = reference.side_tables(groups, exact, const, like=x, group_size=group_size)
     return (*kernel_output, *tables)
