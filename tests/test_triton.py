@@ -25,11 +25,15 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
+from test_cuda_codec import bounded_mismatches, codec_outputs  # noqa: E402
 from test_native import _adversarial, _same_bits  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from memopt_plugins import dropout  # noqa: E402
+from memopt_plugins import MemoryOptimizer, dropout  # noqa: E402
 from memopt_plugins.compress import codec  # noqa: E402
 from memopt_plugins.compress.codec import ops, reference  # noqa: E402
+from memopt_plugins.compress.hooks import CompressionHooks  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # numpy, under the interpreter, warns about the NaN/Inf of groups kept exactly (as torch would not).
@@ -74,9 +78,9 @@ _COMPILE_FOR_A_GPU = textwrap.dedent(
             x_ptr="*i16", **quantize),
         ptx(tc._quantize_kernel, dict(BITS=2, FIRST=1.0, DTYPE=2, STOCHASTIC=False, **straddling),
             x_ptr="*fp16", **quantize),
-        ptx(tc._decode_kernel, dict(FIRST=0.0625, DTYPE=1, LANE_BITS=4, **tile),
+        ptx(tc._decode_kernel, dict(BITS=4, FIRST=0.0625, DTYPE=1, LANE_BITS=4, **tile),
             out_ptr="*i16", **codes),
-        ptx(tc._decode_kernel, dict(FIRST=1.0, DTYPE=2, LANE_BITS=8, **straddling),
+        ptx(tc._decode_kernel, dict(BITS=2, FIRST=1.0, DTYPE=2, LANE_BITS=8, **straddling),
             out_ptr="*fp16", **codes),
         ptx(tc._pack_mask_kernel, dict(MAGNITUDE=2**31 - 1, BYTES=512), noise_ptr="*i32",
             packed_ptr="*u8"),
@@ -158,16 +162,146 @@ else:  # the child run (or TRITON_INTERPRET=1 pytest tests/test_triton.py)
         # Zeros, constants (exact by their codes, or in the side table), NaN/Inf, one-signed groups,
         # float16's limit, float32 subnormals: every path of the codec.
         x = _adversarial(numel, group_size, dtype, seed=numel + bits)
-        kernel = _quantized(x, bits, group_size)
-        kernel_decoded = _decoded(kernel, bits, group_size, numel, dtype)
+        kernel = codec_outputs(x, bits, group_size)
         monkeypatch.setenv("MEMOPT_CODEC", "torch")
-        expected = _quantized(x, bits, group_size)
-        for field in FIELDS:
-            assert _same_bits(kernel[field], expected[field]), field
-        assert (
-            kernel["exact_index"] is not None or numel < 4 * group_size
-        )  # the specials were there
-        assert _same_bits(kernel_decoded, _decoded(kernel, bits, group_size, numel, dtype))
+        expected = codec_outputs(x, bits, group_size)
+        assert bounded_mismatches(kernel, expected, bits, group_size) == []
+        lost = kernel["zero_point"] != expected["zero_point"]
+        assert expected["exact_index"].numel() or numel < 4 * group_size  # specials were there
+        # and more than the room (of one element, every group is a constant: room for all 9)
+        assert lost.any() or numel < 4 * group_size or group_size == 1
+        # The reference decodes the kernel's bytes to the same bits, and lost groups to NaN too
+        # (its sign is the arithmetic's).
+        packed = [kernel[name] for name in FIELDS]
+        by_reference = ops.dequantize(*packed, bits, group_size, numel, dtype)
+        lost_elements = lost.repeat_interleave(group_size)[:numel]
+        assert by_reference[lost_elements].isnan().all()
+        assert _same_bits(by_reference[~lost_elements], kernel["decoded"][~lost_elements])
+
+    def test_groups_past_the_tables_room_decode_as_nan_and_constants_from_their_codes(
+        kernels,
+    ) -> None:
+        n_groups, size = 64, 32
+        x = torch.randn(n_groups, size, generator=torch.Generator().manual_seed(2))
+        x[1:11, 3] = float("nan")  # 10 groups kept exactly: room for 1 + 64 // 1024 = 1
+        x[20:50] = 0.1  # 30 constants the codes cannot hold exactly: room for 16 + 64 // 64 = 17
+        x[60:64] = float("inf")  # and 4 constants that are not finite, past the room too
+        q = _quantized(x.view(-1), 4, size)
+        out = _decoded(q, 4, size, x.numel(), x.dtype).view(n_groups, size)
+        assert reference.exact_slots(n_groups) == 1 and reference.const_slots(n_groups) == 17
+        assert _same_bits(out[1], x[1])  # in the table: exactly, NaN where x is
+        assert out[2:11].isnan().all()  # lost
+        assert torch.equal(out[20:37], x[20:37])  # in the table: exactly
+        rounded = out[37:50]  # 0.1 rounded up to one first level of a bfloat16 step
+        assert (rounded == rounded[0, 0]).all() and 0.1 < rounded[0, 0] < 0.1 * (1 + 2**-7)
+        assert out[60:].isnan().all()
+        others = torch.cat((out[:1], out[11:20], out[50:60]))
+        assert others.isfinite().all()
+        assert (others - torch.cat((x[:1], x[11:20], x[50:60]))).abs().max() < 0.5
+
+    class _NoDeviceReads(TorchDispatchMode):
+        """Fails on every operator that makes the host wait for a GPU: reading a value
+        (``_local_scalar_dense``: ``item``, ``bool``, ``int``; and ``tolist``, which reads a CPU
+        tensor's memory without an operator) or sizing an output by the data (``nonzero``,
+        indexing by a bool mask, ``masked_select``, ``unique``, ...). Copies from a GPU to the
+        host sync too; on CPU tensors they are not copies, so this cannot see them."""
+
+        SYNCING = {
+            "_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2",
+            "unique_dim", "unique_consecutive", "repeat_interleave", "masked_scatter",
+        }  # fmt: skip
+        INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+        #: Inside :func:`codec.draw_seed`: a read of a host generator's draw, which never waits
+        #: for a GPU (the generators are on the host for every device), so it is let through.
+        drawing_seed = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name == "_local_scalar_dense" and _NoDeviceReads.drawing_seed:
+                return func(*args, **(kwargs or {}))
+            masked = name in self.INDEXING and any(
+                i is not None and i.dtype == torch.bool for i in args[1]
+            )
+            if name in self.SYNCING or masked:
+                raise AssertionError(f"{func} makes the host wait for the device")
+            return func(*args, **(kwargs or {}))
+
+        def __enter__(self):
+            def tolist(t: torch.Tensor) -> list:
+                raise AssertionError("Tensor.tolist makes the host wait for the device")
+
+            self._tolist, torch.Tensor.tolist = torch.Tensor.tolist, tolist
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            torch.Tensor.tolist = self._tolist
+            return super().__exit__(*exc)
+
+    def test_the_no_device_reads_mode_catches_what_it_names() -> None:
+        t = torch.tensor([0.0, 1.0])
+        reads = (t[1].item, lambda: t.tolist(), t.nonzero, lambda: t[t > 0], lambda: bool(t[1]))
+        for read in reads:
+            with pytest.raises(AssertionError, match="wait for the device"), _NoDeviceReads():
+                read()
+
+    @pytest.fixture
+    def host_seeds(monkeypatch):
+        """:func:`codec.draw_seed` checked to draw from a host generator, and let through."""
+        draw = codec.draw_seed
+
+        def on_the_host(generator: torch.Generator) -> int:
+            assert generator.device.type == "cpu"
+            _NoDeviceReads.drawing_seed = True
+            try:
+                return draw(generator)
+            finally:
+                _NoDeviceReads.drawing_seed = False
+
+        monkeypatch.setattr(codec, "draw_seed", on_the_host)
+
+    @pytest.mark.parametrize("bits", [2, 4, 8])
+    def test_the_codec_never_waits_for_the_device(kernels, host_seeds, bits: int) -> None:
+        # The CUDA code path (Triton), run on CPU tensors: with groups kept exactly and constants,
+        # past the tables' room too, and stochastic rounding drawing its seed from a generator.
+        x = _adversarial(40_192, 256, torch.float32, seed=bits)
+        generator = codec.NoiseGenerators(7)(x.device)
+        with _NoDeviceReads():
+            packed = codec.quantize(x, bits, 256, generator=generator)
+            out = codec.dequantize(packed)
+        assert packed.exact_index is not None and packed.const_index is not None
+        # It did the work: within a step of the nearest levels, in the groups of finite values.
+        expected = codec.dequantize(codec.quantize(x, bits, 256, stochastic=False))
+        finite = x.view(-1, 256).isfinite().all(1)
+        error = (out - expected).view(-1, 256)[finite].abs()
+        assert finite.sum() > 150 and (error <= packed.scale[finite].float()[:, None]).all()
+
+    def test_pack_and_unpack_never_wait_for_the_device_in_training(
+        kernels, host_seeds, monkeypatch
+    ) -> None:
+        calls = []
+        for name in ("pack", "unpack"):
+            hook = getattr(CompressionHooks, name)
+
+            def watched(*args, _hook=hook, _name=name):
+                calls.append(_name)
+                with _NoDeviceReads():
+                    return _hook(*args)
+
+            monkeypatch.setattr(CompressionHooks, name, staticmethod(watched) if name == "unpack"
+                                else watched)  # fmt: skip
+        launches = []
+        quantize = kernels.quantize
+        monkeypatch.setattr(kernels, "quantize", lambda *a: launches.append(a[1]) or quantize(*a))
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.Tanh())
+        opt = MemoryOptimizer({"quantize": {"bits": 4}})
+        opt.apply(model)
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        model(x).square().mean().backward()
+        opt.remove()
+        assert launches and set(launches) == {4}  # tensors went through the Triton kernels
+        assert "pack" in calls and "unpack" in calls
+        assert x.grad is not None and x.grad.isfinite().all()
 
     def test_stochastic_4bit_decodes_average_to_the_input(kernels) -> None:
         g = torch.Generator().manual_seed(11)

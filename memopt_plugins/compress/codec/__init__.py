@@ -33,7 +33,12 @@ Guarantees the rest of the engine builds on:
   closer to zero than the first level (below), and it draws from a private generator, never from
   the global RNG;
 * a constant group decodes exactly, and a group holding NaN/Inf (or a range the bfloat16 scale
-  cannot express) is stored exactly, without affecting its neighbours.
+  cannot express) is stored exactly, without affecting its neighbours. On CUDA (the Triton
+  kernels) the side tables that hold them have room fixed by the tensor's size, so that packing
+  never waits for the GPU (:func:`.reference.bounded_tables`): one group kept exactly per 1024
+  groups (at least one), 16 constants and one per 64 groups; past that room a group kept exactly
+  decodes to NaN, as in compiled graphs, and a constant to its value rounded up to a bfloat16 step
+  (at most 2**-8 above it).
 
 The levels of a group are ``0`` and ``±(k - 1 + c)·step`` for ``k = 1, 2, ...`` codes away from
 the zero point: uniformly spaced one step apart, except that the first level on each side of zero
@@ -94,7 +99,8 @@ class PackedTensor:
         scale: ``bfloat16`` step size per group (0 for an all-zero group).
         zero_point: ``uint8`` code that decodes to exactly 0, per group.
         exact_index: ``int64`` indices of the groups kept exactly (NaN/Inf or unrepresentable
-            range), or ``None``.
+            range), or ``None``; from the Triton kernels a fixed number of entries, the unused
+            ones past the last group (the same for ``const_index``).
         exact_values: those groups' values in the original dtype, ``(k, group_size)``, or ``None``.
         const_index: ``int64`` indices of constant groups whose value the codes cannot express
             exactly (e.g. ``1e-30``, ``inf``), or ``None``.
@@ -137,8 +143,9 @@ def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
     The codes of whole groups (a partial last group is padded to ``group_size``), ``8 // bits`` per
     byte, plus 3 bytes per group: the bfloat16 scale and the ``uint8`` zero point. This is
     ``quantize(x, bits, group_size).nbytes`` for any ``x`` of ``numel`` elements without groups
-    kept exactly (NaN/Inf or an unrepresentable range) or constant groups kept as one value; the
-    single source of truth for estimates of the codec's cost.
+    kept exactly (NaN/Inf or an unrepresentable range) or constant groups kept as one value (on
+    CUDA the side tables' fixed room comes on top, :func:`.reference.exact_slots`); the single
+    source of truth for estimates of the codec's cost.
     """
     _check_settings(bits, group_size)
     if numel < 0:

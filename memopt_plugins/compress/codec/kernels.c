@@ -8,6 +8,7 @@
  * Element types (dtype argument): 0 float32, 1 bfloat16, 2 float16. Codes are packed low bits
  * first, 8 / bits per byte, in the order of the flattened tensor.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,7 +164,7 @@ group_params(float mn, float mx, int bits, float first, int dtype, float dtype_m
     const int const_by_codes = constant & finite & (step * first == __builtin_fabsf(mx));
     const int exact = !constant && !encodable;
     params_t p;
-    p.inverse = invertible & (encodable | const_by_codes) ? inverse : 1.0f;
+    p.inverse = invertible & (encodable | constant) ? inverse : 1.0f;
     p.zero_point = exact ? 0.0f : zero_point;
     p.scale = exact ? 0u : stored;
     p.flags = (exact ? (uint32_t)EXACT : 0u) |
@@ -436,8 +437,10 @@ static void decode_range(const uint8_t *packed, int bits, float first, int64_t g
                          int64_t g0, int64_t g1, const uint16_t *scale, const uint8_t *zero_point,
                          int dtype, void *out, float *buf, uint8_t *codes) {
     const float pull = 1.0f - first;
+    const uint8_t top = (uint8_t)((1u << bits) - 1);
     for (int64_t g = g0; g < g1; g++) {
-        const float step = from_bf16(scale[g]);
+        /* scale 0 with the top code: a group lost for want of side-table room, decoded as NaN */
+        const float step = scale[g] == 0 && zero_point[g] == top ? NAN : from_bf16(scale[g]);
         const float zp = (float)zero_point[g];
         const int64_t start = g * group_size;
         unpack(packed, bits, start, group_size, codes);

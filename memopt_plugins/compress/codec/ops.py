@@ -26,8 +26,10 @@ implementations without the operator dispatch (tens of microseconds a call, paid
 tensor); compiled code calls the operators. Every implementation writes the same bytes at
 round-to-nearest. Stochastic rounding draws its noise from ``seed`` (an argument: nothing hidden
 in Python state inside the operator); ``seed`` ``None`` rounds to nearest. Inputs are flat and
-contiguous; the sizes of the two side tables (the groups kept exactly, the constant groups kept as
-one value) depend on the data: the kernels flag the groups, and torch gathers the tables.
+contiguous. The kernels flag the groups of the two side tables (the groups kept exactly, the
+constant groups kept as one value), and torch gathers the tables: on the CPU as large as the data
+needs, on CUDA (Triton) of sizes fixed by the tensor's size (:func:`.reference.bounded_tables`),
+so that the host never waits for the GPU while a saved tensor is packed or unpacked.
 """
 
 from __future__ import annotations
@@ -148,8 +150,14 @@ def _quantize_native(x: torch.Tensor, bits: int, group_size: int, seed: int | No
 
 
 def _quantize_triton(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
-    *params, exact, const = triton_kernels().quantize(x, bits, group_size, seed)
-    return _with_side_tables(x, group_size, tuple(params), exact, const)
+    """The Triton kernel's codes with side tables of sizes known without reading the device
+    (:func:`.reference.bounded_tables`): on a GPU the host never waits for the kernel here. The
+    groups lost for want of room are marked for decoding as NaN (scale 0, the top code)."""
+    codes, scale, zero_point, exact, const = triton_kernels().quantize(x, bits, group_size, seed)
+    groups = reference.Groups.of(x, group_size)
+    tables, lost = reference.bounded_tables(groups, exact, const, scale, like=x)
+    zero_point = torch.where(lost, 2**bits - 1, zero_point)  # scale is 0 already
+    return (codes, scale, zero_point, *tables)
 
 
 def _decode_native(
@@ -301,10 +309,7 @@ def dequantize(
     """The ``numel`` values (flat, contiguous, ``dtype``) that :func:`quantize` encoded."""
     decode = _DECODE_KERNELS[_codec(codes.device, dtype)]
     out = decode(codes, scale, zero_point, bits, group_size, dtype)
-    if const_index is not None:
-        out[const_index] = const_values[:, None]
-    if exact_index is not None:
-        out[exact_index] = exact_values
+    reference.apply_tables(out, exact_index, exact_values, const_index, const_values)
     out = out.view(-1)
     return out if out.numel() == numel else out[:numel].clone()
 

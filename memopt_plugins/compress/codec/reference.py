@@ -79,8 +79,7 @@ class Groups:
         if n_full == 0:
             return self.tail[index]
         picked = self.full[index.clamp(max=n_full - 1)]
-        picked[index == n_full] = self.tail
-        return picked
+        return torch.where((index == n_full)[:, None], self.tail, picked)  # no mask: no sync
 
 
 def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
@@ -156,14 +155,16 @@ def group_params(mn: torch.Tensor, mx: torch.Tensor, bits: int, dtype: torch.dty
     reach = (torch.maximum(zero_point, top - zero_point) - 1 + c) * step
     first_nonzero = (step * c).to(dtype) != 0
     encodable = ~constant & finite & invertible & first_nonzero & (reach <= info.max)
-    # A constant group decodes exactly from its codes when its first level is |v| (v = 0: step 0).
-    # Any scaling below the first level gives the code zp ± 1, so an inverse of 1 serves too.
+    # A constant group decodes exactly from its codes when its first level is |v| (v = 0: step 0);
+    # any other finite constant decodes from them to |v| rounded up to a bfloat16 step (scaled by
+    # the inverse, |v| sits at or below the first level, so it takes the code zp ± 1), and exactly
+    # from the side table that holds it.
     const_by_codes = constant & finite & (step * c == mx.abs())
     exact = ~constant & ~encodable
     return GroupParams(
         scale=torch.where(exact, 0.0, stored.to(mn.dtype)).to(torch.bfloat16),
         zero_point=torch.where(exact, 0.0, zero_point),
-        inverse=torch.where(invertible & (encodable | const_by_codes), inverse, 1.0),
+        inverse=torch.where(invertible & (encodable | constant), inverse, 1.0),
         exact=exact,
         const=constant & ~const_by_codes,
     )
@@ -312,7 +313,9 @@ def decode(
     ``(o - sign(o)·(1 - c))·step`` for the offset ``o = code - zp`` (``c``: :data:`FIRST_LEVEL`).
 
     Each product is exact in the work dtype (a multiple of 1/16 below 256 times a bfloat16), so a
-    code equal to the zero point decodes to exactly 0.
+    code equal to the zero point decodes to exactly 0. A group with scale 0 and the top code as
+    zero point is lost (its values belonged in a side table that had no room,
+    :func:`bounded_tables`) and decodes to NaN.
     """
     n_groups, size, per_byte = scale.numel(), group_size, 8 // bits
     device = codes.device
@@ -322,7 +325,8 @@ def decode(
     scratch = None if dtype == work else out.new_empty(rows, size, dtype=work)
     shift = out.new_empty(rows, size, dtype=work)
     pull = 1 - FIRST_LEVEL[bits]
-    step = scale.to(work)[:, None]
+    lost = (scale == 0) & (zero_point == 2**bits - 1)
+    step = torch.where(lost, float("nan"), scale.to(work))[:, None]
     zero_point = zero_point.to(work)[:, None]
     for start in range(0, n_groups, rows):
         stop = min(start + rows, n_groups)
@@ -360,6 +364,83 @@ def side_tables(
         const_index = const.nonzero().view(-1)
         const_values = groups.select(const_index)[:, 0].clone()  # not a view of the rows
     return exact_index, exact_values, const_index, const_values
+
+
+def exact_slots(n_groups: int) -> int:
+    """Rows of the table of groups kept exactly that :func:`bounded_tables` reserves for a
+    tensor of ``n_groups`` groups: one, and one more per 1024 groups."""
+    return min(n_groups, 1 + n_groups // 1024)
+
+
+def const_slots(n_groups: int) -> int:
+    """Entries of the table of constant groups that :func:`bounded_tables` reserves: 16, and one
+    more per 64 groups (an index and a value each)."""
+    return min(n_groups, 16 + n_groups // 64)
+
+
+def _bounded(flagged: torch.Tensor, slots: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices of the first ``slots`` groups ``flagged`` (bool per group), padded with
+    ``n_groups`` (no group), and the flags of the groups left out; from device operations only."""
+    arange = torch.arange(n_groups, device=flagged.device)
+    slot = flagged.cumsum(0) - 1
+    kept = flagged & (slot < slots)
+    index = torch.full((slots + 1,), n_groups, dtype=torch.int64, device=flagged.device)
+    index.scatter_(0, torch.where(kept, slot, slots), arange)  # the rest to a spare last entry
+    return index[:slots], flagged & ~kept
+
+
+def bounded_tables(
+    groups: Groups,
+    exact: torch.Tensor,
+    const: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    like: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Side tables of sizes known without reading the device (:func:`exact_slots`,
+    :func:`const_slots`): what a GPU fills without the host waiting for it at every tensor.
+
+    The first groups flagged ``exact`` and ``const`` (bool per group) go in, in order; unused
+    entries have index ``len(groups)`` (:func:`apply_tables` skips them). Returns the tables and
+    the groups lost for want of room: those kept exactly, and the constant ones that are not
+    finite (``scale`` 0); a finite constant left out decodes from its codes to its value rounded
+    up to a bfloat16 step instead (:func:`group_params`).
+    """
+    n_groups = len(groups)
+    exact_index, exact_left = _bounded(exact, exact_slots(n_groups), n_groups)
+    const_index, const_left = _bounded(const, const_slots(n_groups), n_groups)
+    last = torch.tensor(n_groups - 1, device=like.device)  # a valid row for unused entries
+    exact_values = groups.select(torch.minimum(exact_index, last))
+    const_values = groups.select(torch.minimum(const_index, last))[:, 0].clone()
+    lost = exact_left | (const_left & (scale == 0))
+    return (exact_index, exact_values, const_index, const_values), lost
+
+
+def apply_tables(
+    out: torch.Tensor,
+    exact_index: torch.Tensor | None,
+    exact_values: torch.Tensor | None,
+    const_index: torch.Tensor | None,
+    const_values: torch.Tensor | None,
+) -> None:
+    """Write the side tables' groups into decoded ``out`` (``(groups, group_size)``), skipping
+    entries whose index is past the last group (unused room of :func:`bounded_tables`), without
+    reading the device: the skipped entries write again what the first entry writes (or row 0
+    what it holds), so no index has two different values."""
+    if const_index is not None:
+        _put_rows(out, const_index, const_values[:, None].expand(-1, out.shape[1]))
+    if exact_index is not None:
+        _put_rows(out, exact_index, exact_values)
+
+
+def _put_rows(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    used = index < out.shape[0]
+    first_used = used[:1]
+    spare_index = torch.where(first_used, index[:1], 0)
+    spare_row = torch.where(first_used[:, None], rows[:1], out.index_select(0, spare_index))
+    out.index_put_(
+        (torch.where(used, index, spare_index),), torch.where(used[:, None], rows, spare_row)
+    )
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:

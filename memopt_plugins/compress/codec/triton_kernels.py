@@ -129,7 +129,7 @@ def _group_params(mn, mx, dtype_max, half_least, BITS: tl.constexpr, FIRST: tl.c
     return (
         tl.where(exact, 0, stored),
         tl.where(exact, 0.0, zero_point),
-        tl.where(invertible & (encodable | const_by_codes), inverse, 1.0),
+        tl.where(invertible & (encodable | constant), inverse, 1.0),
         exact,
         constant & (~const_by_codes),
     )
@@ -216,6 +216,7 @@ def _decode_kernel(
     out_ptr,
     n_groups,
     group_size,
+    BITS: tl.constexpr,
     FIRST: tl.constexpr,
     DTYPE: tl.constexpr,
     GROUPS: tl.constexpr,
@@ -224,6 +225,7 @@ def _decode_kernel(
     LANE_BITS: tl.constexpr,
 ):
     PULL: tl.constexpr = 1 - FIRST
+    TOP: tl.constexpr = 2**BITS - 1
     group = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     byte_col = tl.arange(0, BYTE_COLS)
     lane = tl.arange(0, PER_BYTE)
@@ -233,8 +235,10 @@ def _decode_kernel(
     packed = tl.load(codes_ptr + byte_index, mask=in_group, other=0).to(tl.int32)
     code = (packed[:, :, None] >> (lane * LANE_BITS)[None, None, :]) & (2**LANE_BITS - 1)
 
-    step = _bf16_bits_to_f32(tl.load(scale_ptr + group, mask=live, other=0))
+    scale = tl.load(scale_ptr + group, mask=live, other=0)
     zp = tl.load(zero_point_ptr + group, mask=live, other=0).to(tl.float32)
+    # Scale 0 with the top code as zero point: a group lost for want of side-table room (NaN).
+    step = tl.where((scale == 0) & (zp == TOP), float("nan"), _bf16_bits_to_f32(scale))
     # The level (o - sign(o) * (1 - c)) * step of the offset o = code - zp.
     o = code.to(tl.float32) - zp[:, None, None]
     level = tl.where(o > 0, o - PULL, tl.where(o < 0, o + PULL, 0.0)) * step[:, None, None]
@@ -306,10 +310,10 @@ def _per_byte(bits: int, group_size: int) -> int:
 
 def quantize(
     flat: torch.Tensor, bits: int, group_size: int, seed: int | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed codes, bfloat16 scale, ``uint8`` zero point, and the bool flags of the groups kept
-    exactly and of the constant groups kept as one value (``None`` when no group is flagged), of
-    contiguous 1-D ``flat`` (float32, bfloat16 or float16).
+    exactly and of the constant groups kept as one value, of contiguous 1-D ``flat`` (float32,
+    bfloat16 or float16). Nothing here reads the device.
 
     ``seed``: stochastic rounding with noise from this seed; round-to-nearest when ``None``.
     """
@@ -321,7 +325,7 @@ def quantize(
     zero_point = flat.new_empty(n_groups, dtype=torch.uint8)
     flags = flat.new_empty(n_groups, dtype=torch.uint8)
     if numel == 0:
-        return codes, scale, zero_point, None, None
+        return codes, scale, zero_point, flags.bool(), flags.bool()
     groups, byte_cols, programs = _tiling(group_size, n_groups, per_byte)
     source = flat.view(torch.int16) if dtype == _BF16 else flat
     with _device(flat):
@@ -335,8 +339,6 @@ def quantize(
         )  # fmt: skip
     if per_byte != 8 // bits:
         codes = pack_bits(codes, bits)
-    if not flags.any():
-        return codes, scale, zero_point, None, None
     return codes, scale, zero_point, (flags & _EXACT).bool(), (flags & _CONSTANT).bool()
 
 
@@ -363,7 +365,7 @@ def decode(
         _decode_kernel[(programs,)](
             codes, scale.contiguous().view(torch.int16), zero_point.contiguous(),
             out.view(torch.int16) if code == _BF16 else out, n_groups, group_size,
-            FIRST=FIRST_LEVEL[bits], DTYPE=code, GROUPS=groups, BYTE_COLS=byte_cols,
+            BITS=bits, FIRST=FIRST_LEVEL[bits], DTYPE=code, GROUPS=groups, BYTE_COLS=byte_cols,
             PER_BYTE=per_byte, LANE_BITS=8 // per_byte,
             num_warps=_warps(groups * byte_cols * per_byte), enable_fp_fusion=False,
         )  # fmt: skip
