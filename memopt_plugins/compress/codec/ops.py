@@ -125,28 +125,14 @@ def _codec(device: torch.device, dtype: torch.dtype) -> str:
     return codec if dtype in KERNEL_DTYPES else "torch"
 
 
-def _with_side_tables(
-    x: torch.Tensor,
-    group_size: int,
-    kernel_output: tuple[torch.Tensor, ...],
-    exact: torch.Tensor | None,
-    const: torch.Tensor | None,
-) -> Quantized:
-    """A kernel's codes, scale and zero point with the side tables of the groups it flagged
-    (``exact``, ``const``: bool per group, or ``None``), gathered from ``x``."""
-    flags = [f for f in (exact, const) if f is not None]
-    if flags:  # one read of the device for both flags
-        flagged = iter(torch.stack([f.any() for f in flags]).tolist())
-        exact = exact if exact is not None and next(flagged) else None
-        const = const if const is not None and next(flagged) else None
+def _quantize_native(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
+    """The C kernel's codes with side tables as large as the groups it flagged (on the CPU,
+    reading their sizes waits for nothing)."""
+    q = native.quantize(x, group_size, bits, FIRST_LEVEL[bits], seed)
+    exact, const = (f if f is not None and f.any() else None for f in (q.exact, q.const))
     groups = reference.Groups.of(x, group_size) if exact is not None or const is not None else None
     tables = reference.side_tables(groups, exact, const, like=x, group_size=group_size)
-    return (*kernel_output, *tables)
-
-
-def _quantize_native(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
-    q = native.quantize(x, group_size, bits, FIRST_LEVEL[bits], seed)
-    return _with_side_tables(x, group_size, (q.codes, q.scale, q.zero_point), q.exact, q.const)
+    return (q.codes, q.scale, q.zero_point, *tables)
 
 
 def _quantize_triton(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
