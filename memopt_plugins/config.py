@@ -288,6 +288,14 @@ class DriftConfig(_Section):
             "lowering fails (its probe or a later check comes back over the threshold)."
         ),
     )
+    lower_changes: Annotated[int, Field(ge=2)] = Field(
+        4,
+        description=(
+            "Most width changes a module makes in a run where lowering is concerned: it is not "
+            "lowered when the lowering and a return over the threshold would take its changes "
+            "past this (escalation still acts: the threshold is a hard cap)."
+        ),
+    )
 
     @field_validator("ladder")
     @classmethod

@@ -466,6 +466,37 @@ def test_a_failed_lowering_goes_back_up_and_waits_longer():
     assert other._drift.wait == monitor.wait and other._drift.floor == dict.fromkeys(opt.bits, 8)
 
 
+@pytest.mark.parametrize("lower_changes", [4, 100])
+def test_a_module_that_keeps_flipping_stops_being_lowered(monkeypatch, lower_changes):
+    """A module over the threshold at 4 bits on every third check and calm at 8 goes up, down,
+    and up, then stays up: a lowering and a return would take it past ``lower_changes`` (4).
+    Without that cap (100) it keeps flipping over 24 checks, the doubling wait notwithstanding."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    drift = {"threshold": 0.05, "lower": True, "lower_after": 1, "lower_changes": lower_changes}
+    opt = MemoryOptimizer({"quantize": {"bits": 4, "min_numel": 0}, "drift": drift})
+    opt.apply(model)
+    checks = [0]
+
+    def scripted(fqns, *_):  # module "0": over at 4 bits on every third check, else calm
+        over = opt.bits["0"] == 4 and checks[0] % 3 == 0
+        return [0.2 if f == "0" and over else 0.0 for f in fqns], {}
+
+    monkeypatch.setattr("memopt_plugins.drift.monitor.module_drifts", scripted)
+    widths = []
+    for check in range(1, 25):
+        checks[0] = check
+        opt.check_drift(lambda: model(x).sum())
+        widths.append(opt.bits["0"])
+    changes = sum(a != b for a, b in zip([4, *widths], widths, strict=False))
+    assert widths[:6] == [4, 4, 8, 4, 4, 8]
+    if lower_changes == 4:
+        assert changes == 3 and set(widths[5:]) == {8}
+        assert opt.state_dict()["drift"]["lowering"]["changes"]["0"] == 3
+    else:
+        assert changes > 4
+
+
 def test_metrics_log_a_bits_summary_and_a_modules_bits_only_when_they_change():
     """Every call: the mean bits and the modules per width; a module's own bits at the first
     call and then only when they changed (one chart per module per change, not per row)."""

@@ -27,13 +27,7 @@ from .passes import (
     sq_norms,
     summed_over_shards,
 )
-from .report import (
-    HISTORY_LIMIT,
-    NEGLIGIBLE,
-    DriftReport,
-    next_rung,
-    rung_below,
-)
+from .report import HISTORY_LIMIT, NEGLIGIBLE, DriftReport, next_rung, rung_below
 
 log = logging.getLogger("memopt")
 
@@ -54,11 +48,12 @@ class DriftMonitor:
         self.steps = 0
         self.escalations = 0
         self.deescalations = 0
-        # drift.lower: starting bits, consecutive calm checks, checks to wait, lowered once
+        # drift.lower: starting bits, calm checks in a row, checks to wait, lowered once, changes
         self.floor: dict[str, int] = {}
         self.calm: dict[str, int] = {}
         self.wait: dict[str, int] = {}
         self.lowered: set[str] = set()
+        self.changes: dict[str, int] = {}
         # quantize.budget: drift per unit of step size, and widths the threshold holds a module
         # at (checks left)
         self.sensitivity: dict[str, float] = {}
@@ -288,7 +283,9 @@ class DriftMonitor:
         for fqn, drift in per_module.items():
             old = current[fqn]
             lower = rung_below(cfg.ladder, old)
-            if lower is None or lower < self.floor.get(fqn, old):
+            # Never under its starting bits, nor past lower_changes with a try and a return.
+            changes = self.changes.get(fqn, 0) + 2
+            if lower is None or lower < self.floor.get(fqn, old) or changes > cfg.lower_changes:
                 continue
             # Calm at its bits; whether it stays calm a rung lower, the probe measures: a
             # module's drift is mostly the other modules' rounding (backward carries it), so
@@ -478,6 +475,8 @@ class DriftMonitor:
 
     def _record(self, report: DriftReport) -> DriftReport:
         self.last = report
+        for fqn in (*report.escalated, *report.lowered):
+            self.changes[fqn] = self.changes.get(fqn, 0) + 1
         self.history.append(
             {
                 "step": report.step,
@@ -515,6 +514,7 @@ class DriftMonitor:
                 "calm": dict(self.calm),
                 "wait": dict(self.wait),
                 "lowered": sorted(self.lowered),
+                "changes": dict(self.changes),
             },
             "budget": {
                 "sensitivity": dict(self.sensitivity),
@@ -546,6 +546,7 @@ class DriftMonitor:
         self.calm = {k: int(v) for k, v in lowering.get("calm", {}).items()}
         self.wait = {k: int(v) for k, v in lowering.get("wait", {}).items()}
         self.lowered = {str(f) for f in lowering.get("lowered", ())}
+        self.changes = {k: int(v) for k, v in lowering.get("changes", {}).items()}
         budget = state.get("budget", {})
         self.sensitivity = {k: float(v) for k, v in budget.get("sensitivity", {}).items()}
         self.held = {k: (int(w), int(n)) for k, (w, n) in budget.get("held", {}).items()}
