@@ -71,13 +71,21 @@ def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return float((num / den).sqrt())
 
 
-def compile_blocks(model) -> None:
+def compile_blocks(model, backend: str = "inductor") -> None:
     """``block.compile()`` on every transformer block of a Hugging Face GPT-2 (per-block compile,
     as torchtitan and torchtune do)."""
     for block in model.transformer.h:
-        block.compile()
+        block.compile(backend=backend)
 
 
-def compile_whole(model) -> None:
+def compile_whole(model, backend: str = "inductor") -> None:
     """``model.compile()``: the whole model as one compiled region."""
-    model.compile()
+    model.compile(backend=backend)
+
+
+# Dynamo and AOTAutograd as inductor runs them (inductor's decompositions and partitioner, the
+# hooks inlined into the graphs), the graphs then run eagerly instead of through inductor's code
+# generation: for tests of what memopt does around compiled graphs (drift checks, recompiles,
+# frame counts) rather than of the memory or numbers of inductor's kernels. Generating the kernels
+# of the in-graph stochastic codec takes inductor minutes on a 2-core machine.
+NO_CODEGEN = "aot_eager_decomp_partition"
