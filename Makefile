@@ -22,10 +22,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Without a C compiler the CPU codec's tests would skip: fail instead (CC may carry arguments).
+# JOBS pytest-xdist workers (default 2: CI's cores), each with its share of the cores' threads
+# (tests/conftest.py); most of the time is torch.compile, single-threaded. loadgroup: the tests of
+# a module that share a fixture (a 2-process run, a measured baseline) run on one worker; the
+# longest tests start first (conftest's LONGEST), hence --no-loadscope-reorder. JOBS=0: one process.
+JOBS ?= 2
 test: lint
 	@set -- $${CC:-cc}; command -v "$$1" >/dev/null || \
 		{ echo "make test: no C compiler ($${CC:-cc}); the CPU codec needs one" >&2; exit 1; }
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run --out benchmarks

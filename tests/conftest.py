@@ -1,5 +1,116 @@
+import os
+
 import pytest
 import torch
+
+# Under pytest-xdist (``make test`` runs ``-n 2``) the workers share the machine's cores: each gets
+# its share of intra-op threads (one each on 2 cores), as do the processes it starts (the spawned
+# memory measurements take this process's count; subprocesses read OMP_NUM_THREADS). Compiling,
+# most of the suite's time, is single-threaded Python either way.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+# The longest tests, longest first (measured on 2 cores): under xdist they start first, so that no
+# worker is left with one of them at the end while the other has nothing to do. Prefixes of node
+# ids; the other tests keep their order after these.
+LONGEST = (
+    "test_compile_rounding.py",  # ~280 s each: inductor generating the stochastic codec
+    "test_compile_large.py",  # ~240 s
+    "test_compile_fsdp.py",  # ~170 s, two processes
+    "test_compile.py::test_int8_inside_compiled_training",  # ~260 s with the recompute test
+    "test_accelerate.py::test_a_model_accelerate_compiles_trains_compressed",  # ~155 s
+    "test_lightning.py::test_blocks_compiled_in_the_module_train_compressed",  # ~130 s
+    "test_compile.py::test_lean_ops_compile_without_graph_breaks",  # ~65 s each
+    "test_bench.py",  # ~50 s: the benchmark's quick run
+    "test_compile.py",
+    "test_fsdp.py",
+    "test_compress.py",
+)
+
+# Tests that share a module-scoped fixture (a spawned 2-process run, a measured baseline, the
+# benchmark's quick run) run on one worker, so that it is computed once: node id prefix -> group.
+# (xdist's own ``xdist_group`` mark cannot do this under pytest 9: xdist 3.8 names the group in
+# ``item._nodeid``, which pytest 9 no longer reads.) A module that adds such a fixture and is not
+# here fails the run under xdist (pytest_collection_modifyitems below).
+SHARED = {
+    "test_bench.py": "bench",
+    "test_compile.py::test_int8_inside_compiled_training[per-block": "compile per-block",
+    "test_compile.py::test_recompute_of_every_block_inside_compiled_training[per-block": (
+        "compile per-block"
+    ),
+    "test_compile.py::test_int8_inside_compiled_training[whole-model": "compile whole-model",
+    "test_compile.py::test_recompute_of_every_block_inside_compiled_training[whole-model": (
+        "compile whole-model"
+    ),
+    "test_compile_fsdp.py": "compile_fsdp",
+    "test_compress.py": "compress",
+    "test_configs.py": "configs",
+    "test_dropout.py": "dropout",
+    "test_fsdp.py": "fsdp",
+    "test_hf_trainer.py": "hf_trainer",
+    "test_plan.py": "plan",
+    "test_profile.py": "profile",
+    "test_recompute.py": "recompute",
+}
+_PER_TEST = ("one_thread",)  # module-scoped but nothing to share: cheap to set up again
+
+
+def _shared_group(nodeid: str) -> str | None:
+    nodeid = nodeid.removeprefix("tests/")
+    return next((g for prefix, g in SHARED.items() if nodeid.startswith(prefix)), None)
+
+
+def _uses_shared_fixture(item: pytest.Item) -> bool:
+    return any(
+        d[-1].baseid  # the project's own fixtures (pytest's tmp_path_factory is session-scoped)
+        and d[-1].scope in ("module", "package", "session")
+        and name not in _PER_TEST
+        for name, d in item._fixtureinfo.name2fixturedefs.items()
+    )
+
+
+def _rank(item: pytest.Item) -> int:
+    nodeid = item.nodeid.removeprefix("tests/")
+    return next((i for i, p in enumerate(LONGEST) if nodeid.startswith(p)), len(LONGEST))
+
+
+def pytest_collection_modifyitems(config, items):
+    if _WORKERS > 1:
+        unshared = [
+            i.nodeid
+            for i in items
+            if isinstance(i, pytest.Function)
+            and _uses_shared_fixture(i)
+            and _shared_group(i.nodeid) is None
+        ]
+        if unshared:
+            raise pytest.UsageError(
+                f"{unshared[0]} uses a module-scoped fixture: name its module in "
+                "tests/conftest.py's SHARED, or xdist computes the fixture on each worker"
+            )
+        items.sort(key=_rank)  # stable: the rest keep their order
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest without xdist: one process, nothing to schedule
+    pass
+else:
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        """``--dist loadgroup``: each test is a unit of work on its own, but those of one SHARED
+        group are one unit; units go out in collection order (heavy first: LONGEST)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _shared_group(nodeid) or nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") == "loadgroup":
+            return SharedFixtureScheduling(config, log)
+        return None
 
 
 @pytest.fixture(autouse=True)
