@@ -574,8 +574,10 @@ class CompiledBlocksModule(GPT2Module):
 
 
 def test_blocks_compiled_in_the_module_train_compressed(tmp_path):
+    """(Nearest rounding: inductor generating the stochastic codec's kernels took ~2 minutes more
+    on 2 cores; tests/test_compile_rounding.py compiles that codec.)"""
     torch._dynamo.reset()
-    callback = MemOptCallback({"quantize": {"bits": 8}})
+    callback = MemOptCallback({"quantize": {"bits": 8, "rounding": "nearest"}})
     trainer = make_trainer(tmp_path, [callback], max_steps=2)
     trainer.fit(CompiledBlocksModule(), loader())
     ratios = [float(r["memopt/saved_ratio"]) for r in csv_rows(trainer) if r["memopt/saved_ratio"]]
