@@ -37,7 +37,9 @@ def _mean_error(bits: int, compiled: bool) -> float:
     """Mean over the batches of the gradient's relative error at ``bits`` (default rounding)
     against the unpatched model's, eager or the whole model under ``torch.compile``."""
     torch._dynamo.reset()  # a fresh model's hooks would count against the recompile limit
-    model, _, loss_fn = hf_gpt2()
+    # One block: the bar is the codec's, and inductor generating the stochastic codec's kernels
+    # for each block is most of the test's time (2 blocks: ~290 s a test on 2 cores, 1: ~210 s).
+    model, _, loss_fn = hf_gpt2(layers=1)
     exact = [_grads(model, loss_fn, batch) for batch in _batches()]
     opt = MemoryOptimizer({"quantize": {"bits": bits}, "drift": {"enabled": False}})
     opt.apply(model)
@@ -56,8 +58,8 @@ def _mean_error(bits: int, compiled: bool) -> float:
 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_compiled_stochastic_rounding_errs_within_1_2x_of_eager(bits):
-    """Measured (mean of 4 batches): int4 15.24% compiled against 15.22% eager (1.001x), int2
-    260.3% against 249.2% (1.044x)."""
+    """Measured (mean of 4 batches, one block): int4 15.28% compiled against 14.99% eager
+    (1.019x), int2 273.6% against 249.5% (1.096x); with two blocks 1.001x and 1.044x."""
     assert MemOptConfig().quantize.rounding == "stochastic"  # the default this bar is about
     eager = _mean_error(bits, compiled=False)
     compiled = _mean_error(bits, compiled=True)
