@@ -409,9 +409,9 @@ def bounded_tables(
     n_groups = len(groups)
     exact_index, exact_left = _bounded(exact, exact_slots(n_groups), n_groups)
     const_index, const_left = _bounded(const, const_slots(n_groups), n_groups)
-    last = torch.tensor(n_groups - 1, device=like.device)  # a valid row for unused entries
-    exact_values = groups.select(torch.minimum(exact_index, last))
-    const_values = groups.select(torch.minimum(const_index, last))[:, 0].clone()
+    # Unused entries read the last group (a valid row); a Python bound copies nothing to the device.
+    exact_values = groups.select(exact_index.clamp(max=n_groups - 1))
+    const_values = groups.select(const_index.clamp(max=n_groups - 1))[:, 0].clone()
     lost = exact_left | (const_left & (scale == 0))
     return (exact_index, exact_values, const_index, const_values), lost
 
