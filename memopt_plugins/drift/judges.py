@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .passes import CheckedParameters, PassRecorder, sq_norms, summed_over_shards
+from .passes import CheckedParameters, PassGradients, PassRecorder, summed_over_shards
 from .report import (
     CALLS_DIFFER,
     NEGLIGIBLE_GRADIENT,
@@ -59,58 +59,134 @@ def find_judges(
     return judges, unmeasured
 
 
+#: Drift slot of a module whose gradient was not finite in some pass (a max over ranks keeps it,
+#: so every rank skips the module when one rank has to).
+NOT_FINITE = float("inf")
+
+
+@dataclass(frozen=True)
+class Drifts:
+    """One round's drift per module.
+
+    Attributes:
+        values: per ``fqns`` entry: the drift, ``UNMEASURED`` or ``NOT_FINITE``.
+        missing: ``{fqn: reason}`` of the modules without measurable drift.
+        parts: metric ``sgd``: ``{fqn: (error, scale)}``: the compression error's energy over
+            the gradient's sampling variance, and the gradient noise scale over the training
+            batch (``inf``: no signal measured above the noise).
+        total: metric ``sgd``: the cost of the whole model's parameter gradient, the one the
+            optimizer steps with (``None``: other metrics, or not measurable).
+    """
+
+    values: list[float]
+    missing: dict[str, str]
+    parts: dict[str, tuple[float, float]]
+    total: float | None = None
+
+
+def progress_cost(error: float, scale: float) -> float:
+    """The share of a step's progress that compression costs (metric ``sgd``).
+
+    In the model of large-batch training of McCandlish et al. (2018), a step at batch ``B``
+    makes progress in proportion to ``1 / (1 + B_noise / B)``, where ``B_noise = tr(Σ) / |G|^2``
+    is the gradient noise scale. Compression adds error like more sampling noise, ``error``
+    times as much (``tr(Σ)`` grows by ``1 + error``), so it costs
+    ``error k / (1 + (1 + error) k)`` of the progress, with ``k = B_noise / B`` (``scale``).
+    Small next to the noise SGD already has, or at a batch far above the noise scale, it costs
+    little; large against it, most of the step (``k`` infinite: ``error / (1 + error)``)."""
+    if scale == float("inf"):
+        return error / (1 + error)
+    return error * scale / (1 + (1 + error) * scale)
+
+
 def module_drifts(
     fqns: Sequence[str],
     judges: Mapping[str, Judge],
     floors: Mapping[str, float],
-    exact: Sequence[torch.Tensor],
+    exact: PassGradients,
     exact_sq: torch.Tensor,
-    approx: Sequence[torch.Tensor],
+    approx: PassGradients,
     metric: str,
     sharded: Sequence[int] = (),
     variance: torch.Tensor | None = None,
-) -> tuple[list[float], dict[str, str]]:
-    """Per-module drift (``UNMEASURED`` where there is none) and why some have none.
+    batch_ratio: float = 1.0,
+    params: int = 0,
+) -> Drifts:
+    """Per-module drift from the exact and the compressed pass.
 
-    ``exact``/``approx`` hold only this rank's share of the gradients at the indices ``sharded``
-    (``exact_sq`` already summed over ranks there): their sums are summed over ranks as well, so a
-    sharded parameter's drift is measured over the whole parameter. ``variance`` (metric
-    ``noise``): per target, the sampling variance of its exact gradient; a module whose variance
-    is at most ``floors[kind] ** 2`` has no measurable drift.
+    Only this rank's share of a sharded parameter's gradient is in the passes (``exact_sq`` is
+    already summed over ranks): every statistic below is a sum over elements, summed over ranks
+    there too, so a sharded parameter's drift is measured over the whole parameter. ``variance``
+    (metrics ``noise`` and ``sgd``): per target, the sampling variance of the sample's mean exact
+    gradient; a module whose variance is at most ``floors[kind] ** 2`` has no measurable drift.
+    ``batch_ratio`` (``sgd``): the check's samples over the training batch's; ``params``: the
+    first ``params`` targets are the model's parameters (the whole model's cost, ``sgd``).
     """
-    n = len(approx)  # recorded tensors are missing when the passes ran differently
-    diff_sq = sq_norms([q - g for q, g in zip(approx, exact[:n], strict=True)])
-    approx_sq = sq_norms(approx)
-    dots = [(q.double() * g.double()).sum() for q, g in zip(approx, exact[:n], strict=True)]
-    dot = torch.stack(dots).cpu() if dots else torch.zeros(0, dtype=torch.float64)
+    n = len(approx.folds)  # recorded tensors are missing when the passes ran differently
+    # per target: |q - g|^2, <q, g>, |q|^2, |g|^2 (of the folds: for cosine, a fold's errors
+    # cancel in its own ratio)
+    stats = torch.zeros(4, n, dtype=torch.float64)
+    for i in range(n):
+        e, q = exact.fold(i, approx), approx.fold(i, exact)
+        stats[:, i] = torch.stack([(q - e).square().sum(), (q * e).sum(), q.square().sum(),
+                                   e.square().sum()])  # fmt: skip
+    finite = exact.finite[:n] & approx.finite[:n]
     if sharded:
-        sums = summed_over_shards(torch.stack([diff_sq, approx_sq, dot]), sharded)
-        diff_sq, approx_sq, dot = sums.unbind()
+        stats = summed_over_shards(stats, [i for i in sharded if i < n])
+    diff_sq, dot, approx_sq, exact_fold_sq = stats.unbind()
+    total = None
+    if metric == "sgd" and variance is not None:
+        own = [i for i in range(min(n, params)) if bool(finite[i])]
+        spread = float(variance[own].sum())
+        if own and spread > floors[PARAMS] ** 2:
+            total = _cost(
+                float(diff_sq[own].sum()), float(exact_sq[own].sum()), spread, batch_ratio
+            )
     drift = [UNMEASURED] * len(fqns)
     missing: dict[str, str] = {}
-    for i, fqn in enumerate(fqns):
+    parts: dict[str, tuple[float, float]] = {}
+    for k, fqn in enumerate(fqns):
         judge = judges.get(fqn)
         if judge is None:
             continue
         idx = list(judge.indices)
-        if any(k >= n for k in idx):
+        if any(i >= n for i in idx):
             missing[fqn] = CALLS_DIFFER
             continue
-        norm = float(exact_sq[idx].sum().sqrt())
+        if not bool(finite[idx].all()):
+            drift[k] = NOT_FINITE
+            continue
+        norm_sq = float(exact_sq[idx].sum())
+        norm = norm_sq**0.5
         if norm <= floors[judge.kind] or norm == 0.0:
             missing[fqn] = NEGLIGIBLE_GRADIENT
             continue
-        if metric == "noise":
-            noise = float(variance[idx].sum()) if max(idx) < len(variance) else None
-            if noise is None:
+        if metric in ("noise", "sgd"):
+            spread = float(variance[idx].sum()) if max(idx) < len(variance) else None
+            if spread is None:
                 missing[fqn] = CALLS_DIFFER
-            elif noise <= floors[judge.kind] ** 2 or noise == 0.0:
+                continue
+            if spread <= floors[judge.kind] ** 2 or spread == 0.0:
                 missing[fqn] = NEGLIGIBLE_NOISE
-            else:
-                drift[i] = float(diff_sq[idx].sum()) / noise
+                continue
+            if metric == "noise":
+                drift[k] = float(diff_sq[idx].sum()) / spread
+                continue
+            drift[k], parts[fqn] = _cost(float(diff_sq[idx].sum()), norm_sq, spread, batch_ratio)
         elif metric == "cosine":
-            denom = norm * float(approx_sq[idx].sum().sqrt())
-            drift[i] = 1.0 - float(dot[idx].sum()) / denom if denom > 0 else 1.0
+            denom = float((approx_sq[idx].sum() * exact_fold_sq[idx].sum()).sqrt())
+            drift[k] = max(0.0, 1.0 - float(dot[idx].sum()) / denom) if denom > 0 else 1.0
         else:
-            drift[i] = float(diff_sq[idx].sum().sqrt()) / norm
-    return drift, missing
+            drift[k] = float(diff_sq[idx].sum().sqrt()) / norm
+    return Drifts(drift, missing, parts, None if total is None else total[0])
+
+
+def _cost(
+    error_sq: float, norm_sq: float, spread: float, batch_ratio: float
+) -> tuple[float, tuple[float, float]]:
+    """:func:`progress_cost` of a gradient from its squared error and norm and its sampling
+    variance: ``B_noise / B = n Var(g_n) / (|G|^2 B)``, with ``|G|^2 ~ |g_n|^2 - Var(g_n)``."""
+    error = error_sq / spread
+    signal = norm_sq - spread
+    scale = float("inf") if signal <= 0 else spread / signal * batch_ratio
+    return progress_cost(error, scale), (error, scale)

@@ -7,6 +7,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from ..config import OFF_BITS, DriftConfig
 from ..distributed import is_rank_zero, max_over_ranks
 from ..measure import eagerly
 from .budget import Pricing, log_outcome, solve, step_size
-from .judges import PARAMS, TENSORS, Judge, find_judges, module_drifts
+from .judges import NOT_FINITE, PARAMS, TENSORS, Judge, find_judges, module_drifts
 from .passes import (
     CheckedParameters,
     PassRecorder,
@@ -24,12 +25,30 @@ from .passes import (
     gradients,
     preserved_state,
     scalar_loss,
-    sq_norms,
     summed_over_shards,
 )
-from .report import HISTORY_LIMIT, NEGLIGIBLE, DriftReport, next_rung, rung_below
+from .report import (
+    BUDGET_TOLERANCE,
+    HISTORY_LIMIT,
+    NEGLIGIBLE,
+    NON_FINITE,
+    DriftReport,
+    describe_check,
+    next_rung,
+    rung_below,
+)
 
 log = logging.getLogger("memopt")
+
+
+@dataclass
+class Round:
+    """One round of compressed passes at the bits of the moment."""
+
+    drift: dict[str, float]  # measurable drift per module (max over ranks)
+    unmeasured: dict[str, str]  # why the others have none
+    parts: dict[str, tuple[float, float]]  # metric sgd: (error ratio, noise scale / batch)
+    total: float | None = None  # metric sgd: the whole model's cost (max over ranks)
 
 
 class DriftMonitor:
@@ -48,6 +67,8 @@ class DriftMonitor:
         self.steps = 0
         self.escalations = 0
         self.deescalations = 0
+        self.skipped = 0  # modules a check skipped for a gradient that was not finite
+        self._noted_no_variance = False
         # drift.lower: starting bits, calm checks in a row, checks to wait, lowered once, changes
         self.floor: dict[str, int] = {}
         self.calm: dict[str, int] = {}
@@ -92,6 +113,7 @@ class DriftMonitor:
         step: int | None = None,
         max_rounds: int | None = None,
         pricing: Callable[[], Pricing | None] | None = None,
+        batch_size: int | None = None,
     ) -> DriftReport:
         """Measure the drift of the modules in ``bits`` and escalate those over the threshold.
 
@@ -115,6 +137,8 @@ class DriftMonitor:
             pricing: ``quantize.budget``: called after the first compressed pass, what each
                 module keeps at each width and the target (:class:`~.budget.Pricing`; ``None``:
                 not known yet); the bits are then solved for it (:meth:`_fit_budget`).
+            batch_size: samples in the training batch the check's sample was cut from (metric
+                ``sgd``; default: the sample's own).
         """
         cfg = self.config
         step = self.steps if step is None else step
@@ -126,9 +150,15 @@ class DriftMonitor:
 
         checked = CheckedParameters(model)
         params, sharded = checked.params, checked.sharded
+        device = params[0].device if params else None
         param_free = [f for f in fqns if not checked.own(f)]
-        escalated: dict[str, tuple[int, int]] = {}
+        start = dict(current)
+        trail: dict[str, list[int]] = {}  # the bits each raised module went through
+        first_parts: dict[str, tuple[float, float]] = {}
+        first_drift: dict[str, float] = {}
+        first_total: float | None = None
         lowered_now: dict[str, tuple[int, int]] = {}
+        skipped: set[str] = set()
         round_max: list[float] = []
         # Eagerly: modules inside compiled graphs are judged too (their hooks fire).
         with eagerly(), preserved_state(model, generators) as one_pass:
@@ -141,6 +171,8 @@ class DriftMonitor:
                     {i for j in judges.values() if j.kind == TENSORS for i in j.indices}
                 )
                 layout = rec.layout()
+                # when each module that saved something for compression finished (inherited drift)
+                finished = {f: t for f, t in rec.finished.items() if rec.saved.get(f, 0)}
                 targets = checked.targets(rec.running) + [rec.tensors[i] for i in wanted]
                 exact = gradients(loss, targets, sharded)
                 del loss, rec, targets
@@ -149,81 +181,126 @@ class DriftMonitor:
                 f: j if j.kind == PARAMS else Judge(j.kind, tuple(position[i] for i in j.indices))
                 for f, j in judges.items()
             }
-            exact_sq = summed_over_shards(sq_norms(exact), sharded)
+            exact_sq = summed_over_shards(exact.sq, sharded)
+            usable = torch.where(torch.isfinite(exact_sq), exact_sq, torch.zeros_like(exact_sq))
             floors = {
-                PARAMS: NEGLIGIBLE * float(exact_sq[: len(params)].sum().sqrt()),
-                TENSORS: NEGLIGIBLE * float(exact_sq[len(params) :].sum().sqrt()),
+                PARAMS: NEGLIGIBLE * float(usable[: len(params)].sum().sqrt()),
+                TENSORS: NEGLIGIBLE * float(usable[len(params) :].sum().sqrt()),
             }
-            variance = None
-            if cfg.metric == "noise":  # a second exact pass, its two halves weighted +1 and -1
+            variance, halves = None, None
+            if cfg.metric in ("noise", "sgd"):  # an exact pass, its halves weighted +1 and -1
                 with one_pass(), suspend():
                     rec = PassRecorder(model, param_free)
-                    with rec, SignedHalves(model) as halves:
+                    with rec, SignedHalves(model, required=cfg.metric == "noise") as halves:
                         loss = scalar_loss(loss_fn)
                     tensors = [rec.tensors[i] for i in wanted] if rec.layout() == layout else []
-                    spread = gradients(loss, checked.targets(rec.running) + tensors, sharded)
-                    del loss, rec, tensors
-                variance = summed_over_shards(sq_norms(spread), sharded) * halves.scale
-                del spread
+                    targets = checked.targets(rec.running) + tensors
+                    spread = gradients(loss, targets, sharded, squares_only=True)
+                    del loss, rec, tensors, targets
+                if halves.scale:
+                    variance = summed_over_shards(spread.sq, sharded) * halves.scale
 
-            def measured() -> tuple[dict[str, float], dict[str, str]]:
-                """One compressed pass: each module's drift (max over ranks) and the unmeasured."""
+            metric = cfg.metric
+            if metric == "sgd" and variance is None:
+                metric = "cosine"
+                if not self._noted_no_variance and is_rank_zero():
+                    self._noted_no_variance = True
+                    log.warning(
+                        "memopt: drift.metric sgd needs the gradient's sampling noise: the "
+                        "model's output has no floating tensor with 2 or more samples along dim "
+                        "0 (or sample_size is 1); these checks judge by cosine instead"
+                    )
+            samples = halves.samples if variance is not None else 0
+            batch_ratio = samples / batch_size if samples and batch_size else 1.0
+
+            def measured() -> Round:
+                """One compressed pass at the current bits: each module's drift (max over
+                ranks), the unmeasured and the skipped."""
                 with one_pass():
                     rec = PassRecorder(model, param_free)
                     with rec:
                         loss = scalar_loss(loss_fn)
                     aligned = rec.layout() == layout
                     tensors = [rec.tensors[i] for i in wanted] if aligned else []
-                    approx = gradients(loss, checked.targets(rec.running) + tensors, sharded)
-                    del loss, rec, tensors
-                local, missing = module_drifts(
-                    fqns, judges, floors, exact, exact_sq, approx, cfg.metric, sharded, variance
+                    targets = checked.targets(rec.running) + tensors
+                    approx = gradients(loss, targets, sharded)
+                    del loss, rec, tensors, targets
+                found = module_drifts(
+                    fqns,
+                    judges,
+                    floors,
+                    exact,
+                    exact_sq,
+                    approx,
+                    metric,
+                    sharded,
+                    variance,
+                    batch_ratio,
+                    len(params),
                 )
                 del approx
-                drift = _max_of(reduce_max, local, params[0].device if params else None)
-                found = {f: d for f, d in zip(fqns, drift, strict=True) if d >= 0}
-                absent = {**unmeasured, **missing}
-                return found, {f: r for f, r in absent.items() if f not in found}
+                total = -1.0 if found.total is None else found.total
+                *drift, total = _max_of(reduce_max, [*found.values, total], device)
+                per = {f: d for f, d in zip(fqns, drift, strict=True) if 0 <= d < NOT_FINITE}
+                bad = {f for f, d in zip(fqns, drift, strict=True) if d == NOT_FINITE}
+                skipped.update(bad)
+                absent = {**unmeasured, **found.missing, **dict.fromkeys(bad, NON_FINITE)}
+                absent = {f: r for f, r in absent.items() if f not in per}
+                parts = {f: p for f, p in found.parts.items() if f in per}
+                return Round(per, absent, parts, None if total < 0 else total)
 
-            first, kept = None, None
+            first, kept, last = None, None, None
             if pricing is not None:  # quantize.budget: the bits are solved from the first pass
                 first = measured()
-                round_max.append(max(first[0].values(), default=0.0))
-                priced = _reduced(pricing(), reduce_max, params[0].device if params else None)
+                round_max.append(max(first.drift.values(), default=0.0))
+                first_parts, first_drift = first.parts, dict(first.drift)
+                priced = _reduced(pricing(), reduce_max, device)
                 if priced is not None:
-                    start = dict(current)
-                    per_module, unmeasured_now, kept = self._fit_budget(
+                    last, kept = self._fit_budget(
                         first, current, priced, set_bits, step, measured, round_max, limit
                     )
-                    escalated = {f: (start[f], b) for f, b in current.items() if b > start[f]}
-                    lowered_now = {f: (start[f], b) for f, b in current.items() if b < start[f]}
+            moved: dict[str, tuple[int, int]] = {}
             while kept is None:
                 if first is None:
-                    per_module, unmeasured_now = measured()
-                    round_max.append(max(per_module.values(), default=0.0))
+                    last = measured()
+                    round_max.append(max(last.drift.values(), default=0.0))
+                    if len(round_max) == 1:
+                        first_parts, first_drift = last.parts, dict(last.drift)
                 else:
-                    (per_module, unmeasured_now), first = first, None
-                moved = self._escalate(per_module, current, set_bits, step)
+                    last, first = first, None
+                if len(round_max) == 1:
+                    first_total = last.total
+                moved = self._escalate(last.drift, current, set_bits, finished, last.total)
                 for fqn, (old, new) in moved.items():
-                    escalated[fqn] = (escalated.get(fqn, (old, new))[0], new)
+                    trail.setdefault(fqn, [old]).append(new)
                 if not moved or len(round_max) >= limit:
                     break
             if kept is None and cfg.lower and not moved:
-                calm = {f: d for f, d in per_module.items() if f not in escalated}
-                lowered = self._lower(calm, current, set_bits, step, measured, round_max)
+                calm = {f: d for f, d in last.drift.items() if f not in trail}
+                lowered = self._lower(calm, current, set_bits, measured, round_max)
                 if lowered is not None:
-                    per_module, unmeasured_now, lowered_now = lowered
+                    last, lowered_now = lowered
+        escalated = {f: (start[f], b) for f, b in current.items() if b > start[f]}
+        if kept is not None:
+            lowered_now = {f: (start[f], b) for f, b in current.items() if b < start[f]}
         report = DriftReport(
             step,
-            per_module,
-            unmeasured_now,
+            last.drift,
+            last.unmeasured,
             escalated,
             tuple(round_max),
             lowered_now,
             threshold=cfg.threshold,
-            metric=cfg.metric,
+            metric=metric,
             budget=kept,
+            skipped=tuple(sorted(skipped)),
+            first=first_drift,
+            parts=first_parts,
+            total=(first_total, None if last is None else last.total),
         )
+        self.skipped += len(skipped)
+        if is_rank_zero():
+            _log_check(report, trail, len(fqns))
         return self._record(report)
 
     def _escalate(
@@ -231,14 +308,31 @@ class DriftMonitor:
         per_module: Mapping[str, float],
         current: dict[str, int],
         set_bits: Callable[[str, int], None],
-        step: int,
+        finished: Mapping[str, int] | None = None,
+        total: float | None = None,
     ) -> dict[str, tuple[int, int]]:
+        """Every module over the threshold one rung up (the check's INFO line says which).
+
+        With a whole-model ``total`` (metric ``sgd``) the threshold judges that: under it nothing
+        moves; over it the modules over it on their own go up, or the one costing most.
+
+        A module over it at 32 bits keeps nothing compressed: its drift is inherited, carried
+        back by backward from modules whose forward ended after its own (``finished``: when each
+        ended in the exact pass), and those still compressed go one rung up instead."""
         cfg = self.config
+        over = _over(per_module, total, cfg.threshold)
+        raise_ = {f for f in over if current[f] < OFF_BITS}
+        for fqn in over:
+            if current[fqn] >= OFF_BITS and finished and fqn in finished:
+                after = finished[fqn]
+                raise_.update(
+                    f
+                    for f, end in finished.items()
+                    if end > after and current.get(f, OFF_BITS) < OFF_BITS
+                )
         moved: dict[str, tuple[int, int]] = {}
-        for fqn, drift in per_module.items():
+        for fqn in sorted(raise_):
             old = current[fqn]
-            if drift <= cfg.threshold or old >= OFF_BITS:
-                continue
             new = next_rung(cfg.ladder, old)
             set_bits(fqn, new)
             current[fqn] = new
@@ -247,17 +341,6 @@ class DriftMonitor:
             self.calm[fqn] = 0
             if fqn in self.lowered:  # back over the threshold after a lowering: wait longer
                 self._back_off(fqn)
-            if is_rank_zero():
-                log.info(
-                    "memopt: %s drift %.4f > threshold %.4f (%s) at step %d: bits %d -> %d",
-                    fqn or "<root>",
-                    drift,
-                    cfg.threshold,
-                    cfg.metric,
-                    step,
-                    old,
-                    new,
-                )
         return moved
 
     def _back_off(self, fqn: str) -> None:
@@ -269,14 +352,13 @@ class DriftMonitor:
         per_module: Mapping[str, float],
         current: dict[str, int],
         set_bits: Callable[[str, int], None],
-        step: int,
-        measured: Callable[[], tuple[dict[str, float], dict[str, str]]],
+        measured: Callable[[], Round],
         round_max: list[float],
-    ) -> tuple[dict[str, float], dict[str, str], dict[str, tuple[int, int]]] | None:
+    ) -> tuple[Round, dict[str, tuple[int, int]]] | None:
         """``drift.lower``: modules calm for ``lower_after`` checks go down one rung, probed by
-        one compressed pass; a module whose probe is not calm goes back up and waits longer.
-        Returns the probe's drifts, unmeasured modules and the lowerings kept (``None``: no
-        module was due). Every rank decides the same: drifts are max-reduced over ranks."""
+        one round; a module whose probe is not calm goes back up and waits longer. Returns the
+        probe and the lowerings kept (``None``: no module was due). Every rank decides the same:
+        drifts are max-reduced over ranks."""
         cfg = self.config
         calm_below = cfg.lower_below * cfg.threshold
         due: dict[str, tuple[int, int]] = {}
@@ -299,52 +381,40 @@ class DriftMonitor:
         for fqn, (_, lower) in due.items():
             set_bits(fqn, lower)
             current[fqn] = lower
-        probe, unmeasured = measured()
-        round_max.append(max(probe.values(), default=0.0))
+        probe = measured()
+        round_max.append(max(probe.drift.values(), default=0.0))
         kept: dict[str, tuple[int, int]] = {}
         # The threshold stays a hard cap: a module pushed over it by the lowered ones around it
         # undoes them all.
-        others_over = any(d > cfg.threshold for f, d in probe.items() if f not in due)
+        others_over = any(d > cfg.threshold for f, d in probe.drift.items() if f not in due)
+        if probe.total is not None:  # sgd: the whole model's cost is what the threshold caps
+            others_over = probe.total > cfg.threshold
         for fqn, (old, lower) in due.items():
             self.calm[fqn] = 0
-            drift = probe.get(fqn)
+            drift = probe.drift.get(fqn)
             if others_over or (drift is not None and drift > calm_below):  # back up
                 set_bits(fqn, old)
                 current[fqn] = old
                 self._back_off(fqn)
-                probe[fqn] = per_module[fqn]  # its drift at the bits it keeps
+                probe.drift[fqn] = per_module[fqn]  # its drift at the bits it keeps
                 continue
             kept[fqn] = (old, lower)
             self.lowered.add(fqn)
             self.deescalations += 1
-            if is_rank_zero():
-                log.info(
-                    "memopt: %s drift %.4f <= %.4f (%.2f x threshold, %s) at %d bits at step %d: "
-                    "bits %d -> %d",
-                    fqn or "<root>",
-                    drift if drift is not None else 0.0,
-                    calm_below,
-                    cfg.lower_below,
-                    cfg.metric,
-                    lower,
-                    step,
-                    old,
-                    lower,
-                )
-        return probe, unmeasured, kept
+        return probe, kept
 
     # ----------------------------------------------------------------- quantize.budget
     def _fit_budget(
         self,
-        first: tuple[dict[str, float], dict[str, str]],
+        first: Round,
         current: dict[str, int],
         priced: Pricing,
         set_bits: Callable[[str, int], None],
         step: int,
-        measured: Callable[[], tuple[dict[str, float], dict[str, str]]],
+        measured: Callable[[], Round],
         round_max: list[float],
         limit: int,
-    ) -> tuple[dict[str, float], dict[str, str], tuple[float, float]]:
+    ) -> tuple[Round, tuple[float, float]]:
         """Solve the bits for the budget and probe each solution with one compressed pass.
 
         A probe that finds a module over the threshold undoes the solution's lowerings (the new
@@ -352,16 +422,20 @@ class DriftMonitor:
         module over it is seldom the one to blame) and holds those modules where they were; a
         module over it with nothing lowered goes one rung up and is held there. A hold lasts a
         module's wait in checks (``drift.lower_after``, doubled per hold up to 8x): bounded
-        back-off. Returns the drifts and unmeasured modules of the last calm pass (else the
-        last pass) and (target, kept) in bytes of a training forward."""
+        back-off. The budget is the cap: a module over the threshold goes up only while the bits
+        still fit it, and one WARNING names those it holds back and what raising them needs.
+        Returns the last calm round (else the last round) and (target, kept) in bytes of a
+        training forward."""
         cfg = self.config
-        per_module, unmeasured = first
+        found = first
+        per_module, unmeasured = found.drift, found.unmeasured
         at = dict(current)  # the bits the last pass ran at
         self.held = {f: (w, n - 1) for f, (w, n) in self.held.items() if n > 1}
-        verified = not any(d > cfg.threshold for d in per_module.values())
+        short: dict[str, float] = {}  # modules the budget holds under what the threshold wants
+        verified = not _over(per_module, found.total, cfg.threshold)
         if verified:  # sensitivities from calm passes only: an over one is others' rounding
             self._learn(per_module, unmeasured, current)
-        self._hold_over(per_module, current, set_bits, step)
+        self._hold_over(found, current, set_bits, priced, short)
         calm, reverted = (first if verified else None), False
         for _ in range(limit):
             unknown = max(self.sensitivity.values(), default=1.0)  # never measured below 32
@@ -374,14 +448,15 @@ class DriftMonitor:
             for fqn, (old, new) in changes.items():
                 drift = (per_module.get(fqn), at[fqn])
                 self._budget_move(fqn, old, new, drift, set_bits, current, step)
-            per_module, unmeasured = measured()
+            found = measured()
+            per_module, unmeasured = found.drift, found.unmeasured
             round_max.append(max(per_module.values(), default=0.0))
             at = dict(current)
-            over = sorted(f for f, d in per_module.items() if d > cfg.threshold)
+            over = _over(per_module, found.total, cfg.threshold)
             reverted = False
             if not over:
                 self._learn(per_module, unmeasured, current)
-                verified, calm = True, (per_module, unmeasured)
+                verified, calm = True, found
                 continue
             lowered = {f: old for f, (old, new) in changes.items() if new < old}
             if lowered:  # undo this round (its raises paid for by its lowerings): the state
@@ -402,14 +477,26 @@ class DriftMonitor:
                         cfg.threshold,
                     )
             else:
-                verified = not self._hold_over(per_module, current, set_bits, step)
+                verified = not self._hold_over(found, current, set_bits, priced, short)
         if reverted and calm is not None:  # the last probe's bits are gone: the calm pass's
-            per_module, unmeasured = calm
+            found = calm
         kept = priced.total(current)
         floor = cfg.ladder[0]
         held = sorted(f for f, (w, _) in self.held.items() if current.get(f, floor) > floor)
         log_outcome(priced, kept, held, floor, step)
-        return per_module, unmeasured, (priced.target * priced.scale, kept * priced.scale)
+        if short and is_rank_zero():
+            log.warning(
+                "memopt: quantize.budget %.2f MiB holds %d module(s) at step %d that "
+                "drift.threshold %.4f would raise: %s; a rung up for them needs %.2f MiB more",
+                priced.target * priced.scale / 2**20,
+                len(short),
+                step,
+                cfg.threshold,
+                ", ".join(f or "<root>" for f in sorted(short)[:8])
+                + (", ..." if len(short) > 8 else ""),
+                sum(short.values()) * priced.scale / 2**20,
+            )
+        return found, (priced.target * priced.scale, kept * priced.scale)
 
     def _learn(
         self,
@@ -427,14 +514,32 @@ class DriftMonitor:
 
     def _hold_over(
         self,
-        per_module: Mapping[str, float],
+        found: Round,
         current: dict[str, int],
         set_bits: Callable[[str, int], None],
-        step: int,
+        priced: Pricing,
+        short: dict[str, float],
     ) -> dict[str, tuple[int, int]]:
-        """Modules over the threshold go one rung up and the budget's solver may not take them
-        under it for the next checks (their wait, doubled each time, at most 8x lower_after)."""
-        moved = self._escalate(per_module, current, set_bits, step)
+        """Modules over the threshold go one rung up while the bits fit the budget (most drift
+        first), and the budget's solver may not take them under it for the next checks (their
+        wait, doubled each time, at most 8x lower_after); the others are noted in ``short``
+        with the bytes their rung up would add."""
+        cfg = self.config
+        over = _over(found.drift, found.total, cfg.threshold)
+        total = priced.total(current)
+        allowed: dict[str, float] = {}
+        for fqn in sorted(over, key=lambda f: -found.drift[f]):
+            old = current[fqn]
+            if old >= OFF_BITS:
+                continue
+            cost = priced.costs.get(fqn, {})
+            extra = cost.get(next_rung(cfg.ladder, old), 0.0) - cost.get(old, 0.0)
+            if total + extra > priced.target * (1 + BUDGET_TOLERANCE):
+                short[fqn] = extra
+                continue
+            total += extra
+            allowed[fqn] = float("inf")  # chosen: over the threshold for _escalate
+        moved = self._escalate(allowed, current, set_bits)
         for fqn, (_, new) in moved.items():
             self.held[fqn] = (new, self.wait.get(fqn, self.config.lower_after))
             self._back_off(fqn)
@@ -484,6 +589,7 @@ class DriftMonitor:
                 "round_max": list(report.round_max),
                 "escalated": {k: list(v) for k, v in report.escalated.items()},
                 "lowered": {k: list(v) for k, v in report.lowered.items()},
+                "skipped": list(report.skipped),
                 "budget": None if report.budget is None else list(report.budget),
             }
         )
@@ -491,9 +597,13 @@ class DriftMonitor:
 
     # ----------------------------------------------------------------- metrics and state
     def metrics(self) -> dict[str, float]:
-        """``memopt/drift/max``, ``memopt/drift/<fqn>`` (last check), ``memopt/escalations`` and,
-        with ``drift.lower``, ``memopt/deescalations``."""
-        out: dict[str, float] = {"memopt/escalations": float(self.escalations)}
+        """``memopt/drift/max``, ``memopt/drift/<fqn>`` (last check), ``memopt/escalations``,
+        ``memopt/drift/skipped`` (modules skipped for a gradient that was not finite, so far)
+        and, with ``drift.lower``, ``memopt/deescalations``."""
+        out: dict[str, float] = {
+            "memopt/escalations": float(self.escalations),
+            "memopt/drift/skipped": float(self.skipped),
+        }
         if self.config.lower or self.budget:
             out["memopt/deescalations"] = float(self.deescalations)
         if self.last is not None:
@@ -508,6 +618,7 @@ class DriftMonitor:
         return {
             "steps": self.steps,
             "escalations": self.escalations,
+            "skipped": self.skipped,
             "lowering": {
                 "deescalations": self.deescalations,
                 "floor": dict(self.floor),
@@ -540,6 +651,7 @@ class DriftMonitor:
         """Restore what :meth:`state_dict` saved."""
         self.steps = int(state.get("steps", 0))
         self.escalations = int(state.get("escalations", 0))
+        self.skipped = int(state.get("skipped", 0))
         lowering = state.get("lowering", {})
         self.deescalations = int(lowering.get("deescalations", 0))
         self.floor = {k: int(v) for k, v in lowering.get("floor", {}).items()}
@@ -595,3 +707,28 @@ def _max_of(
         return values
     t = torch.tensor(values, dtype=torch.float64, device=device or torch.device("cpu"))
     return reduce_max(t).cpu().tolist()
+
+
+def _over(per_module: Mapping[str, float], total: float | None, threshold: float) -> list[str]:
+    """The modules to raise: those over ``threshold``; with a whole-model ``total`` (metric
+    ``sgd``) none while it is under, else those over on their own or the one costing most."""
+    over = sorted(f for f, d in per_module.items() if d > threshold)
+    if total is None:
+        return over
+    if total <= threshold:
+        return []
+    return over or [max(sorted(per_module), key=per_module.__getitem__)] if per_module else []
+
+
+def _log_check(report: DriftReport, trail: Mapping[str, list[int]], modules: int) -> None:
+    """The check's INFO line (and a WARNING for the modules it skipped)."""
+    log.info("memopt: %s", describe_check(report, trail, modules))
+    if report.skipped:
+        log.warning(
+            "memopt: the drift check at step %d skipped %d module(s) whose exact or compressed "
+            "gradient was not finite; their bits stay: %s",
+            report.step,
+            len(report.skipped),
+            ", ".join(f or "<root>" for f in report.skipped[:8])
+            + (", ..." if len(report.skipped) > 8 else ""),
+        )

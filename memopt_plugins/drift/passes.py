@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,6 +97,8 @@ class PassRecorder:
         self.inputs: dict[str, list[int]] = {f: [] for f in self.param_free}
         self.outputs: dict[str, list[int]] = {f: [] for f in self.param_free}
         self.saved: dict[str, int] = dict.fromkeys(self.scopes, 0)
+        self.finished: dict[str, int] = {}  # watched module -> when its forward last ended
+        self._ended = 0
         self._index: dict[int, int] = {}
         self._stack: list[saved_tensors_hooks] = []
         self._watch: Watch | None = None
@@ -151,6 +154,8 @@ class PassRecorder:
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
         if fqn in self._scope_set and self._stack:
             self._stack.pop().__exit__(None, None, None)
+        self._ended += 1
+        self.finished[fqn] = self._ended
         parent = fqn.rpartition(".")[0]
         if fqn and parent in self.outputs:
             self._add(self.outputs[parent], output)
@@ -170,7 +175,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 class SignedHalves:
     """Weights the two halves of the sample +1 and -1 in one pass's backward, for the sampling
-    variance of the gradient (``drift.metric: noise``).
+    variance of the gradient (``drift.metric`` ``sgd`` and ``noise``).
 
     The gradient flowing into the model's output (its first floating tensor with a batch
     dimension of 2 or more, dim 0) is multiplied, row by row, by ``n / (2 |A|)`` in the first
@@ -184,9 +189,11 @@ class SignedHalves:
     "variance" is its squared norm (for equal halves), and the metric its squared relative error.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, required: bool = True):
         self.model = model
+        self.required = required  # else a model without such an output leaves scale at 0
         self.scale = 0.0
+        self.samples = 0  # in the sample (the model output's dim 0)
         self._handle = None
 
     def __enter__(self) -> SignedHalves:
@@ -202,6 +209,8 @@ class SignedHalves:
             for t in tensors_in(output)
             if t.requires_grad and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2
         ]
+        if not found and not self.required:
+            return
         if not found:
             raise ValueError(
                 "drift.metric noise needs two halves of the sample: the model's output has no "
@@ -215,6 +224,7 @@ class SignedHalves:
         weights[:a] = n / (2 * a)
         weights = weights.view(n, *([1] * (out.dim() - 1)))
         self.scale = 4.0 / (n * (1 / a + 1 / b))
+        self.samples = n
         out.register_hook(lambda grad: grad * weights)
 
 
@@ -258,57 +268,120 @@ def scalar_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def gradients(
-    loss: torch.Tensor, targets: Sequence[torch.Tensor], shares: Sequence[int] = ()
-) -> list[torch.Tensor]:
-    """Gradients of ``loss`` with respect to ``targets`` (zeros for an unused one), detached.
+#: A gradient of more elements than this is folded into this many: element ``i`` is added, with a
+#: sign of its own (fixed per target, the same in every pass), into slot ``i mod SKETCH``.
+#: Differences, dot products and squared norms of the folds estimate those of the gradients
+#: without bias (relative standard error about ``sqrt(2 / SKETCH)`` = 4% on a squared norm, 2% on
+#: a norm), so a check never holds a whole gradient (a fold is kept in float32: 4 KiB a target and
+#: pass); a smaller gradient is kept as it is (exact).
+SKETCH = 1024
+#: Elements folded at a time (their float64 copy and signs are the fold's only memory).
+CHUNK = SKETCH * 8
 
-    Of the targets at the indices in ``shares`` (sharded parameters) only this rank's share of
-    the flattened gradient is kept (:func:`~memopt_plugins.distributed.rank_share`), cut as soon
-    as autograd has the gradient (a hook on the target), so that a rank never holds more than one
-    whole gradient of a sharded parameter at a time. ``.grad`` is never touched (so neither is
-    FSDP's reduce-scatter into it, nor a DDP reducer).
+
+@dataclass
+class PassGradients:
+    """What one pass keeps of its gradients, per target (this rank's share of a sharded one).
+
+    Attributes:
+        folds: each target's gradient folded to :data:`SKETCH` float32 values (the gradient
+            itself when it is no longer); ``None`` where no gradient reached it.
+        sq: exact squared norms (float64, on the CPU).
+        finite: whether each gradient held only finite values.
     """
-    if not targets:
-        return []
-    kept: dict[int, torch.Tensor] = {}
+
+    folds: list[torch.Tensor | None]
+    sq: torch.Tensor
+    finite: torch.Tensor
+
+    def fold(self, i: int, like: PassGradients) -> torch.Tensor:
+        """Target ``i``'s fold, zeros shaped like ``like``'s where no gradient reached it."""
+        fold = self.folds[i]
+        if fold is not None:
+            return fold.double()
+        other = like.folds[i]
+        return torch.zeros(0 if other is None else other.numel(), dtype=torch.float64)
+
+
+def fold(grad: torch.Tensor, salt: int) -> tuple[torch.Tensor, float]:
+    """``grad`` flattened and folded to :data:`SKETCH` float32 values (see there), on the CPU,
+    and its exact squared norm; ``salt`` seeds the signs, so a target folds alike in every pass.
+    Chunk by chunk: it never holds more than :data:`CHUNK` elements' copy."""
+    flat = grad.detach().reshape(-1)
+    if flat.numel() <= SKETCH:  # kept whole, in float32 unless it is float64
+        whole = flat.to(torch.float64 if flat.dtype == torch.float64 else torch.float32).cpu()
+        return whole, float(torch.linalg.vecdot(whole.double(), whole.double()))
+    out = torch.zeros(SKETCH, dtype=torch.float64, device=flat.device)
+    sq = torch.zeros((), dtype=torch.float64, device=flat.device)
+    generator = torch.Generator(device=flat.device)
+    for start in range(0, flat.numel(), CHUNK):
+        chunk = flat[start : start + CHUNK].double()
+        sq += torch.linalg.vecdot(chunk, chunk)
+        generator.manual_seed(salt * 1_000_003 + start // CHUNK)
+        signs = torch.randint(
+            0, 2, chunk.shape, generator=generator, device=flat.device, dtype=torch.int8
+        )
+        chunk.mul_(signs.mul_(2).sub_(1))
+        pad = -chunk.numel() % SKETCH
+        if pad:
+            chunk = torch.nn.functional.pad(chunk, (0, pad))
+        out += chunk.view(-1, SKETCH).sum(0)
+    return out.float().cpu(), float(sq)
+
+
+def gradients(
+    loss: torch.Tensor,
+    targets: Sequence[torch.Tensor],
+    shares: Sequence[int] = (),
+    *,
+    squares_only: bool = False,
+) -> PassGradients:
+    """The gradients of ``loss`` with respect to ``targets``, folded as autograd produces them.
+
+    Each target's gradient is folded (:func:`fold`) and its squared norm taken by a hook on the
+    target the moment autograd has it; a parameter's hook hands autograd a zero tensor without
+    memory of its own in its place, so no pass holds more than the gradients in flight. Of the
+    targets at the indices in ``shares`` (sharded parameters) only this rank's share of the
+    flattened gradient is kept (:func:`~memopt_plugins.distributed.rank_share`). ``.grad`` is never
+    touched (so neither is FSDP's reduce-scatter into it, nor a DDP reducer). ``squares_only``:
+    only the squared norms (the signed-halves pass).
+    """
+    n = len(targets)
+    folds: list[torch.Tensor | None] = [None] * n
+    sq = torch.zeros(n, dtype=torch.float64)
+    shared = set(shares)
     handles = []
-    for i in shares:
-        t = targets[i]
-        if not is_sharded(t):  # the unsharded tensor the pass ran with (else it did not run)
-            handles.append(t.register_hook(_keeper(kept, i)))
-    wanted = [i for i, t in enumerate(targets) if not is_sharded(t)]
+
+    def keeper(i: int, leaf: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        def keep(grad: torch.Tensor) -> torch.Tensor | None:
+            flat = grad.detach().reshape(-1)
+            if i in shared:
+                flat = flat[rank_share(flat.numel())]
+            folded, square = fold(flat, i)
+            sq[i] += square
+            if not squares_only:
+                folds[i] = folded if folds[i] is None else folds[i] + folded
+            if leaf:  # nothing flows on from a parameter: free its gradient now
+                return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+            return None
+
+        return keep
+
+    leaves, inner = [], []
+    for i, t in enumerate(targets):
+        if is_sharded(t):  # a sharded parameter whose module did not run in this pass
+            continue
+        handles.append(t.register_hook(keeper(i, t.grad_fn is None)))
+        (inner if t.grad_fn is not None else leaves).append(t)
     try:
-        found = torch.autograd.grad(loss, [targets[i] for i in wanted], allow_unused=True)
+        # Recorded activations are reached on the way to the parameters; asked for themselves
+        # (only when no parameter is), their gradients would be held to the end of the pass.
+        if leaves or inner:
+            torch.autograd.grad(loss, leaves or inner, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    grads: dict[int, torch.Tensor | None] = dict(zip(wanted, found, strict=True))
-    shared = set(shares)
-    out = []
-    for i, t in enumerate(targets):
-        if i in shared:
-            share = kept.get(i)
-            if share is None:
-                size = len(range(t.numel())[rank_share(t.numel())])
-                share = torch.zeros(size, dtype=t.dtype, device=t.device)
-            out.append(share)
-        else:
-            g = grads.get(i)
-            out.append(torch.zeros_like(t) if g is None else g.detach())
-    return out
-
-
-def _keeper(kept: dict[int, torch.Tensor], i: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A gradient hook that keeps this rank's share of the gradient and hands autograd a zero
-    tensor without memory of its own in its place (an expanded scalar)."""
-
-    def keep(grad: torch.Tensor) -> torch.Tensor:
-        flat = grad.detach().reshape(-1)
-        kept[i] = flat[rank_share(flat.numel())].clone()
-        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
-
-    return keep
+    return PassGradients(folds, sq, torch.isfinite(sq))
 
 
 def summed_over_shards(stats: torch.Tensor, sharded: Sequence[int]) -> torch.Tensor:
@@ -320,10 +393,3 @@ def summed_over_shards(stats: torch.Tensor, sharded: Sequence[int]) -> torch.Ten
     out = stats.clone()
     out[..., index] = sum_over_ranks(stats[..., index].contiguous()).to(stats.device)
     return out
-
-
-def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros(0, dtype=torch.float64)
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
-    return torch.stack(norms).cpu().square()

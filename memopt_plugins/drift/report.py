@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..config import OFF_BITS
@@ -20,6 +20,9 @@ NEGLIGIBLE_GRADIENT = "negligible exact gradient"
 NOTHING_TO_JUDGE = "no gradient to judge it by"
 CALLS_DIFFER = "ran differently in the exact and compressed passes"
 NEGLIGIBLE_NOISE = "negligible sampling noise of the exact gradient"
+NON_FINITE = "gradient not finite (skipped: bits unchanged)"
+#: Modules named in a check's INFO line (the rest are counted).
+NAMED_IN_LINE = 8
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,14 @@ class DriftReport:
         budget: with ``quantize.budget``, ``(target, kept)``: the budget and the bytes the bits
             keep after the check (predicted from the check's pass by the codec's packed sizes),
             both in bytes of a training forward; ``None`` otherwise.
+        skipped: modules whose exact or compressed gradient was not finite: not judged, their
+            bits unchanged.
+        first: ``{fqn: drift}`` of the first round (the drift training had before the check).
+        parts: metric ``sgd``: ``{fqn: (error, scale)}`` of the first round: the compression
+            error's energy over the gradient's sampling variance, and the gradient noise scale
+            over the training batch (:func:`~memopt_plugins.drift.judges.progress_cost`).
+        total: metric ``sgd``: the whole model's cost before and after the check (the parameter
+            gradient the optimizer steps with; what the threshold judges); ``None``: not measured.
     """
 
     step: int
@@ -51,6 +62,10 @@ class DriftReport:
     threshold: float = 0.05
     metric: str = "rel_l2"
     budget: tuple[float, float] | None = None
+    skipped: tuple[str, ...] = ()
+    first: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, tuple[float, float]] = field(default_factory=dict)
+    total: tuple[float | None, float | None] = (None, None)
 
     @property
     def max(self) -> float:
@@ -80,3 +95,50 @@ def next_rung(ladder: Sequence[int], bits: int) -> int:
 def rung_below(ladder: Sequence[int], bits: int) -> int | None:
     """The last ladder rung below ``bits`` (``None`` when none is)."""
     return next((b for b in reversed(ladder) if b < bits), None)
+
+
+def describe_check(report: DriftReport, trail: Mapping[str, Sequence[int]], modules: int) -> str:
+    """One line on a check: what moved, from what to what and why, and the largest drift before
+    and after, in the metric's own terms. ``trail``: the bits each raised module went through
+    (more than one rung: a probe at the rung before was still over the threshold)."""
+    head = f"drift check at step {report.step} ({report.metric}, threshold {report.threshold:g})"
+    before, after = report.total
+    if before is not None:
+        whole = f"{100 * before:.1f}%" + (
+            "" if after in (None, before) else f" -> {100 * after:.1f}%"
+        )
+        head += f": the model's gradient costs {whole} of a step's progress"
+    moves = []
+    for fqn in sorted(report.escalated, key=lambda f: -report.first.get(f, 0.0)):
+        chain = list(trail.get(fqn) or report.escalated[fqn])
+        text = f"{fqn or '<root>'} {' -> '.join(str(b) for b in chain)} ({_why(report, fqn)}"
+        if len(chain) > 2:
+            text += f"; at {chain[-2]} bits a probe was still over"
+        moves.append(text + ")")
+    parts = [head]
+    if moves:
+        shown = ", ".join(moves[:NAMED_IN_LINE])
+        more = f" and {len(moves) - NAMED_IN_LINE} more" if len(moves) > NAMED_IN_LINE else ""
+        parts.append(f"{len(moves)} of {modules} modules raised: {shown}{more}")
+    if report.lowered:
+        down = ", ".join(f"{f or '<root>'} {a} -> {b}" for f, (a, b) in report.lowered.items())
+        parts.append(f"lowered: {down}")
+    if not moves and not report.lowered:
+        top = max(report.per_module.items(), key=lambda kv: kv[1], default=None)
+        where = f" ({top[0] or '<root>'}: {_why(report, top[0])})" if top else ""
+        parts.append(f"no change, largest module drift {report.max:.4f}{where}")
+    elif report.round_max:
+        parts.append(f"largest drift {report.round_max[0]:.4f} -> {report.max:.4f}")
+    if report.skipped:
+        parts.append(f"{len(report.skipped)} skipped (gradient not finite)")
+    return "; ".join(parts)
+
+
+def _why(report: DriftReport, fqn: str) -> str:
+    """A module's first-round drift in the metric's own terms."""
+    drift = report.first.get(fqn, report.per_module.get(fqn, 0.0))
+    part = report.parts.get(fqn)
+    if part is None:
+        return f"drift {drift:.4f}"
+    error, _ = part
+    return f"costs {100 * drift:.1f}% of a step's progress: error {error:.2f}x the sampling noise"
