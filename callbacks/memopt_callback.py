@@ -32,6 +32,7 @@ from typing_extensions import override
 from ..config import MemOptConfig
 from ..engine import DriftReport, MemoryOptimizer, slice_batch
 from ..session import MemOptSession
+from ..tree import batch_size_of
 from .memopt_profile import MemOptProfileCallback
 from .training_step import LossFn, loss_of, silenced_logging
 
@@ -228,7 +229,7 @@ class MemOptCallback(Callback):
                     return loss_of(pl_module.training_step(sample, batch_idx))
 
         with silenced_logging(pl_module):
-            return self.session.check(loss_fn, step)
+            return self.session.check(loss_fn, step, batch_size_of(batch))
 
     # ----------------------------------------------------------------- state
     @override

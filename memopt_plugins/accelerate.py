@@ -43,6 +43,7 @@ from torch import nn
 from .config import MemOptConfig
 from .engine import DriftReport, MemoryOptimizer, slice_batch
 from .session import MemOptSession
+from .tree import batch_size_of
 
 __all__ = ["MemOptPlugin"]
 
@@ -72,6 +73,7 @@ class MemOptPlugin:
         self.session = MemOptSession(config)
         self.log_every = log_every
         self.slicer = slicer or slice_batch
+        self._batch_size: int | None = None  # of the batch the last sample came from
         self.accelerator: Accelerator | None = None
         self.last_report: DriftReport | None = None
 
@@ -120,7 +122,9 @@ class MemOptPlugin:
         self.session.log_metrics = lambda metrics, step: accelerator.log(metrics, step=step)
 
     def sample(self, batch: Any) -> Any:
-        """The first ``drift.sample_size`` samples of ``batch``, for the drift check's loss_fn."""
+        """The first ``drift.sample_size`` samples of ``batch``, for the drift check's loss_fn
+        (the check judges compression at ``batch``'s size)."""
+        self._batch_size = batch_size_of(batch)
         return self.slicer(batch, self.config.drift.sample_size)
 
     def after_backward(
@@ -151,7 +155,7 @@ class MemOptPlugin:
                 with autocast():
                     return loss_fn()
 
-        report = self.session.check_if_due(check, step)
+        report = self.session.check_if_due(check, step, self._batch_size)
         if report is not None:
             self.last_report = report
         self.session.end_step(step, log_due=step % self.log_every == 0)

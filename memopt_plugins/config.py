@@ -247,15 +247,17 @@ class DriftConfig(_Section):
     )
     threshold: Fraction = Field(
         0.05,
-        description="A module whose parameter-gradient drift (by `metric`) exceeds this escalates.",
+        description="A module whose drift (by `metric`) exceeds this escalates.",
     )
-    metric: Literal["rel_l2", "cosine", "noise"] = Field(
-        "rel_l2",
+    metric: Literal["sgd", "rel_l2", "cosine", "noise"] = Field(
+        "sgd",
         description=(
-            "rel_l2: |g_q - g| / |g| (strict: in practice 8 bits); cosine: 1 - cos(g_q, g) "
-            "(lets unbiased 4-bit noise through, still stops 2 bits); noise: |g_q - g|^2 / the "
-            "sampling variance of g over the sample (0.05: compression adds at most 5% to the "
-            "gradient noise SGD already has, about the noise of a 5% smaller batch)."
+            "sgd: the share of a training step's progress that compression costs, from its "
+            "error against the gradient's own sampling noise and the gradient noise scale at "
+            "the training batch (0.05: at most 5% more steps to the same loss). rel_l2: "
+            "|g_q - g| / |g| (strict: in practice 8 bits); cosine: 1 - cos(g_q, g); noise: "
+            "|g_q - g|^2 / the sampling variance of g (0.05: about the noise of a 5% smaller "
+            "batch)."
         ),
     )
     check_every: PositiveInt = Field(

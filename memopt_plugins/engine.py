@@ -372,11 +372,14 @@ class MemoryOptimizer:
         *,
         step: int | None = None,
         max_rounds: int | None = None,
+        batch_size: int | None = None,
     ) -> DriftReport:
         """Compare compressed and exact gradients of ``loss_fn()`` and escalate drifting modules.
 
         ``loss_fn()`` returns a scalar loss on a small batch (see :func:`slice_batch`) and
-        calls the patched model itself (under DDP: ``ddp.module``). Training is unaffected:
+        calls the patched model itself (under DDP: ``ddp.module``). ``batch_size``: samples in
+        the training batch it was cut from (``drift.metric: sgd`` judges the cost at that batch;
+        default: the small batch's own, which overstates it). Training is unaffected:
         RNG streams, buffers, ``.grad`` and the saved-bytes statistics are as before the call.
         ``max_rounds=None`` re-checks until no module escalates (one compressed pass per round;
         a check that escalates nothing costs one exact and one compressed pass); ``1`` escalates
@@ -407,6 +410,7 @@ class MemoryOptimizer:
                 reduce_max=self.reduce_max,
                 step=step,
                 max_rounds=max_rounds,
+                batch_size=batch_size,
                 pricing=None
                 if self.config.quantize.budget is None
                 else self._pricing(trained, kept_modules if eager else {}),
@@ -457,12 +461,15 @@ class MemoryOptimizer:
         return priced
 
     def maybe_check_drift(
-        self, loss_fn: Callable[[], torch.Tensor], step: int | None = None
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        step: int | None = None,
+        batch_size: int | None = None,
     ) -> DriftReport | None:
         """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due, else None."""
         if self._model is None or not self.should_check(step):
             return None
-        return self.check_drift(loss_fn, step=step)
+        return self.check_drift(loss_fn, step=step, batch_size=batch_size)
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
         """The ``memopt/*`` values for a logger (DESIGN.md "Logged metric names").

@@ -30,23 +30,11 @@ from .config import MemOptConfig
 from .distributed import is_rank_zero
 from .engine import COMPRESS, KEEP, DriftReport, MemoryOptimizer
 
-__all__ = ["MemOptSession", "describe_check"]
+__all__ = ["MemOptSession"]
 
 log = logging.getLogger("memopt")
 
 _MIB = 1024 * 1024
-
-
-def describe_check(report: DriftReport) -> str:
-    """One line for the console: the drift a check found and what it changed."""
-    found = report.round_max[0] if report.round_max else report.max
-    text = (
-        f"drift check at step {report.step}: max {report.metric} drift {found:.4f} "
-        f"(threshold {report.threshold:g})"
-    )
-    if not report.escalated:
-        return text + ", nothing escalated"
-    return text + f"; {len(report.escalated)} modules escalated, max drift now {report.max:.4f}"
 
 
 class MemOptSession:
@@ -150,22 +138,30 @@ class MemOptSession:
             self.memopt.model is not None and not self._checked and self.memopt.should_check(step)
         )
 
-    def check(self, loss_fn: Callable[[], torch.Tensor], step: int | None = None) -> DriftReport:
-        """Run the drift check on ``loss_fn()`` now (every rank together) and say what it found.
+    def check(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        step: int | None = None,
+        batch_size: int | None = None,
+    ) -> DriftReport:
+        """Run the drift check on ``loss_fn()`` now (every rank together); its INFO line says
+        what it found and changed.
 
-        ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch.
+        ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch cut from
+        a training batch of ``batch_size`` samples.
         """
-        report = self.memopt.check_drift(loss_fn, step=step)
+        report = self.memopt.check_drift(loss_fn, step=step, batch_size=batch_size)
         self._report, self._checked = report, True
-        if self.is_main():
-            log.info("memopt: %s", describe_check(report))
         return report
 
     def check_if_due(
-        self, loss_fn: Callable[[], torch.Tensor], step: int | None = None
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        step: int | None = None,
+        batch_size: int | None = None,
     ) -> DriftReport | None:
         """:meth:`check` when :meth:`due`, else ``None``."""
-        return self.check(loss_fn, step) if self.due(step) else None
+        return self.check(loss_fn, step, batch_size) if self.due(step) else None
 
     def end_step(self, step: int, log_due: bool) -> dict[str, float] | None:
         """Count the optimizer step just taken and log its metrics when ``log_due`` (the

@@ -45,6 +45,7 @@ from .config import ConfigError, MemOptConfig
 from .engine import MemoryOptimizer, patched_by, slice_batch
 from .session import MemOptSession
 from .transformers_tap import TrainerTap, calling_trainer
+from .tree import batch_size_of
 
 __all__ = ["MemOptTrainerCallback"]
 
@@ -84,6 +85,7 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
         self.session = MemOptSession(config)  # a bad config fails here, at construction
         self.loss_fn = loss_fn
         self.slicer = slicer or slice_batch
+        self._batch_size: int | None = None  # of the micro-batch the check's sample comes from
         self._tap: TrainerTap | None = None  # the running Trainer, watched
         self._warned = False
         _CALLBACKS.add(self)
@@ -172,9 +174,13 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
     def _watch(self, trainer: Trainer) -> None:
         """Watch the running Trainer: its inputs for the check, its log for the metrics."""
         self._unwatch()
-        size = self.config.drift.sample_size
-        self._tap = TrainerTap(trainer, lambda inputs: self.slicer(inputs, size))
+        self._tap = TrainerTap(trainer, self._sample)
         self.session.log_metrics = self._tap.log
+
+    def _sample(self, inputs: Any) -> Any:
+        """The check's slice of a micro-batch (whose size the check judges at)."""
+        self._batch_size = batch_size_of(inputs)
+        return self.slicer(inputs, self.config.drift.sample_size)
 
     def _unwatch(self) -> None:
         tap, self._tap, self.session.log_metrics = self._tap, None, None
@@ -204,7 +210,7 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
                 if user_loss is None
                 else lambda: user_loss(model, copy.copy(sample))
             )
-            self.session.check(loss_fn, state.global_step)
+            self.session.check(loss_fn, state.global_step, self._batch_size)
         elif not self._warned:
             self._warned = True
             log.warning(

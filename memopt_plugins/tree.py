@@ -61,6 +61,12 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return pytree.tree_map(leaf, tree)
 
 
+def batch_size_of(batch: Any) -> int | None:
+    """Samples in ``batch``: dim 0 of its first tensor of one dimension or more (``None``: no
+    such tensor)."""
+    return next((t.shape[0] for t in tensors_in(batch) if t.dim() > 0), None)
+
+
 def slice_batch(batch: Any, n: int) -> Any:
     """The first ``n`` samples of ``batch``: tensors are cut along dim 0, containers rebuilt.
 
