@@ -13,6 +13,8 @@ the full run's or ``--quick``'s).
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +85,10 @@ class Workload:
     short_seeds: tuple[int, ...] = ()
     bar_seeds: tuple[int, ...] = ()
     calibration: list[Batch] = field(default_factory=list)
+    #: ``optimizer(model, lr)`` when the model's own code builds it (default: AdamW, wd 0.01)
+    optimizer: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None
+    #: gradient-norm clipping of the model's own training script (``None``: none)
+    clip: float | None = None
 
     def to(self, device: torch.device) -> Workload:
         """Move the batches to ``device`` (models are moved where they are built)."""
@@ -154,6 +160,54 @@ def gpt_workload(sizes: Sizes) -> Workload:
         lr=3e-3,
         data=f"characters of the standard library's .py files ({train.numel() / 1e6:.1f} M "
         f"train, {val.numel() / 1e6:.2f} M held out)",
+    )
+
+
+def nanogpt_workload(sizes: Sizes) -> Workload:
+    """karpathy/nanoGPT's ``model.py``, unmodified (``benchmarks/clients/nanogpt_model.py``),
+    trained as its ``train.py`` trains ``config/train_shakespeare_char.py``, scaled to a CPU: a
+    character model (4 layers x 128, 4 heads, no biases, dropout 0.2) on the characters of the
+    standard library's source (the GPT workload's data), AdamW from the model's own
+    ``configure_optimizers`` (weight decay 0.1 on matrices, betas 0.9 / 0.99), learning rate
+    1e-3 warmed up and cosine-decayed to a tenth, gradients clipped at norm 1.0."""
+    from ..clients.nanogpt_model import GPT as NanoGPT
+    from ..clients.nanogpt_model import GPTConfig
+
+    base = gpt_workload(sizes)
+    length = sizes.gpt.training.length
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        config = GPTConfig(
+            block_size=length, vocab_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.2,
+            bias=False,
+        )  # fmt: skip
+        with contextlib.redirect_stdout(io.StringIO()):  # its parameter count
+            return NanoGPT(config)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # nanoGPT views its targets: they must be contiguous
+        return model(x.contiguous(), y.contiguous())[1]
+
+    def optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        with contextlib.redirect_stdout(io.StringIO()):  # its parameter groups
+            return model.configure_optimizers(0.1, lr, (0.9, 0.99), "cpu")
+
+    return Workload(
+        key="nano",
+        label="nanoGPT",
+        title="karpathy/nanoGPT model.py (4 layers x 128, dropout 0.2), as its train.py trains",
+        build=build,
+        loss_fn=loss_fn,
+        block_class="Block",
+        preset=CONFIGS / "int4_drift.yaml",
+        measure=base.measure,
+        train_batches=base.train_batches,
+        val=base.val,
+        lr=1e-3,
+        data=base.data,
+        optimizer=optimizer,
+        clip=1.0,
     )
 
 
