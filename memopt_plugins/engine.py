@@ -25,7 +25,7 @@ from .compress.estimate import storage_ratio
 from .compress.hooks import CompressionHooks, PackObserver
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
-from .distributed import distributed, max_over_ranks
+from .distributed import distributed, is_rank_zero, max_over_ranks
 from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing
 from .dropout import DropoutPatch
@@ -141,6 +141,8 @@ class MemoryOptimizer:
     def __init__(self, config: MemOptConfig | Mapping[str, Any] | str | os.PathLike | None = None):
         self.config = load_config(config)
         self.reduce_max: Callable[[torch.Tensor], torch.Tensor] = max_over_ranks
+        #: whether this process writes the drift checks' lines (default: rank 0)
+        self.speaks: Callable[[], bool] = is_rank_zero
         self._model: nn.Module | None = None
         self._table = BitTable()
         self._hooks: CompressionHooks | None = None
@@ -408,6 +410,7 @@ class MemoryOptimizer:
                 scopes=[f for f in self._table.scopes if f not in regions],
                 min_numel=self.config.quantize.min_numel,
                 reduce_max=self.reduce_max,
+                speaks=self.speaks,
                 step=step,
                 max_rounds=max_rounds,
                 batch_size=batch_size,

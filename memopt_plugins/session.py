@@ -58,6 +58,7 @@ class MemOptSession:
         self.memopt = MemoryOptimizer(config)
         self.log_metrics: Callable[[dict[str, float], int], None] | None = None
         self.is_main: Callable[[], bool] = is_rank_zero
+        self.memopt.speaks = lambda: self.is_main()  # the checks' lines: the main process's
         self._held: dict[str, Any] | None = None  # state waiting for the (next) patch
         self._report: DriftReport | None = None  # the check of the current step, to log
         self._checked = False  # a check ran in the current step

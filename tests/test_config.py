@@ -36,7 +36,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     "drift": {
         "enabled": True,
         "threshold": 0.05,
-        "metric": "rel_l2",
+        "metric": "sgd",
         "check_every": 100,
         "sample_size": 8,
         "ladder": [2, 4, 8, 16, 32],

@@ -125,9 +125,12 @@ def test_ranks_agree_on_an_escalation_only_one_rank_would_trigger(tmp_path):
 # --------------------------------------------------------------------------- both ways, budget
 LOWER = {
     "quantize": {"bits": 2, "modules": ["0"], "min_numel": 0},
-    "drift": {"lower": True, "lower_after": 1},
+    "drift": {"metric": "rel_l2", "lower": True, "lower_after": 1},
 }
-BUDGET = {"quantize": {"bits": 2, "modules": ["0", "1"], "min_numel": 0, "budget": 0.19}}
+BUDGET = {
+    "quantize": {"bits": 2, "modules": ["0", "1"], "min_numel": 0, "budget": 0.19},
+    "drift": {"metric": "rel_l2"},
+}
 
 
 def _both_ways_worker(rank: int, out: str) -> None:

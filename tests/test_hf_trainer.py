@@ -149,14 +149,14 @@ def test_two_bit_run_escalates_and_logs_memopt_metrics(two_bit_run):
     seen = [r for r in recorder.rows if "memopt/escalations" in r]
     assert [r["memopt/escalations"] for r in seen] == [r["memopt/escalations"] for r in rows]
 
-    # one INFO line per rung climbed: module, drift, threshold, old -> new bits
+    # one INFO line per check: what it raised, from what to what, and why
     history = memopt.state_dict()["drift"]["history"]
     assert [h["step"] for h in history] == [0, 2]
-    lines = [m for m in messages if "> threshold" in m]
+    lines = [m for m in messages if "memopt: drift check at step" in m]
     climbed = sum(len(h["escalated"]) for h in history)
-    assert len(lines) == rows[-1]["memopt/escalations"] >= climbed > 0
+    assert len(lines) == len(history) and rows[-1]["memopt/escalations"] >= climbed > 0
     fqn, (old, new) = next(iter(history[0]["escalated"].items()))
-    assert any(f"{fqn or '<root>'} drift" in line and f"bits {old} -> " in line for line in lines)
+    assert f"{fqn or '<root>'} {old} -> " in lines[0] and "threshold 0.05" in lines[0]
 
 
 def test_checkpoint_holds_memopt_state(two_bit_run):

@@ -68,6 +68,8 @@ class DriftMonitor:
         self.escalations = 0
         self.deescalations = 0
         self.skipped = 0  # modules a check skipped for a gradient that was not finite
+        #: whether this process writes the checks' lines (rank 0; an integration's main process)
+        self.speaks: Callable[[], bool] = is_rank_zero
         self._noted_no_variance = False
         # drift.lower: starting bits, calm checks in a row, checks to wait, lowered once, changes
         self.floor: dict[str, int] = {}
@@ -114,6 +116,7 @@ class DriftMonitor:
         max_rounds: int | None = None,
         pricing: Callable[[], Pricing | None] | None = None,
         batch_size: int | None = None,
+        speaks: Callable[[], bool] | None = None,
     ) -> DriftReport:
         """Measure the drift of the modules in ``bits`` and escalate those over the threshold.
 
@@ -139,7 +142,10 @@ class DriftMonitor:
                 not known yet); the bits are then solved for it (:meth:`_fit_budget`).
             batch_size: samples in the training batch the check's sample was cut from (metric
                 ``sgd``; default: the sample's own).
+            speaks: whether this process writes the check's lines (default: :attr:`speaks`).
         """
+        if speaks is not None:
+            self.speaks = speaks
         cfg = self.config
         step = self.steps if step is None else step
         current = dict(bits)
@@ -203,7 +209,7 @@ class DriftMonitor:
             metric = cfg.metric
             if metric == "sgd" and variance is None:
                 metric = "cosine"
-                if not self._noted_no_variance and is_rank_zero():
+                if not self._noted_no_variance and self.speaks():
                     self._noted_no_variance = True
                     log.warning(
                         "memopt: drift.metric sgd needs the gradient's sampling noise: the "
@@ -299,7 +305,7 @@ class DriftMonitor:
             total=(first_total, None if last is None else last.total),
         )
         self.skipped += len(skipped)
-        if is_rank_zero():
+        if self.speaks():
             _log_check(report, trail, len(fqns))
         return self._record(report)
 
@@ -466,7 +472,7 @@ class DriftMonitor:
                 for fqn, old in lowered.items():
                     self.held[fqn] = (old, self.wait.get(fqn, cfg.lower_after))
                     self._back_off(fqn)
-                if is_rank_zero():
+                if self.speaks():
                     log.info(
                         "memopt: quantize.budget at step %d: the probe of %d lowered modules "
                         "found %s over drift.threshold %.4f; they go back and are held",
@@ -484,7 +490,7 @@ class DriftMonitor:
         floor = cfg.ladder[0]
         held = sorted(f for f, (w, _) in self.held.items() if current.get(f, floor) > floor)
         log_outcome(priced, kept, held, floor, step)
-        if short and is_rank_zero():
+        if short and self.speaks():
             log.warning(
                 "memopt: quantize.budget %.2f MiB holds %d module(s) at step %d that "
                 "drift.threshold %.4f would raise: %s; a rung up for them needs %.2f MiB more",
@@ -563,7 +569,7 @@ class DriftMonitor:
             self.escalations += 1
         else:
             self.deescalations += 1
-        if is_rank_zero():
+        if self.speaks():
             sensitivity = self.sensitivity.get(fqn)
             log.info(
                 "memopt: %s bits %d -> %d at step %d for quantize.budget (drift %s at %s bits, "

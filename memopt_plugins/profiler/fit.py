@@ -71,10 +71,18 @@ class PeakPlan:
                 f"fits is {self.largest_batch} (measured {human_bytes(self.largest_batch_total)})",
                 f"#   (parameters, gradients, optimizer state and the batch of {self.batch}: "
                 f"{human_bytes(self.held_before)} held before the step)",
+                f"#   at the bits below ({_bits_of(self.suggestion.config)}); drift checks may "
+                "raise bits later: quantize.budget caps them (the guard never goes past it)",
             ]
         elif self.memory is not None:
             lines.append(f"# no batch fits under {human_bytes(self.memory)} with this config")
         return "\n".join(lines) + "\n" + self.suggestion.to_yaml()
+
+
+def _bits_of(config: Any) -> str:
+    quantize = config.quantize
+    widths = sorted({quantize.bits, *quantize.overrides.values()} - {32})
+    return "/".join(str(b) for b in widths) + " bits" if widths else "no compression"
 
 
 def model_bytes(report: ProfileReport) -> int:
