@@ -30,24 +30,18 @@ table computed without grad, a dropout whose mask is a bool tensor), or when the
 judging it is negligible: below :data:`NEGLIGIBLE` of the whole model's (parameter gradients for
 parameter judges, recorded activation gradients for the others).
 
-Drift by ``metric``: ``rel_l2`` = ‖g_q − g‖ / ‖g‖, ``cosine`` = 1 − cos(g_q, g), ``noise`` =
-‖g_q − g‖² / Var(g): compression noise against the gradient's own sampling noise, the variance of
-the sample's mean gradient over the data, estimated from a second exact pass in which the two
-halves of the sample are weighted +1 and −1 (:class:`~.passes.SignedHalves`). Both noises shrink
-as 1/batch, so the ratio holds at the training batch too: 0.05 reads "compression adds at most 5%
-to the gradient noise SGD already has", about the noise of a 5% smaller batch. It needs a loss
-that is a mean (or sum) over the samples, a model output with the samples along dim 0, and 2
-samples or more; a module whose estimated variance is negligible has no measurable drift
-(``NEGLIGIBLE_NOISE``). A parameter-free module is judged by its input gradient, whose rows are
-per sample: its ``noise`` is its squared relative error. A gradient also
-carries the compression error of the nonlinear modules downstream of it, so a module whose drift
-is only inherited can climb a rung with the module it inherits from; each round escalates every
-module over the threshold by one rung, and by default the check re-runs the compressed pass until
-no module is over (or all are at 32). Cost: one exact and one compressed forward/backward on the
-sample when nothing escalates (``noise``: one more exact pass, the signed halves), plus one
-compressed pass per extra round (from 2 bits on a
-transformer: 2 -> 4 -> 8 and a settling round, i.e. 4 passes, once). ``max_rounds=1`` gives one
-rung per call instead.
+Drift by ``metric``. ``sgd`` (default): the share of a training step's progress that compression
+costs, ``e k / (1 + (1 + e) k)`` (:func:`~.judges.progress_cost`), from ``e`` = ‖g_q − g‖² /
+Var(g), compression's error against the gradient's own sampling noise (a second exact pass weights
+the two halves of the sample +1 and −1, :class:`~.passes.SignedHalves`; both shrink as 1/batch),
+and ``k``, the gradient noise scale over the training batch; the threshold judges the model's whole
+parameter gradient, and over it the modules over it on their own go up (or the one costing most).
+``noise``: ``e`` itself. ``rel_l2`` = ‖g_q − g‖ / ‖g‖, ``cosine`` = 1 − cos(g_q, g). A module at 32
+bits over the threshold passes its drift on to the compressed modules whose forward ended after
+its own. Each round escalates one rung; by default the check re-runs until nothing moves
+(``max_rounds=1``: one rung per call). Every pass folds each gradient as autograd makes it
+(:func:`~.passes.fold`), so a check holds no second set of gradients; a module whose gradient is
+not finite in a pass is skipped (bits unchanged, one WARNING).
 
 Under torch.distributed every rank measures its own sample, and the drifts are max-reduced over
 ranks (by the reduce the integration injects: Lightning's strategy, Accelerate's accelerator, or

@@ -60,7 +60,7 @@ class DriftReport:
     round_max: tuple[float, ...] = ()
     lowered: dict[str, tuple[int, int]] = field(default_factory=dict)
     threshold: float = 0.05
-    metric: str = "rel_l2"
+    metric: str = "sgd"
     budget: tuple[float, float] | None = None
     skipped: tuple[str, ...] = ()
     first: dict[str, float] = field(default_factory=dict)
