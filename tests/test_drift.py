@@ -58,7 +58,9 @@ def test_llama_from_2_bits_settles_within_8_rounds(caplog):
     assert moves and all(n == next_rung((2, 4, 8, 16, 32), o) for _, o, n in moves)
     assert len(moves) == opt.metrics()["memopt/escalations"]
     lines = [
-        r.getMessage() for r in caplog.records if r.name == "memopt" and "drift check" in r.msg
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "memopt" and "drift check" in r.getMessage()
     ]
     assert len(lines) == len(reports)
     for report, line in zip(reports, lines, strict=True):

@@ -65,6 +65,21 @@ NOT_FINITE = float("inf")
 
 
 @dataclass(frozen=True)
+class Whole:
+    """The model's whole parameter gradient (metric ``sgd``): its cost, squared error, sampling
+    variance and noise scale over the batch (:func:`progress_cost`)."""
+
+    cost: float
+    error_sq: float
+    spread: float
+    scale: float
+
+    def cost_without(self, error_sq: float) -> float:
+        """The cost were ``error_sq`` of the error gone."""
+        return progress_cost(max(self.error_sq - error_sq, 0.0) / self.spread, self.scale)
+
+
+@dataclass(frozen=True)
 class Drifts:
     """One round's drift per module.
 
@@ -74,14 +89,16 @@ class Drifts:
         parts: metric ``sgd``: ``{fqn: (error, scale)}``: the compression error's energy over
             the gradient's sampling variance, and the gradient noise scale over the training
             batch (``inf``: no signal measured above the noise).
-        total: metric ``sgd``: the cost of the whole model's parameter gradient, the one the
-            optimizer steps with (``None``: other metrics, or not measurable).
+        total: metric ``sgd``: the whole model's parameter gradient, the one the optimizer
+            steps with (``None``: other metrics, or not measurable).
+        errors: per target, the squared error of its gradient.
     """
 
     values: list[float]
     missing: dict[str, str]
     parts: dict[str, tuple[float, float]]
-    total: float | None = None
+    total: Whole | None = None
+    errors: torch.Tensor | None = None  # per target: |q - g|^2
 
 
 def progress_cost(error: float, scale: float) -> float:
@@ -139,9 +156,9 @@ def module_drifts(
         own = [i for i in range(min(n, params)) if bool(finite[i])]
         spread = float(variance[own].sum())
         if own and spread > floors[PARAMS] ** 2:
-            total = _cost(
-                float(diff_sq[own].sum()), float(exact_sq[own].sum()), spread, batch_ratio
-            )
+            error_sq = float(diff_sq[own].sum())
+            cost, (_, scale) = _cost(error_sq, float(exact_sq[own].sum()), spread, batch_ratio)
+            total = Whole(cost, error_sq, spread, scale)
     drift = [UNMEASURED] * len(fqns)
     missing: dict[str, str] = {}
     parts: dict[str, tuple[float, float]] = {}
@@ -178,7 +195,7 @@ def module_drifts(
             drift[k] = max(0.0, 1.0 - float(dot[idx].sum()) / denom) if denom > 0 else 1.0
         else:
             drift[k] = float(diff_sq[idx].sum().sqrt()) / norm
-    return Drifts(drift, missing, parts, None if total is None else total[0])
+    return Drifts(drift, missing, parts, total, diff_sq)
 
 
 def _cost(

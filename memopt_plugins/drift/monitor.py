@@ -7,7 +7,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from ..config import OFF_BITS, DriftConfig
 from ..distributed import is_rank_zero, max_over_ranks
 from ..measure import eagerly
 from .budget import Pricing, log_outcome, solve, step_size
-from .judges import NOT_FINITE, PARAMS, TENSORS, Judge, find_judges, module_drifts
+from .judges import NOT_FINITE, PARAMS, TENSORS, Judge, Whole, find_judges, module_drifts
 from .passes import (
     CheckedParameters,
     PassRecorder,
@@ -48,7 +48,8 @@ class Round:
     drift: dict[str, float]  # measurable drift per module (max over ranks)
     unmeasured: dict[str, str]  # why the others have none
     parts: dict[str, tuple[float, float]]  # metric sgd: (error ratio, noise scale / batch)
-    total: float | None = None  # metric sgd: the whole model's cost (max over ranks)
+    total: Whole | None = None  # metric sgd: the whole parameter gradient (max over ranks)
+    energy: dict[str, float] = field(default_factory=dict)  # sgd: each module's own error
 
 
 class DriftMonitor:
@@ -162,7 +163,7 @@ class DriftMonitor:
         trail: dict[str, list[int]] = {}  # the bits each raised module went through
         first_parts: dict[str, tuple[float, float]] = {}
         first_drift: dict[str, float] = {}
-        first_total: float | None = None
+        first_total: Whole | None = None
         lowered_now: dict[str, tuple[int, int]] = {}
         skipped: set[str] = set()
         round_max: list[float] = []
@@ -245,15 +246,32 @@ class DriftMonitor:
                     len(params),
                 )
                 del approx
-                total = -1.0 if found.total is None else found.total
-                *drift, total = _max_of(reduce_max, [*found.values, total], device)
+                whole = found.total
+                # the whole gradient and each module's own error, max over ranks (sgd)
+                extra = [] if whole is None else [whole.cost, whole.error_sq, whole.spread]
+                extra += (
+                    []
+                    if whole is None
+                    else [whole.scale]
+                    + [
+                        float(found.errors[list(checked.own(f))].sum()) if checked.own(f) else 0.0
+                        for f in fqns
+                    ]
+                )
+                reduced = _max_of(reduce_max, [*found.values, *extra], device)
+                drift = reduced[: len(fqns)]
+                total = None
+                if whole is not None:
+                    cost, error_sq, spread, scale, *own = reduced[len(fqns) :]
+                    total = Whole(cost, error_sq, spread, scale)
+                    energy = {f: e for f, e in zip(fqns, own, strict=True) if e > 0}
                 per = {f: d for f, d in zip(fqns, drift, strict=True) if 0 <= d < NOT_FINITE}
                 bad = {f for f, d in zip(fqns, drift, strict=True) if d == NOT_FINITE}
                 skipped.update(bad)
                 absent = {**unmeasured, **found.missing, **dict.fromkeys(bad, NON_FINITE)}
                 absent = {f: r for f, r in absent.items() if f not in per}
                 parts = {f: p for f, p in found.parts.items() if f in per}
-                return Round(per, absent, parts, None if total < 0 else total)
+                return Round(per, absent, parts, total, energy if total is not None else {})
 
             first, kept, last = None, None, None
             if pricing is not None:  # quantize.budget: the bits are solved from the first pass
@@ -276,7 +294,7 @@ class DriftMonitor:
                     last, first = first, None
                 if len(round_max) == 1:
                     first_total = last.total
-                moved = self._escalate(last.drift, current, set_bits, finished, last.total)
+                moved = self._escalate(last, current, set_bits, finished)
                 for fqn, (old, new) in moved.items():
                     trail.setdefault(fqn, [old]).append(new)
                 if not moved or len(round_max) >= limit:
@@ -302,7 +320,10 @@ class DriftMonitor:
             skipped=tuple(sorted(skipped)),
             first=first_drift,
             parts=first_parts,
-            total=(first_total, None if last is None else last.total),
+            total=(
+                None if first_total is None else first_total.cost,
+                None if last is None or last.total is None else last.total.cost,
+            ),
         )
         self.skipped += len(skipped)
         if self.speaks():
@@ -311,22 +332,22 @@ class DriftMonitor:
 
     def _escalate(
         self,
-        per_module: Mapping[str, float],
+        found: Round | Mapping[str, float],
         current: dict[str, int],
         set_bits: Callable[[str, int], None],
         finished: Mapping[str, int] | None = None,
-        total: float | None = None,
     ) -> dict[str, tuple[int, int]]:
         """Every module over the threshold one rung up (the check's INFO line says which).
 
-        With a whole-model ``total`` (metric ``sgd``) the threshold judges that: under it nothing
-        moves; over it the modules over it on their own go up, or the one costing most.
+        ``found``: a round, or the drifts of modules chosen to go up. With the whole gradient's
+        cost (metric ``sgd``) the threshold judges that (:func:`_over`).
 
         A module over it at 32 bits keeps nothing compressed: its drift is inherited, carried
         back by backward from modules whose forward ended after its own (``finished``: when each
         ended in the exact pass), and those still compressed go one rung up instead."""
         cfg = self.config
-        over = _over(per_module, total, cfg.threshold)
+        per_module = found.drift if isinstance(found, Round) else found
+        over = _over(found, cfg.threshold) if isinstance(found, Round) else sorted(per_module)
         raise_ = {f for f in over if current[f] < OFF_BITS}
         for fqn in over:
             if current[fqn] >= OFF_BITS and finished and fqn in finished:
@@ -394,7 +415,7 @@ class DriftMonitor:
         # undoes them all.
         others_over = any(d > cfg.threshold for f, d in probe.drift.items() if f not in due)
         if probe.total is not None:  # sgd: the whole model's cost is what the threshold caps
-            others_over = probe.total > cfg.threshold
+            others_over = probe.total.cost > cfg.threshold
         for fqn, (old, lower) in due.items():
             self.calm[fqn] = 0
             drift = probe.drift.get(fqn)
@@ -438,7 +459,7 @@ class DriftMonitor:
         at = dict(current)  # the bits the last pass ran at
         self.held = {f: (w, n - 1) for f, (w, n) in self.held.items() if n > 1}
         short: dict[str, float] = {}  # modules the budget holds under what the threshold wants
-        verified = not _over(per_module, found.total, cfg.threshold)
+        verified = not _over(found, cfg.threshold)
         if verified:  # sensitivities from calm passes only: an over one is others' rounding
             self._learn(per_module, unmeasured, current)
         self._hold_over(found, current, set_bits, priced, short)
@@ -458,7 +479,7 @@ class DriftMonitor:
             per_module, unmeasured = found.drift, found.unmeasured
             round_max.append(max(per_module.values(), default=0.0))
             at = dict(current)
-            over = _over(per_module, found.total, cfg.threshold)
+            over = _over(found, cfg.threshold)
             reverted = False
             if not over:
                 self._learn(per_module, unmeasured, current)
@@ -531,7 +552,7 @@ class DriftMonitor:
         wait, doubled each time, at most 8x lower_after); the others are noted in ``short``
         with the bytes their rung up would add."""
         cfg = self.config
-        over = _over(found.drift, found.total, cfg.threshold)
+        over = _over(found, cfg.threshold)
         total = priced.total(current)
         allowed: dict[str, float] = {}
         for fqn in sorted(over, key=lambda f: -found.drift[f]):
@@ -544,7 +565,7 @@ class DriftMonitor:
                 short[fqn] = extra
                 continue
             total += extra
-            allowed[fqn] = float("inf")  # chosen: over the threshold for _escalate
+            allowed[fqn] = found.drift[fqn]
         moved = self._escalate(allowed, current, set_bits)
         for fqn, (_, new) in moved.items():
             self.held[fqn] = (new, self.wait.get(fqn, self.config.lower_after))
@@ -715,15 +736,32 @@ def _max_of(
     return reduce_max(t).cpu().tolist()
 
 
-def _over(per_module: Mapping[str, float], total: float | None, threshold: float) -> list[str]:
-    """The modules to raise: those over ``threshold``; with a whole-model ``total`` (metric
-    ``sgd``) none while it is under, else those over on their own or the one costing most."""
-    over = sorted(f for f, d in per_module.items() if d > threshold)
-    if total is None:
-        return over
-    if total <= threshold:
+#: A rung up cuts a module's own rounding error about this much (one more bit halves a step;
+#: 4 -> 8 bits: 16x).
+RUNG_CUT = 1 / 16
+#: sgd: modules are chosen until the whole gradient's cost is predicted under this share of the
+#: threshold, so that the probe finds it under (a module's own error is not all it removes).
+MARGIN = 0.8
+
+
+def _over(found: Round, threshold: float) -> list[str]:
+    """The modules to raise. Without a whole-gradient cost: those over ``threshold``. With it
+    (metric ``sgd``): none while it is under; over it, modules by their own share of the error
+    (then by their own cost) until the cost without the error they would shed is predicted under
+    ``MARGIN`` x the threshold, at least one."""
+    per_module, whole = found.drift, found.total
+    if whole is None:
+        return sorted(f for f, d in per_module.items() if d > threshold)
+    if whole.cost <= threshold or not per_module:
         return []
-    return over or [max(sorted(per_module), key=per_module.__getitem__)] if per_module else []
+    order = sorted(per_module, key=lambda f: (-found.energy.get(f, 0.0), -per_module[f], f))
+    chosen, shed = [], 0.0
+    for fqn in order:
+        if chosen and whole.cost_without(shed) <= MARGIN * threshold:
+            break
+        chosen.append(fqn)
+        shed += found.energy.get(fqn, 0.0) * (1 - RUNG_CUT)
+    return sorted(chosen)
 
 
 def _log_check(report: DriftReport, trail: Mapping[str, list[int]], modules: int) -> None:
