@@ -181,3 +181,22 @@ def test_budget_config_values():
     assert MemOptConfig.from_dict({}).quantize.budget is None
     with pytest.raises(ConfigError, match="needs drift.enabled true"):
         MemOptConfig.from_dict({"quantize": {"budget": 0.3}, "drift": {"enabled": False}})
+
+
+def test_escalation_never_takes_the_bits_past_the_budget(caplog):
+    """From 2 bits, where the threshold wants every module up, a budget just above what 2 bits
+    keep caps the check: the bits it leaves keep within the budget (5% tolerance), and one
+    WARNING names the modules the budget holds and what a rung up for them needs."""
+    opt, _, train, check = _gpt2({"quantize": {"bits": 2, "budget": 0.08}})
+    train().backward()
+    stats = opt.hooks.stats
+    assert stats.forward_stored < 0.08 * stats.forward_original  # 2 bits fit the budget
+    with caplog.at_level(logging.WARNING, logger="memopt"):
+        report = opt.check_drift(check)
+    target, kept = report.budget
+    assert report.first and max(report.first.values()) > opt.config.drift.threshold
+    assert kept <= 1.05 * target
+    train().backward()  # the next training forward keeps what the check predicted
+    assert stats.forward_stored <= 1.05 * 0.08 * stats.forward_original
+    held = [r.getMessage() for r in caplog.records if "holds" in r.getMessage()]
+    assert len(held) == 1 and "drift.threshold" in held[0] and "MiB more" in held[0]
