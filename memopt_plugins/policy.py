@@ -116,6 +116,28 @@ def kept_as_is(
     return False
 
 
+#: The modules whose saved-tensor hooks give a region a meaning of its own: torch's checkpoint
+#: (its forward region keeps only its inputs, its recomputation hands what it saves to the
+#: checkpoint) and ``save_on_cpu`` (offloads). Another pair pushed inside such a region would
+#: be the innermost one and take the region's tensors from it.
+REGION_OWNERS = frozenset({"torch.utils.checkpoint", "torch.autograd.graph"})
+
+
+def in_foreign_region() -> bool:
+    """Whether memopt must not push saved-tensor hooks here (nor compress what is saved here).
+
+    True inside a region another owner's hooks hold (:data:`REGION_OWNERS`: a checkpoint
+    region memopt did not make, its recomputation, ``save_on_cpu``) and inside a backward pass
+    (a reentrant checkpoint replays its region there, unhooked, and hands what it saves straight
+    to a nested backward). What such a region keeps -- a checkpoint's inputs, saved before its
+    hooks are pushed -- still meets the hooks around it, memopt's included.
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is not None and getattr(top[0], "__module__", None) in REGION_OWNERS:
+        return True
+    return torch._C._current_graph_task_id() != -1
+
+
 def compressible(
     t: torch.Tensor, min_numel: int = 0, model: Iterable[Container[object]] = ()
 ) -> bool:

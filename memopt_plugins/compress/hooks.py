@@ -11,6 +11,13 @@ GraphModules of one call, which AOTAutograd inlines into the graphs it compiles
 (:meth:`CompressionHooks.pack`: fused codec, dedup, statistics); traced, it puts the traced codec
 (:mod:`.codec.traced`) into the graph. The unpack hook decodes either.
 
+Scopes nest with other saved-tensor hooks as torch's do: the innermost pair wins. Inside a region
+whose hooks mean something else -- a checkpoint region memopt did not make (torch's non-reentrant
+checkpoint, Hugging Face's gradient checkpointing, ``checkpoint_wrapper``), its replay, a
+reentrant checkpoint's replay in backward, ``save_on_cpu`` -- a scope pushes nothing
+(:func:`memopt_plugins.policy.in_foreign_region`), so the region keeps only what it means to keep.
+A checkpoint saves its inputs before pushing its hooks: the enclosing scope compresses those.
+
 What is kept as it is follows the compression policy (:mod:`memopt_plugins.policy`). Parameters
 are never compressed, nor anything sharing their memory, and that is decided when a tensor is
 packed: against the parameters' and buffers' storages read when the step began and,
@@ -40,7 +47,7 @@ from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
-from ..policy import kept_as_is, kept_in_graph
+from ..policy import in_foreign_region, kept_as_is, kept_in_graph
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
@@ -273,10 +280,13 @@ class CompressionHooks:
         return pair
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._scopes:
-            self._begin()
+        # Inside someone else's region (a checkpoint's forward or replay, a backward) the
+        # region's hooks stay innermost: they decide what is kept (policy.in_foreign_region).
+        foreign = in_foreign_region()
+        if not self._scopes and torch._C._current_graph_task_id() == -1:
+            self._begin()  # not a replay in backward
         scope = None
-        if torch.is_grad_enabled() and not self.suspended:
+        if torch.is_grad_enabled() and not self.suspended and not foreign:
             scope = saved_tensors_hooks(*self.pair(fqn))
             scope.__enter__()
             self._counting.append(fqn)

@@ -1,0 +1,111 @@
+"""memopt beside what users already run: activation checkpointing it did not make (DESIGN.md,
+"Composition")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from memory import measure, rel_error
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from zoo import hf_gpt2
+
+from memopt_plugins import MemoryOptimizer
+
+INT8 = {"quantize": {"bits": 8, "min_numel": 1}, "drift": {"enabled": False}}
+
+
+class CheckpointedBlocks(nn.Module):
+    """Three MLP blocks, each under torch's checkpoint (the user's, not memopt's)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_inside_a_checkpoint_region_memopt_compresses_only_the_regions_inputs(reentrant):
+    torch.manual_seed(0)
+    model = CheckpointedBlocks(reentrant)
+    x = torch.randn(256, 64, requires_grad=True)
+    exact = _grads(model, x)
+    opt = MemoryOptimizer(INT8)
+    opt.apply(model)
+    stats = opt.hooks.stats
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    # What the checkpoints keep: the three blocks' inputs (64 features), compressed by the root's
+    # scope. Nothing saved inside a region reaches memopt: the region discards it and recomputes.
+    assert stats.forward_tensors == 3
+    assert stats.forward_original == 3 * 256 * 64 * 4
+    assert stats.held_bytes > 0
+    loss.backward()
+    # The replays in backward (the checkpoint's own) are not compressed either.
+    assert stats.forward_tensors == 3
+    assert stats.held_bytes == 0
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert rel_error(got, exact) < 0.02  # inputs at 8 bits, the rest exact
+    opt.remove()
+
+
+def test_a_region_inside_save_on_cpu_is_left_to_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    opt = MemoryOptimizer(INT8)
+    opt.apply(model)
+    with torch.autograd.graph.save_on_cpu():
+        model(torch.randn(32, 64)).sum().backward()
+    assert opt.hooks.stats.forward_tensors == 0  # offloaded by save_on_cpu, not packed
+    opt.remove()
+
+
+def checkpointed_gpt2(reentrant: bool = False):
+    """Hugging Face GPT-2 (2 x 256, batch 8 x 256) under its own activation checkpointing
+    (``gradient_checkpointing_enable`` before transformers 5)."""
+    model, batch, loss_fn = hf_gpt2(batch_size=8, seq=256, dim=256, layers=2)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    return model, batch, loss_fn
+
+
+def test_hf_checkpointing_with_int8_retains_less_than_checkpointing_alone():
+    alone = measure(checkpointed_gpt2)
+    with_int8 = measure(checkpointed_gpt2, {"quantize": {"bits": 8}, "drift": {"enabled": False}})
+    held = max(with_int8.retained, with_int8.packed)
+    # the blocks' inputs and what is saved outside the blocks (head, loss) at 8 bits
+    assert held < 0.6 * alone.retained, (alone, with_int8)
+    assert with_int8.peak <= alone.peak, (alone, with_int8)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hf_checkpointing_trains_with_memopt(reentrant):
+    model, batch, loss_fn = checkpointed_gpt2(reentrant)
+    model.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()
+    exact = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt = MemoryOptimizer({"quantize": {"bits": 8}})
+    opt.apply(model)
+    model.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert rel_error(got, exact) < 0.02
+    # a block's input and the head's are compressed; the blocks' insides are the checkpoint's
+    inside = [f for f in opt.hooks.stats.modules if ".h." in f and f.count(".") > 2]
+    assert inside == []
+    if not reentrant:  # the reentrant checkpoint refuses torch.autograd.grad, which checks use
+        report = opt.check_drift(lambda: loss_fn(model, batch[:2]))
+        assert 0 < report.max < 0.05
+    opt.remove()
