@@ -25,7 +25,7 @@ from .compress.estimate import storage_ratio
 from .compress.hooks import CompressionHooks, PackObserver
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
-from .distributed import distributed, max_over_ranks
+from .distributed import max_over_ranks, process_rank
 from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing
 from .dropout import DropoutPatch
@@ -116,12 +116,13 @@ def _count(actions: Mapping[str, str]) -> str:
     return ", ".join(f"{a} x{n}" if n > 1 else a for a, n in counts.items())
 
 
-def noise_seed(seed: int | None) -> int:
+def noise_seed(seed: int | None) -> Callable[[], int]:
     """The seed of a run's stochastic-rounding noise: ``seed`` (``quantize.seed``), else
-    ``torch.initial_seed()``, mixed with the rank under torch.distributed (rank 0 keeps it)."""
+    ``torch.initial_seed()`` (read now), mixed with the rank (rank 0 keeps it). The rank is read
+    at the first draw, so a model patched before the process group was created still rounds
+    with noise of its own on every rank (:func:`~.distributed.process_rank`)."""
     base = torch.initial_seed() if seed is None else seed
-    rank = torch.distributed.get_rank() if distributed() else 0
-    return (base + rank * 0x9E3779B97F4A7C15) % 2**63
+    return lambda: (base + process_rank() * 0x9E3779B97F4A7C15) % 2**63
 
 
 class MemoryOptimizer:

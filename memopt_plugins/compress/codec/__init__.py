@@ -55,6 +55,7 @@ Integer tensors are not quantized: the hooks narrow them losslessly
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -182,9 +183,17 @@ class NoiseGenerators:
     tensor.
     """
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int | Callable[[], int]):
+        self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def seed(self) -> int:
+        """The seed; given as a function, it is called once, at the first draw (a seed mixed
+        with the rank is read when training runs, after the process group was created)."""
+        if callable(self._seed):
+            self._seed = int(self._seed())
+        return self._seed
 
     def __call__(self, device: torch.device | str) -> torch.Generator:
         """The generator of ``device`` (a device without an index: the current one)."""
