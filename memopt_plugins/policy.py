@@ -9,7 +9,8 @@ Kept as it is, whatever its scope's bits (:func:`kept_as_is`), is a saved tensor
   of the weight for backward and feed backward a compressed weight);
 * smaller than ``quantize.min_numel`` elements;
 * a broadcast (expanded) view: smaller as it is than any copy;
-* autocast's cast copy of a parameter: cached and shared, so compressing it saves nothing.
+* autocast's cast copy of a parameter, or a view of one (``weight_bf16.t()``): cached and shared, so
+  compressing it saves nothing.
 
 The step recorder never counts the batch, nor any other storage that exists before the step; the
 hooks are given the model's parameters and buffers only, and compress the batch where a module
@@ -108,12 +109,43 @@ def kept_as_is(
         return True  # small, or a parameter, a buffer, or a view of one
     if t.untyped_storage().nbytes() < t.numel() * t.element_size():
         return True  # a broadcast (expanded) view: smaller as it is than any copy
-    grad_fn = t.grad_fn
-    if grad_fn is not None and grad_fn.name() == "ToCopyBackward0":
-        # autocast's cast copy of a parameter: cached and shared, compressing it saves nothing
-        source = grad_fn.next_functions[0][0]
-        return source is not None and type(source).__name__ == "AccumulateGrad"
-    return False
+    return is_autocast_copy(t)
+
+
+def is_autocast_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` is autocast's cast copy of a parameter, or a view of one (``nn.Linear``
+    saves ``weight_bf16.t()``): cached and shared, so compressing it saves nothing and feeds
+    backward a compressed weight. Found through the view's base, else through its chain of view
+    nodes back to a ``ToCopyBackward0`` of a leaf."""
+    base = t._base if t._is_view() and t._base is not None else t
+    node = base.grad_fn if base.grad_fn is not None else t.grad_fn
+    while node is not None and node.name() in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0]
+    return source is not None and type(source).__name__ == "AccumulateGrad"
+
+
+#: Autograd nodes of view operations: what autocast's copy of a weight is seen through.
+_VIEW_NODES = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "AsStridedBackward0",
+        "AliasBackward0",
+    }
+)
 
 
 #: The modules whose saved-tensor hooks give a region a meaning of its own: torch's checkpoint

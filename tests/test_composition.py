@@ -109,3 +109,34 @@ def test_hf_checkpointing_trains_with_memopt(reentrant):
         report = opt.check_drift(lambda: loss_fn(model, batch[:2]))
         assert 0 < report.max < 0.05
     opt.remove()
+
+
+# --------------------------------------------------------------------------- autocast
+def test_autocast_copies_of_weights_are_kept_also_when_saved_as_views():
+    """``nn.Linear`` under autocast saves ``weight_bf16.t()`` (a ``TBackward0`` view of the cast
+    copy): kept as it is, as the copy itself is."""
+    torch.manual_seed(0)
+    dims = [256, 512, 512, 512, 256]
+    layers = []
+    for a, b in zip(dims, dims[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.GELU()]
+    model = nn.Sequential(*layers[:-1])
+    x = torch.randn(96, 256)  # every activation has 96 rows, no weight has
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().square().mean().backward()
+        return {n: p.grad.float() for n, p in model.named_parameters()}
+
+    exact = grads()
+    opt = MemoryOptimizer({"quantize": {"bits": 4}, "drift": {"enabled": False}})
+    opt.apply(model)
+    compressed: list[tuple[int, ...]] = []
+    compress = opt.hooks._compress
+    opt.hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
+    got = grads()
+    opt.remove()
+    assert compressed and all(shape[0] == 96 for shape in compressed), compressed
+    # measured: 2.6% with the copies' views kept, 6.0% with them compressed
+    assert rel_error(got, exact) < 0.04
