@@ -475,6 +475,8 @@ class MemoryOptimizer:
         for modules whose bits changed since the previous one (the whole table: :attr:`bits`,
         :meth:`state_dict`), ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
         bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept),
+        ``memopt/unencodable`` (saved tensors kept as they are since apply because the codec
+        cannot take them -- subclasses such as DTensor, sparse layouts; only once there was one),
         ``memopt/peak_bytes`` (the most memory held since the previous call: on CUDA the
         allocator's ``max_memory_allocated``, on the CPU the process's resident high-water mark;
         each call starts a new one). The root module is named ``<root>``. ``drift=False`` leaves
@@ -495,6 +497,9 @@ class MemoryOptimizer:
         if self._hooks is not None:
             out["memopt/saved_bytes"] = float(self._hooks.stats.saved_stored)
             out["memopt/saved_ratio"] = float(self._hooks.stats.forward_ratio)
+            unencodable = sum(self._hooks.stats.unencodable.values())
+            if unencodable:
+                out["memopt/unencodable"] = float(unencodable)
         if self._model is not None:
             device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
             out["memopt/peak_bytes"] = float(peak_bytes(device))

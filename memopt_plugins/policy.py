@@ -7,6 +7,8 @@ Kept as it is, whatever its scope's bits (:func:`kept_as_is`), is a saved tensor
 
 * memory of the model: a parameter or a buffer, or a view of one (compressing it would keep a copy
   of the weight for backward and feed backward a compressed weight);
+* anything the codec cannot take (:func:`encodable`): a tensor subclass with its own dispatch
+  (DTensor), a sparse or other non-strided layout, meta, nested or quantized tensors;
 * smaller than ``quantize.min_numel`` elements;
 * a broadcast (expanded) view: smaller as it is than any copy;
 * autocast's cast copy of a parameter, or a view of one (``weight_bf16.t()``): cached and shared, so
@@ -96,6 +98,17 @@ def resolve_bits(model: nn.Module, quantize: QuantizeConfig) -> dict[str, int]:
     return scoped
 
 
+def encodable(t: torch.Tensor) -> bool:
+    """Whether the codec can take ``t`` at all: dense memory of its own (strided layout, not
+    meta, nested or quantized) and no ``__torch_dispatch__`` subclass (a DTensor's
+    ``data_ptr()`` is its wrapper's, not its data's). Anything else is kept as it is."""
+    return (
+        type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        and t.layout is torch.strided
+        and not (t.is_meta or t.is_nested or t.is_quantized)
+    )
+
+
 def kept_as_is(
     t: torch.Tensor, min_numel: int = 0, model: Iterable[Container[object]] = ()
 ) -> bool:
@@ -105,6 +118,8 @@ def kept_as_is(
     buffers (:class:`~memopt_plugins.measure.ModelStorages`) and of the parameters a sharded
     model's modules hold while they run (:class:`~.measure.storage.RunningParameters`).
     """
+    if not encodable(t):
+        return True  # a subclass, another layout, meta: nothing the codec can take
     if t.numel() < min_numel or any(t in memory for memory in model):
         return True  # small, or a parameter, a buffer, or a view of one
     if t.untyped_storage().nbytes() < t.numel() * t.element_size():

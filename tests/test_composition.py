@@ -140,3 +140,72 @@ def test_autocast_copies_of_weights_are_kept_also_when_saved_as_views():
     assert compressed and all(shape[0] == 96 for shape in compressed), compressed
     # measured: 2.6% with the copies' views kept, 6.0% with them compressed
     assert rel_error(got, exact) < 0.04
+
+
+# ----------------------------------------------------------------- what the codec cannot take
+class SparseMix(nn.Module):
+    """A Linear, then a fixed sparse COO matrix times its output (``torch.sparse.mm`` saves the
+    sparse matrix for backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        g = torch.Generator().manual_seed(0)
+        index = torch.randint(0, 128, (2, 600), generator=g)
+        self.mix = torch.sparse_coo_tensor(index, torch.randn(600, generator=g), (128, 128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.mix.coalesce(), self.lin(x)).tanh()
+
+
+def test_a_sparse_saved_tensor_is_kept_as_it_is_and_counted():
+    torch.manual_seed(0)
+    model, x = SparseMix(), torch.randn(128, 64)
+    model(x).sum().backward()
+    exact = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt = MemoryOptimizer({"quantize": {"bits": 8, "min_numel": 1}})
+    opt.apply(model)
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    assert opt.hooks.stats.unencodable == {"torch.sparse_coo": 1}
+    assert opt.metrics()["memopt/unencodable"] == 1.0
+    assert rel_error({n: p.grad for n, p in model.named_parameters()}, exact) < 0.02
+    opt.remove()
+
+
+_DTENSOR_STEP = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+from memopt_plugins import MemoryOptimizer
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0,
+                        world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+class Scale(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * 2  # tanh saves its (DTensor) output
+model = Scale()
+opt = MemoryOptimizer({"quantize": {"bits": 8, "min_numel": 1}})
+opt.apply(model)
+x = distribute_tensor(torch.randn(64, 64), mesh, [Replicate()]).requires_grad_()
+model(x).sum().backward()
+exact = 2 * (1 - torch.tanh(x.full_tensor()) ** 2)
+print(type(x.grad).__name__, float((x.grad.full_tensor() - exact).abs().max()),
+      opt.hooks.stats.unencodable)
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_activation_is_kept_as_it_is_not_handed_to_the_codec():
+    """In a child process: before, the C kernel read the wrapper's ``data_ptr()`` and crashed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _DTENSOR_STEP], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    kind, error, counts = done.stdout.split(" ", 2)
+    assert kind == "DTensor" and float(error) < 1e-6  # kept as it is: exact up to rounding
+    assert counts.strip() == "{'DTensor': 1}"

@@ -47,7 +47,7 @@ from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
-from ..policy import in_foreign_region, kept_as_is, kept_in_graph
+from ..policy import encodable, in_foreign_region, kept_as_is, kept_in_graph
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
@@ -335,6 +335,9 @@ class CompressionHooks:
         return saved
 
     def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
+        if not encodable(t):
+            self._keep_unencodable(t)
+            return t, 0
         model = () if self._storages is None else (self._storages, self._running)
         if kept_as_is(t, self.min_numel, model):
             return t, 0
@@ -366,6 +369,20 @@ class CompressionHooks:
             base = t._base if t._base is not None else t
             self._cache[key] = (weakref.ref(base), weakref.ref(saved))
         return saved, nbytes
+
+    def _keep_unencodable(self, t: torch.Tensor) -> None:
+        """Count a saved tensor the codec cannot take (policy.encodable); say so once per kind."""
+        kind = type(t).__name__ if t.layout is torch.strided else str(t.layout)
+        if t.is_meta:
+            kind = "meta"
+        seen = self.stats.unencodable.get(kind, 0)
+        self.stats.unencodable[kind] = seen + 1
+        if not seen:
+            log.info(
+                "memopt: saved tensors of kind %s are kept as they are (the codec takes plain "
+                "dense tensors); memopt/unencodable counts them",
+                kind,
+            )
 
     def _count_module(self, t: torch.Tensor, original: int, stored: int) -> None:
         """Add ``t`` to the counts of the innermost entered scope (:attr:`SavedStats.modules`)."""
