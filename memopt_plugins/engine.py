@@ -60,13 +60,18 @@ __all__ = [
 
 log = logging.getLogger("memopt")
 
-#: Every model a MemoryOptimizer is applied to, so that patching one twice is refused.
-_PATCHED: weakref.WeakKeyDictionary[nn.Module, MemoryOptimizer] = weakref.WeakKeyDictionary()
+#: Every model a MemoryOptimizer is applied to, so that patching one twice is refused. Both
+#: held weakly: the optimizer holds its model, and a strong value would keep a model dropped
+#: without remove() alive for the rest of the process.
+_PATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[MemoryOptimizer]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def patched_by(model: nn.Module) -> MemoryOptimizer | None:
     """The :class:`MemoryOptimizer` applied to ``model`` now, or ``None``."""
-    return _PATCHED.get(model)
+    ref = _PATCHED.get(model)
+    return ref() if ref is not None else None
 
 
 #: Plan actions: compressed, left as it is (and RECOMPUTE, IN_RECOMPUTE from the recompute package).
@@ -195,7 +200,7 @@ class MemoryOptimizer:
         """Patch ``model`` in place and return it. A model can be patched once."""
         if self._model is not None:
             raise RuntimeError("this MemoryOptimizer is already applied; call remove() first")
-        if model in _PATCHED:
+        if patched_by(model) is not None:
             raise RuntimeError(
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
@@ -225,9 +230,10 @@ class MemoryOptimizer:
             noise=NoiseGenerators(noise_seed(self.config.quantize.seed)),
         )
         hooks.install(model, list(self._table.scopes))
+        hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
         self._hooks = hooks
         self._model = model
-        _PATCHED[model] = self
+        _PATCHED[model] = weakref.ref(self)
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
         if targets:

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo import hf_gpt2
 
 from memopt_plugins import MemoryOptimizer
+from memopt_plugins.engine import patched_by
 
 INT8 = {"quantize": {"bits": 8, "min_numel": 1}, "drift": {"enabled": False}}
 
@@ -209,3 +210,48 @@ def test_a_dtensor_activation_is_kept_as_it_is_not_handed_to_the_codec():
     kind, error, counts = done.stdout.split(" ", 2)
     assert kind == "DTensor" and float(error) < 1e-6  # kept as it is: exact up to rounding
     assert counts.strip() == "{'DTensor': 1}"
+
+
+# --------------------------------------------------------------------------- process-wide state
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+
+
+def test_remove_leaves_no_process_wide_state():
+    from torch._functorch import config as functorch_config
+
+    from memopt_plugins.compress.codec import ops
+    from memopt_plugins.measure import ScopeTracker
+
+    before = functorch_config.saved_tensors_hooks_filtering_mode
+    sources = dict(ops._SEED_SOURCES)
+    model = _mlp()
+    opt = MemoryOptimizer({"quantize": {"bits": 8}})
+    opt.apply(model)
+    assert functorch_config.saved_tensors_hooks_filtering_mode == "no_static"
+    opt.remove()
+    assert functorch_config.saved_tensors_hooks_filtering_mode == before
+    assert ScopeTracker._of.get(model) is None
+    assert ops._SEED_SOURCES == sources
+
+
+def test_a_patched_model_dropped_without_remove_is_collected_and_torch_settings_are_back():
+    import gc
+    import weakref
+
+    from torch._functorch import config as functorch_config
+
+    before = functorch_config.saved_tensors_hooks_filtering_mode
+    model = _mlp()
+    opt = MemoryOptimizer({"quantize": {"bits": 8}, "recompute": {"modules": ["1"]}})
+    opt.apply(model)
+    model(torch.randn(32, 64)).sum().backward()
+    kept = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert kept() is not None and patched_by(model) is kept()  # no second apply meanwhile
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None
+    assert functorch_config.saved_tensors_hooks_filtering_mode == before

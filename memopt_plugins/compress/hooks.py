@@ -174,6 +174,8 @@ class CompressionHooks:
         # compiled with the old ones may run.
         self._pairs: dict[tuple, tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
         self._unpack_hook: torch.fx.GraphModule | None = None
+        self._release: weakref.finalize | None = None
+        self.owner: object = None  # what must live as long as these hooks are on a model
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
@@ -184,6 +186,9 @@ class CompressionHooks:
         if self.stochastic:
             self._seeds = add_seed_source(self._draw_graph_seed)
         SavedFilter.open()
+        # Process-wide state is given back by remove(), or when these hooks are collected with
+        # a model dropped unremoved (nothing process-wide holds them).
+        self._release = weakref.finalize(self, _release_process_state, self._seeds)
         self._watch = ScopeTracker.of(root).watch(self, fqns)
         self._running = RunningParameters(root)
         self._running.sync()
@@ -203,14 +208,14 @@ class CompressionHooks:
             self._running = None
         self._cache.clear()
         self._storages = None
-        if self._compiled is not None:  # graphs compiled before still run, rounding with seed 0
-            SavedFilter.close()
-            if self._seeds is not None:
-                remove_seed_source(self._seeds)
+        if self._release is not None:  # graphs compiled before still run, rounding with seed 0
+            self._release()
+            self._release = None
         self._compiled = None
         self._seeds = None
         self._pairs = {}
         self._unpack_hook = None
+        self.owner = None
 
     @contextmanager
     def observed(self, observer: PackObserver) -> Iterator[None]:
@@ -490,6 +495,13 @@ class CompressionHooks:
         if tag == HALVED:
             return saved[1].to(saved[2])
         return saved
+
+
+def _release_process_state(seeds: int | None) -> None:
+    """What installed hooks hold of the process: AOTAutograd's filter setting, the seed source."""
+    SavedFilter.close()
+    if seeds is not None:
+        remove_seed_source(seeds)
 
 
 #: The pack hooks of the compression scopes (:meth:`CompressionHooks.pair`).
