@@ -255,3 +255,42 @@ def test_a_patched_model_dropped_without_remove_is_collected_and_torch_settings_
     gc.collect()
     assert dropped() is None
     assert functorch_config.saved_tensors_hooks_filtering_mode == before
+
+
+# --------------------------------------------------------------------------- autograd's guarantees
+class ChangedAfterSave(nn.Module):
+    """Changes a tensor in place after an op saved it: ``tanh``'s output or ``sin``'s input.
+    (memopt reads a compressed original's version while it lives: at the end of the forward and
+    at unpack; one changed and dropped inside the forward goes unseen.)"""
+
+    def __init__(self, changed: str):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.changed = changed
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.lin(x)
+        if self.changed == "output":
+            out = torch.tanh(a)
+            out.add_(1)
+            return out, a
+        out = a.sin()
+        a.add_(1)
+        return out, a
+
+
+@pytest.mark.parametrize(
+    "changed, min_numel",
+    [("output", 10**9), ("output", 1), ("input", 1)],
+    ids=["kept output", "compressed output", "compressed input"],
+)
+def test_an_in_place_change_after_save_raises_as_in_plain_torch(changed, min_numel):
+    torch.manual_seed(0)
+    model, x = ChangedAfterSave(changed), torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x)[0].sum().backward()  # plain torch
+    opt = MemoryOptimizer({"quantize": {"bits": 8, "min_numel": min_numel}})
+    opt.apply(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x)[0].sum().backward()  # the changed tensor is gone by backward: seen at the end
+    opt.remove()

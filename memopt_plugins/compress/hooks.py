@@ -58,10 +58,44 @@ from .stats import ModuleSaved, SavedStats
 log = logging.getLogger("memopt")
 
 
-class _Saved:
-    """What autograd holds instead of a tensor: a compact payload and how to restore it."""
+def _check_version(t: torch.Tensor | None, version: int) -> None:
+    """Autograd's in-place check, which it skips for tensors saved through hooks: raise as torch
+    does when ``t`` (or a view sharing its version counter) changed since it was saved."""
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead. (memopt saved it for backward through its "
+            "saved-tensor hooks; the same change raises without memopt.)"
+        )
 
-    __slots__ = ("payload", "decode", "shape", "__weakref__")
+
+class _Changed:
+    """What :func:`_check_version` reads of an original seen changed (it may be gone since)."""
+
+    def __init__(self, shape: torch.Size, version: int):
+        self.shape = shape
+        self._version = version
+
+    def type(self) -> str:
+        return "tensor"
+
+
+class _Kept:
+    """A tensor autograd keeps as it is, with its version when saved (:func:`_check_version`)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.version = t._version
+
+
+class _Saved:
+    """What autograd holds instead of a tensor: a compact payload and how to restore it, and
+    the original's version counter (through its base, held weakly) to check at unpack."""
+
+    __slots__ = ("payload", "decode", "shape", "source", "version", "changed", "__weakref__")
 
     def __init__(
         self, payload: object, decode: Callable[[object], torch.Tensor], shape: torch.Size
@@ -69,6 +103,29 @@ class _Saved:
         self.payload = payload
         self.decode = decode
         self.shape = shape
+        self.source: weakref.ref | None = None
+        self.version = 0
+        self.changed: int | None = None  # the version the original was seen at, when changed
+
+    def watch(self, t: torch.Tensor) -> _Saved:
+        """Check at unpack that ``t`` was not changed in place since (views share its base's
+        version counter). Only a live original can be read: it is looked at when the forward
+        ends (:meth:`look`) and at unpack, so a change to a tensor dropped before the forward
+        ended goes unseen."""
+        self.source = weakref.ref(t._base if t._base is not None else t)
+        self.version = t._version
+        return self
+
+    def look(self) -> None:
+        """Note a change of the original, while it is alive, for the check at unpack."""
+        source = self.source() if self.source is not None else None
+        if source is not None and source._version != self.version:
+            self.changed = source._version
+
+    def check(self) -> None:
+        self.look()
+        if self.changed is not None:
+            _check_version(_Changed(self.shape, self.changed), self.version)
 
     @property
     def nbytes(self) -> int:
@@ -305,6 +362,10 @@ class CompressionHooks:
                 scope.__exit__(None, None, None)
                 self._counting.pop()
             if not scopes:
+                for _, saved in self._cache.values():  # in-place changes in this forward
+                    saved = saved()
+                    if saved is not None:
+                        saved.look()
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
                 self.stats.add_compiled(self._compiled.forward_done(output))
                 if not self._compiled_noted:
@@ -337,7 +398,7 @@ class CompressionHooks:
             saved, added = self._pack(t, bits)
         if self.observer is not None:
             self.observer.packed(t, saved, added)
-        return saved
+        return _Kept(t) if saved is t else saved
 
     def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
         if not encodable(t):
@@ -353,9 +414,11 @@ class CompressionHooks:
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
                 if saved.shape != t.shape:
-                    saved = _Saved(saved, _reshaped(t.shape), t.shape)
+                    saved = _Saved(saved, _reshaped(t.shape), t.shape).watch(t)
                 return saved, 0
         saved = self._compress(t, bits)
+        if saved is not t:
+            saved.watch(t)
         stats = self.stats
         original = tensor_nbytes(t)
         stats.forward_original += original
@@ -479,7 +542,11 @@ class CompressionHooks:
     def unpack(saved: object) -> torch.Tensor:
         """The tensor ``saved`` stands for: decoded from what :meth:`pack` or a compiled graph
         kept, or ``saved`` itself (kept as it was)."""
+        if isinstance(saved, _Kept):
+            _check_version(saved.tensor, saved.version)
+            return saved.tensor
         if isinstance(saved, _Saved):
+            saved.check()
             with mark(UNPACK_RANGE):
                 # decoded for the one node unpacking it: the lean ops may write gradients into it
                 return mark_private(saved.decode(saved.payload))
