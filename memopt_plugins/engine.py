@@ -358,6 +358,8 @@ class MemoryOptimizer:
     def count_step(self) -> int:
         """Count one optimizer step (integrations call this after ``optimizer.step()``)."""
         self._drift.steps += 1
+        if self._hooks is not None:
+            self._hooks.step_ended = True  # the next forward starts the step's counts afresh
         return self._drift.steps
 
     def should_check(self, step: int | None = None) -> bool:
@@ -393,6 +395,7 @@ class MemoryOptimizer:
         model = self._require_model()
         hooks = self._hooks
         kept = hooks.stats.snapshot()
+        step_ended = hooks.step_ended  # the check's passes are no training forward
         trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
         # Its per-module counts price the budget when they cover all of it (nothing compiled)
         eager = hooks.stats.forward_original == trained
@@ -421,6 +424,7 @@ class MemoryOptimizer:
         finally:
             hooks.stats.restore(kept)
             hooks.stats.modules = kept_modules
+            hooks.step_ended = step_ended
 
     def _pricing(
         self, trained: int, counts: Mapping[str, ModuleSaved]

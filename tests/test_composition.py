@@ -294,3 +294,35 @@ def test_an_in_place_change_after_save_raises_as_in_plain_torch(changed, min_num
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x)[0].sum().backward()  # the changed tensor is gone by backward: seen at the end
     opt.remove()
+
+
+# --------------------------------------------------------------------------- steps
+def test_a_graph_kept_across_steps_does_not_grow_the_counts_and_new_weights_stay_exact():
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = MemoryOptimizer({"quantize": {"bits": 8, "min_numel": 1}})
+    opt.apply(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64)
+    kept = model(x)  # e.g. an output logged with its graph: something stays held
+    saved, floats = [], []
+    for _ in range(4):
+        model(x).sum().backward()
+        sgd.step()
+        sgd.zero_grad()
+        opt.count_step()
+        saved.append(opt.metrics()["memopt/saved_bytes"])
+        floats.append(sum(len(m.floats) for m in opt.hooks.stats.modules.values()))
+    # step 0 held two forwards; every later step holds one, as many bytes as the last
+    assert len(set(saved[1:])) == 1 and len(set(floats[1:])) == 1, (saved, floats)
+    assert saved[1] == saved[0] / 2, saved
+    # a parameter given new memory is found at the next step (not compressed as an activation)
+    with torch.no_grad():
+        model[0].weight = nn.Parameter(model[0].weight.clone())
+    compressed: list[tuple[int, ...]] = []
+    compress = opt.hooks._compress
+    opt.hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
+    model(x).sum().backward()
+    assert (128, 64) not in compressed and (64, 128) not in compressed, compressed
+    opt.remove()
+    del kept

@@ -233,6 +233,7 @@ class CompressionHooks:
         self._unpack_hook: torch.fx.GraphModule | None = None
         self._release: weakref.finalize | None = None
         self.owner: object = None  # what must live as long as these hooks are on a model
+        self.step_ended = False  # the training loop took a step since the last forward began
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
@@ -314,10 +315,14 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- module scopes
     def _begin(self) -> None:
-        """The outermost scope opens. Nothing held from an earlier forward means a new step:
-        restart the per-forward counts and refresh the parameters' storages (they may have
-        moved to another device or dtype since apply, or been sharded)."""
-        if self.stats.held_bytes == 0 and self._storages is not None:
+        """The outermost scope opens. The first forward after the training loop's step
+        (:attr:`step_ended`, set by ``MemoryOptimizer.count_step``), or, in a loop that counts
+        no steps, one with nothing held from an earlier forward, starts a new step: restart the
+        per-forward counts and refresh the parameters' storages (they may have moved to another
+        device or dtype since apply, or been sharded). Forwards in between (micro-batches whose
+        graphs are all alive) add to the step's counts."""
+        if (self.step_ended or self.stats.held_bytes == 0) and self._storages is not None:
+            self.step_ended = False
             self._storages.refresh()
             self._running.sync()
             self.stats.start_forward()
