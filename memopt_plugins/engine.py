@@ -30,7 +30,7 @@ from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing
 from .dropout import DropoutPatch
 from .lean import LeanOps
-from .measure.process import peak_bytes, reset_peak
+from .measure.process import peak_bytes
 from .policy import resolve_bits
 from .recompute import (
     IN_RECOMPUTE,
@@ -487,10 +487,11 @@ class MemoryOptimizer:
         bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept),
         ``memopt/unencodable`` (saved tensors kept as they are since apply because the codec
         cannot take them -- subclasses such as DTensor, sparse layouts; only once there was one),
-        ``memopt/peak_bytes`` (the most memory held since the previous call: on CUDA the
-        allocator's ``max_memory_allocated``, on the CPU the process's resident high-water mark;
-        each call starts a new one). The root module is named ``<root>``. ``drift=False`` leaves
-        out ``memopt/drift/*``: integrations log drift values only at the step of their check.
+        ``memopt/peak_bytes`` (the most memory held so far: on CUDA the allocator's
+        ``max_memory_allocated``, on the CPU the process's resident high-water mark; read, never
+        reset: those counters are the process's, and other monitors read them too). The root
+        module is named ``<root>``. ``drift=False`` leaves out ``memopt/drift/*``: integrations
+        log drift values only at the step of their check.
         """
         out = self._drift.metrics()
         if not drift:
@@ -513,7 +514,6 @@ class MemoryOptimizer:
         if self._model is not None:
             device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
             out["memopt/peak_bytes"] = float(peak_bytes(device))
-            reset_peak(device)
         return out
 
     @property
