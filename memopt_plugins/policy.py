@@ -174,13 +174,17 @@ def in_foreign_region() -> bool:
     """Whether memopt must not push saved-tensor hooks here (nor compress what is saved here).
 
     True inside a region another owner's hooks hold (:data:`REGION_OWNERS`: a checkpoint
-    region memopt did not make, its recomputation, ``save_on_cpu``) and inside a backward pass
+    region memopt did not make, its recomputation, ``save_on_cpu``), inside a backward pass
     (a reentrant checkpoint replays its region there, unhooked, and hands what it saves straight
-    to a nested backward). What such a region keeps -- a checkpoint's inputs, saved before its
-    hooks are pushed -- still meets the hooks around it, memopt's included.
+    to a nested backward) and inside a ``torch.func`` transform (``grad``, ``vjp``, ... refuse
+    saved-tensor hooks: the model runs there as without memopt). What such a region keeps -- a
+    checkpoint's inputs, saved before its hooks are pushed -- still meets the hooks around it,
+    memopt's included.
     """
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is not None and getattr(top[0], "__module__", None) in REGION_OWNERS:
+        return True
+    if torch._C._functorch.peek_interpreter_stack() is not None:
         return True
     return torch._C._current_graph_task_id() != -1
 

@@ -326,3 +326,24 @@ def test_a_graph_kept_across_steps_does_not_grow_the_counts_and_new_weights_stay
     assert (128, 64) not in compressed and (64, 128) not in compressed, compressed
     opt.remove()
     del kept
+
+
+# --------------------------------------------------------------------------- torch.func
+def test_torch_func_transforms_run_on_a_patched_model():
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(16, 64)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p):
+        return torch.func.functional_call(model, p, (x,)).square().mean()
+
+    exact = torch.func.grad(loss)(params)
+    opt = MemoryOptimizer({"quantize": {"bits": 8, "min_numel": 1}})
+    opt.apply(model)
+    got = torch.func.grad(loss)(params)  # runs as without memopt: the transform refuses hooks
+    _, vjp = torch.func.vjp(loss, params)
+    assert all(torch.equal(got[k], exact[k]) for k in exact)
+    assert all(torch.equal(vjp(torch.tensor(1.0))[0][k], exact[k]) for k in exact)
+    model(x).sum().backward()  # and trains compressed outside them
+    assert opt.hooks.stats.forward_tensors > 0
+    opt.remove()
