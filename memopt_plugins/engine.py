@@ -208,6 +208,24 @@ class MemoryOptimizer:
         targets = recompute_targets(model, self.config.recompute)  # validates before patching
         scopes = resolve_bits(model, self.config.quantize)
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
+        # All or nothing: a failure part-way takes off what went on (remove() undoes each part).
+        self._model = model
+        _PATCHED[model] = weakref.ref(self)
+        try:
+            self._patch(model, targets, scopes, in_regions)
+        except BaseException:
+            self.remove()
+            raise
+        return model
+
+    def _patch(
+        self,
+        model: nn.Module,
+        targets: list[str],
+        scopes: dict[str, int],
+        in_regions: dict[str, str],
+    ) -> None:
+        """The patching half of :meth:`apply`, after validation."""
         # Lean ops first: they validate against the model too, and recompute wraps what they make.
         lean = self._lean.apply(model)
         if lean:
@@ -232,8 +250,6 @@ class MemoryOptimizer:
         hooks.install(model, list(self._table.scopes))
         hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
         self._hooks = hooks
-        self._model = model
-        _PATCHED[model] = weakref.ref(self)
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
         if targets:
@@ -249,14 +265,10 @@ class MemoryOptimizer:
             )
             self._planner = planner
             pending, self._pending_recompute = self._pending_recompute, None
-            try:
-                if pending is not None:
-                    planner.adopt(pending)
-                else:
-                    planner.install()
-            except ConfigError:
-                self.remove()
-                raise
+            if pending is not None:
+                planner.adopt(pending)
+            else:
+                planner.install()
         compressed = self._table.compressed
         if compressed:
             log.info(
@@ -264,7 +276,6 @@ class MemoryOptimizer:
                 len(compressed),
                 "/".join(str(b) for b in sorted(set(compressed.values()))),
             )
-        return model
 
     def remove(self) -> None:
         """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers)."""

@@ -347,3 +347,44 @@ def test_torch_func_transforms_run_on_a_patched_model():
     model(x).sum().backward()  # and trains compressed outside them
     assert opt.hooks.stats.forward_tensors > 0
     opt.remove()
+
+
+# --------------------------------------------------------------------------- apply
+def _state_of(model: nn.Module) -> list:
+    """What patching changes on a model: each module's class, forward attribute and hooks."""
+    return [
+        (
+            fqn,
+            type(m),
+            m.__dict__.get("forward"),
+            list(m._forward_pre_hooks.values()),
+            list(m._forward_hooks.values()),
+        )
+        for fqn, m in model.named_modules()
+    ]
+
+
+def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch):
+    from memopt_plugins.recompute import Recompute
+
+    model, batch, loss_fn = hf_gpt2(batch_size=2, seq=32, dim=64, layers=2, dropout=0.1)
+    before = _state_of(model)
+    config = {
+        "ops": {"loss": "chunked", "fuse": ["all"]},
+        "dropout": {"mode": "bitmask"},
+        "quantize": {"bits": 8},
+        "recompute": {"modules": ["transformer.h.0.mlp"]},
+    }
+
+    def fail(self, fqns):
+        raise RuntimeError("wrapping failed")
+
+    monkeypatch.setattr(Recompute, "wrap", fail)
+    opt = MemoryOptimizer(config)
+    with pytest.raises(RuntimeError, match="wrapping failed"):
+        opt.apply(model)
+    assert _state_of(model) == before
+    assert model.config._attn_implementation == "eager"
+    assert patched_by(model) is None and opt.model is None
+    monkeypatch.undo()
+    MemoryOptimizer(config).apply(model)  # and it can be patched again
