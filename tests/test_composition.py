@@ -388,3 +388,14 @@ def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch):
     assert patched_by(model) is None and opt.model is None
     monkeypatch.undo()
     MemoryOptimizer(config).apply(model)  # and it can be patched again
+
+
+def test_the_package_cites_no_document_users_do_not_have():
+    """DESIGN.md is the developers' (not shipped): docstrings point at the README instead."""
+    from pathlib import Path
+
+    import memopt_plugins
+
+    root = Path(memopt_plugins.__file__).parent
+    citing = [str(p.relative_to(root)) for p in root.rglob("*.py") if "DESIGN" in p.read_text()]
+    assert citing == []
