@@ -156,6 +156,7 @@ class MemoryOptimizer:
         self._recompute: Recompute | None = None
         self._planner: RecomputePlanner | None = None
         self._pending_recompute: list[str] | None = None  # planner choice loaded before apply
+        self._pending_noise: dict[str, Any] | None = None  # rounding generators loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
         self._lean = LeanOps(self.config.ops)
@@ -250,6 +251,7 @@ class MemoryOptimizer:
         hooks.install(model, list(self._table.scopes))
         hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
         self._hooks = hooks
+        self._load_noise()
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
         if targets:
@@ -545,8 +547,12 @@ class MemoryOptimizer:
         return sum(bits[f] * w for f, w in weights.items()) / total
 
     def state_dict(self) -> dict[str, Any]:
-        """Bits of every compressed module, step counter and drift history (plain Python types)."""
+        """Bits of every compressed module, step counter, drift history and this rank's rounding
+        generators (plain Python types)."""
         state = {"bits": self._table.compressed, "drift": self._drift.state_dict()}
+        if self._hooks is not None and self._hooks.noise is not None:
+            # this rank's rounding generators (a checkpoint written by rank 0 restores rank 0's)
+            state["noise"] = {"rank": process_rank(), **self._hooks.noise.state_dict()}
         if self._planner is not None and (self._planner.plan is not None or self._planner.chosen):
             state["recompute"] = list(self._planner.chosen)  # the planner's choice, kept on resume
         return state
@@ -565,11 +571,24 @@ class MemoryOptimizer:
             self._drift.load_state_dict(state["drift"])
         if "recompute" in state:
             self._load_recompute([str(f) for f in state["recompute"]])
+        if "noise" in state:
+            self._pending_noise = dict(state["noise"])
+            self._load_noise()
         if self._model is None:
             self._table.pending = {f: int(b) for f, b in bits.items()}
             return
         for fqn, b in bits.items():
             self.set_bits(fqn, int(b))
+
+    def _load_noise(self) -> None:
+        """Restore the rounding generators loaded by :meth:`load_state_dict` once applied, on the
+        rank that saved them (the other ranks keep noise of their own)."""
+        state, hooks = self._pending_noise, self._hooks
+        if state is None or hooks is None or hooks.noise is None:
+            return
+        self._pending_noise = None
+        if int(state.get("rank", 0)) == process_rank():
+            hooks.noise.load_state_dict(state)
 
     def _load_recompute(self, fqns: list[str]) -> None:
         if self.config.recompute.auto is None:

@@ -399,3 +399,30 @@ def test_the_package_cites_no_document_users_do_not_have():
     root = Path(memopt_plugins.__file__).parent
     citing = [str(p.relative_to(root)) for p in root.rglob("*.py") if "DESIGN" in p.read_text()]
     assert citing == []
+
+
+# --------------------------------------------------------------------------- state_dict
+def test_state_dict_carries_the_rounding_generators():
+    import json
+
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(32, 64)
+    config = {"quantize": {"bits": 4, "min_numel": 1}, "drift": {"enabled": False}}
+    opt = MemoryOptimizer(config)
+    opt.apply(model)
+    for _ in range(2):
+        model(x).sum().backward()
+    state = json.loads(json.dumps(opt.state_dict()))  # as a Trainer's JSON checkpoint keeps it
+    expected = [torch.randint(2**62, (4,), generator=opt.hooks.noise(torch.device("cpu")))]
+    opt.remove()
+    for before_apply in (True, False):
+        torch.manual_seed(1)  # another run's seed: the generators must come from the state
+        resumed = MemoryOptimizer(config)
+        if before_apply:
+            resumed.load_state_dict(state)
+        resumed.apply(model)
+        if not before_apply:
+            resumed.load_state_dict(state)
+        got = torch.randint(2**62, (4,), generator=resumed.hooks.noise(torch.device("cpu")))
+        assert torch.equal(got, expected[0]), before_apply
+        resumed.remove()
