@@ -398,7 +398,8 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- pack / unpack
     def pack(self, t: torch.Tensor, bits: int) -> object:
-        """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself or a compact copy."""
+        """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself (with its version,
+        :class:`_Kept`) or a compact copy; :meth:`unpack` gives the tensor back."""
         with mark(PACK_RANGE):
             saved, added = self._pack(t, bits)
         if self.observer is not None:
@@ -593,4 +594,8 @@ def compact_copy(t: torch.Tensor) -> tuple[object, Callable[[object], torch.Tens
     if hooks is None or hooks[0] not in _SCOPE_PACKS:
         return None
     saved = hooks[0](t)  # kept as it is, a second call (save_for_backward) finds it cached
-    return (saved, hooks[1]) if isinstance(saved, _Saved) else None
+    if not isinstance(saved, _Saved):
+        return None
+    # Unwatched: the caller holds ``t`` outside autograd's saved variables and checks its
+    # version itself (the lean ReLU's ``mark_dirty`` bumps it after this call).
+    return _Saved(saved.payload, saved.decode, saved.shape), hooks[1]
