@@ -1,4 +1,4 @@
-"""memopt: cut the activation memory of PyTorch training (see DESIGN.md for the contract)."""
+"""memopt: cut the activation memory of PyTorch training (the README documents the API)."""
 
 from .config import ConfigError, MemOptConfig
 from .engine import MemoryOptimizer

@@ -162,7 +162,7 @@ class MemOptPlugin:
         return report
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
-        """The ``memopt/*`` values (DESIGN.md); ``drift=False`` leaves out ``memopt/drift/*``."""
+        """The ``memopt/*`` values (README); ``drift=False`` leaves out ``memopt/drift/*``."""
         return self.memopt.metrics(drift)
 
     def state_dict(self) -> dict[str, Any]:

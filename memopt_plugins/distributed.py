@@ -7,8 +7,13 @@ go through torch.distributed, which FSDP2 runs on.
 
 from __future__ import annotations
 
+import os
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def distributed() -> bool:
@@ -19,6 +24,27 @@ def distributed() -> bool:
 def is_rank_zero() -> bool:
     """True on rank 0, and without torch.distributed."""
     return not distributed() or dist.get_rank() == 0
+
+
+def process_rank() -> int:
+    """This process's rank: the process group's, else the launcher's ``RANK`` (torchrun,
+    Lightning and Accelerate set it before the group exists), else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def from_rank_zero(value: T) -> T:
+    """Rank 0's ``value`` on every rank (``value`` itself without torch.distributed): what one
+    rank decided from its own batch, so that all ranks run the same. Every rank must call it."""
+    if not distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _all_reduce(values: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:

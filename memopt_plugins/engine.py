@@ -25,12 +25,12 @@ from .compress.estimate import storage_ratio
 from .compress.hooks import CompressionHooks, PackObserver
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
-from .distributed import distributed, is_rank_zero, max_over_ranks
+from .distributed import is_rank_zero, max_over_ranks, process_rank
 from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing
 from .dropout import DropoutPatch
 from .lean import LeanOps
-from .measure.process import peak_bytes, reset_peak
+from .measure.process import peak_bytes
 from .policy import resolve_bits
 from .recompute import (
     IN_RECOMPUTE,
@@ -60,13 +60,18 @@ __all__ = [
 
 log = logging.getLogger("memopt")
 
-#: Every model a MemoryOptimizer is applied to, so that patching one twice is refused.
-_PATCHED: weakref.WeakKeyDictionary[nn.Module, MemoryOptimizer] = weakref.WeakKeyDictionary()
+#: Every model a MemoryOptimizer is applied to, so that patching one twice is refused. Both
+#: held weakly: the optimizer holds its model, and a strong value would keep a model dropped
+#: without remove() alive for the rest of the process.
+_PATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[MemoryOptimizer]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def patched_by(model: nn.Module) -> MemoryOptimizer | None:
     """The :class:`MemoryOptimizer` applied to ``model`` now, or ``None``."""
-    return _PATCHED.get(model)
+    ref = _PATCHED.get(model)
+    return ref() if ref is not None else None
 
 
 #: Plan actions: compressed, left as it is (and RECOMPUTE, IN_RECOMPUTE from the recompute package).
@@ -83,7 +88,7 @@ class ModulePlan:
     bits: int
     lean: str | None = None  # the lean op it runs as (``ops``), e.g. "lean swiglu"
 
-    def __iter__(self):  # (kind, action, bits), as DESIGN.md's plan tuple
+    def __iter__(self):  # (kind, action, bits): the plan tuple of the README
         return iter((self.kind, self.action, self.bits))
 
 
@@ -116,12 +121,13 @@ def _count(actions: Mapping[str, str]) -> str:
     return ", ".join(f"{a} x{n}" if n > 1 else a for a, n in counts.items())
 
 
-def noise_seed(seed: int | None) -> int:
+def noise_seed(seed: int | None) -> Callable[[], int]:
     """The seed of a run's stochastic-rounding noise: ``seed`` (``quantize.seed``), else
-    ``torch.initial_seed()``, mixed with the rank under torch.distributed (rank 0 keeps it)."""
+    ``torch.initial_seed()`` (read now), mixed with the rank (rank 0 keeps it). The rank is read
+    at the first draw, so a model patched before the process group was created still rounds
+    with noise of its own on every rank (:func:`~.distributed.process_rank`)."""
     base = torch.initial_seed() if seed is None else seed
-    rank = torch.distributed.get_rank() if distributed() else 0
-    return (base + rank * 0x9E3779B97F4A7C15) % 2**63
+    return lambda: (base + process_rank() * 0x9E3779B97F4A7C15) % 2**63
 
 
 class MemoryOptimizer:
@@ -152,6 +158,7 @@ class MemoryOptimizer:
         self._recompute: Recompute | None = None
         self._planner: RecomputePlanner | None = None
         self._pending_recompute: list[str] | None = None  # planner choice loaded before apply
+        self._pending_noise: dict[str, Any] | None = None  # rounding generators loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
         self._lean = LeanOps(self.config.ops)
@@ -196,7 +203,7 @@ class MemoryOptimizer:
         """Patch ``model`` in place and return it. A model can be patched once."""
         if self._model is not None:
             raise RuntimeError("this MemoryOptimizer is already applied; call remove() first")
-        if model in _PATCHED:
+        if patched_by(model) is not None:
             raise RuntimeError(
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
@@ -204,6 +211,24 @@ class MemoryOptimizer:
         targets = recompute_targets(model, self.config.recompute)  # validates before patching
         scopes = resolve_bits(model, self.config.quantize)
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
+        # All or nothing: a failure part-way takes off what went on (remove() undoes each part).
+        self._model = model
+        _PATCHED[model] = weakref.ref(self)
+        try:
+            self._patch(model, targets, scopes, in_regions)
+        except BaseException:
+            self.remove()
+            raise
+        return model
+
+    def _patch(
+        self,
+        model: nn.Module,
+        targets: list[str],
+        scopes: dict[str, int],
+        in_regions: dict[str, str],
+    ) -> None:
+        """The patching half of :meth:`apply`, after validation."""
         # Lean ops first: they validate against the model too, and recompute wraps what they make.
         lean = self._lean.apply(model)
         if lean:
@@ -226,9 +251,9 @@ class MemoryOptimizer:
             noise=NoiseGenerators(noise_seed(self.config.quantize.seed)),
         )
         hooks.install(model, list(self._table.scopes))
+        hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
         self._hooks = hooks
-        self._model = model
-        _PATCHED[model] = self
+        self._load_noise()
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
         if targets:
@@ -244,14 +269,10 @@ class MemoryOptimizer:
             )
             self._planner = planner
             pending, self._pending_recompute = self._pending_recompute, None
-            try:
-                if pending is not None:
-                    planner.adopt(pending)
-                else:
-                    planner.install()
-            except ConfigError:
-                self.remove()
-                raise
+            if pending is not None:
+                planner.adopt(pending)
+            else:
+                planner.install()
         compressed = self._table.compressed
         if compressed:
             log.info(
@@ -259,7 +280,6 @@ class MemoryOptimizer:
                 len(compressed),
                 "/".join(str(b) for b in sorted(set(compressed.values()))),
             )
-        return model
 
     def remove(self) -> None:
         """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers)."""
@@ -353,6 +373,8 @@ class MemoryOptimizer:
     def count_step(self) -> int:
         """Count one optimizer step (integrations call this after ``optimizer.step()``)."""
         self._drift.steps += 1
+        if self._hooks is not None:
+            self._hooks.step_ended = True  # the next forward starts the step's counts afresh
         return self._drift.steps
 
     def should_check(self, step: int | None = None) -> bool:
@@ -391,6 +413,7 @@ class MemoryOptimizer:
         model = self._require_model()
         hooks = self._hooks
         kept = hooks.stats.snapshot()
+        step_ended = hooks.step_ended  # the check's passes are no training forward
         trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
         # Its per-module counts price the budget when they cover all of it (nothing compiled)
         eager = hooks.stats.forward_original == trained
@@ -421,6 +444,7 @@ class MemoryOptimizer:
         finally:
             hooks.stats.restore(kept)
             hooks.stats.modules = kept_modules
+            hooks.step_ended = step_ended
 
     def _pricing(
         self, trained: int, counts: Mapping[str, ModuleSaved]
@@ -475,7 +499,7 @@ class MemoryOptimizer:
         return self.check_drift(loss_fn, step=step, batch_size=batch_size)
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
-        """The ``memopt/*`` values for a logger (DESIGN.md "Logged metric names").
+        """The ``memopt/*`` values for a logger (README, "Use it").
 
         ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
         ``memopt/bits_mean`` (over the compressed modules, weighted by the bytes each saved
@@ -484,10 +508,13 @@ class MemoryOptimizer:
         for modules whose bits changed since the previous one (the whole table: :attr:`bits`,
         :meth:`state_dict`), ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
         bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept),
-        ``memopt/peak_bytes`` (the most memory held since the previous call: on CUDA the
-        allocator's ``max_memory_allocated``, on the CPU the process's resident high-water mark;
-        each call starts a new one). The root module is named ``<root>``. ``drift=False`` leaves
-        out ``memopt/drift/*``: integrations log drift values only at the step of their check.
+        ``memopt/unencodable`` (saved tensors kept as they are since apply because the codec
+        cannot take them -- subclasses such as DTensor, sparse layouts; only once there was one),
+        ``memopt/peak_bytes`` (the most memory held so far: on CUDA the allocator's
+        ``max_memory_allocated``, on the CPU the process's resident high-water mark; read, never
+        reset: those counters are the process's, and other monitors read them too). The root
+        module is named ``<root>``. ``drift=False`` leaves out ``memopt/drift/*``: integrations
+        log drift values only at the step of their check.
         """
         out = self._drift.metrics()
         if not drift:
@@ -504,10 +531,12 @@ class MemoryOptimizer:
         if self._hooks is not None:
             out["memopt/saved_bytes"] = float(self._hooks.stats.saved_stored)
             out["memopt/saved_ratio"] = float(self._hooks.stats.forward_ratio)
+            unencodable = sum(self._hooks.stats.unencodable.values())
+            if unencodable:
+                out["memopt/unencodable"] = float(unencodable)
         if self._model is not None:
             device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
             out["memopt/peak_bytes"] = float(peak_bytes(device))
-            reset_peak(device)
         return out
 
     @property
@@ -528,8 +557,12 @@ class MemoryOptimizer:
         return sum(bits[f] * w for f, w in weights.items()) / total
 
     def state_dict(self) -> dict[str, Any]:
-        """Bits of every compressed module, step counter and drift history (plain Python types)."""
+        """Bits of every compressed module, step counter, drift history and this rank's rounding
+        generators (plain Python types)."""
         state = {"bits": self._table.compressed, "drift": self._drift.state_dict()}
+        if self._hooks is not None and self._hooks.noise is not None:
+            # this rank's rounding generators (a checkpoint written by rank 0 restores rank 0's)
+            state["noise"] = {"rank": process_rank(), **self._hooks.noise.state_dict()}
         if self._planner is not None and (self._planner.plan is not None or self._planner.chosen):
             state["recompute"] = list(self._planner.chosen)  # the planner's choice, kept on resume
         return state
@@ -548,11 +581,24 @@ class MemoryOptimizer:
             self._drift.load_state_dict(state["drift"])
         if "recompute" in state:
             self._load_recompute([str(f) for f in state["recompute"]])
+        if "noise" in state:
+            self._pending_noise = dict(state["noise"])
+            self._load_noise()
         if self._model is None:
             self._table.pending = {f: int(b) for f, b in bits.items()}
             return
         for fqn, b in bits.items():
             self.set_bits(fqn, int(b))
+
+    def _load_noise(self) -> None:
+        """Restore the rounding generators loaded by :meth:`load_state_dict` once applied, on the
+        rank that saved them (the other ranks keep noise of their own)."""
+        state, hooks = self._pending_noise, self._hooks
+        if state is None or hooks is None or hooks.noise is None:
+            return
+        self._pending_noise = None
+        if int(state.get("rank", 0)) == process_rank():
+            hooks.noise.load_state_dict(state)
 
     def _load_recompute(self, fqns: list[str]) -> None:
         if self.config.recompute.auto is None:

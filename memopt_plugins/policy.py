@@ -7,9 +7,12 @@ Kept as it is, whatever its scope's bits (:func:`kept_as_is`), is a saved tensor
 
 * memory of the model: a parameter or a buffer, or a view of one (compressing it would keep a copy
   of the weight for backward and feed backward a compressed weight);
+* anything the codec cannot take (:func:`encodable`): a tensor subclass with its own dispatch
+  (DTensor), a sparse or other non-strided layout, meta, nested or quantized tensors;
 * smaller than ``quantize.min_numel`` elements;
 * a broadcast (expanded) view: smaller as it is than any copy;
-* autocast's cast copy of a parameter: cached and shared, so compressing it saves nothing.
+* autocast's cast copy of a parameter, or a view of one (``weight_bf16.t()``): cached and shared, so
+  compressing it saves nothing.
 
 The step recorder never counts the batch, nor any other storage that exists before the step; the
 hooks are given the model's parameters and buffers only, and compress the batch where a module
@@ -95,6 +98,17 @@ def resolve_bits(model: nn.Module, quantize: QuantizeConfig) -> dict[str, int]:
     return scoped
 
 
+def encodable(t: torch.Tensor) -> bool:
+    """Whether the codec can take ``t`` at all: dense memory of its own (strided layout, not
+    meta, nested or quantized) and no ``__torch_dispatch__`` subclass (a DTensor's
+    ``data_ptr()`` is its wrapper's, not its data's). Anything else is kept as it is."""
+    return (
+        type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        and t.layout is torch.strided
+        and not (t.is_meta or t.is_nested or t.is_quantized)
+    )
+
+
 def kept_as_is(
     t: torch.Tensor, min_numel: int = 0, model: Iterable[Container[object]] = ()
 ) -> bool:
@@ -104,16 +118,75 @@ def kept_as_is(
     buffers (:class:`~memopt_plugins.measure.ModelStorages`) and of the parameters a sharded
     model's modules hold while they run (:class:`~.measure.storage.RunningParameters`).
     """
+    if not encodable(t):
+        return True  # a subclass, another layout, meta: nothing the codec can take
     if t.numel() < min_numel or any(t in memory for memory in model):
         return True  # small, or a parameter, a buffer, or a view of one
     if t.untyped_storage().nbytes() < t.numel() * t.element_size():
         return True  # a broadcast (expanded) view: smaller as it is than any copy
-    grad_fn = t.grad_fn
-    if grad_fn is not None and grad_fn.name() == "ToCopyBackward0":
-        # autocast's cast copy of a parameter: cached and shared, compressing it saves nothing
-        source = grad_fn.next_functions[0][0]
-        return source is not None and type(source).__name__ == "AccumulateGrad"
-    return False
+    return is_autocast_copy(t)
+
+
+def is_autocast_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` is autocast's cast copy of a parameter, or a view of one (``nn.Linear``
+    saves ``weight_bf16.t()``): cached and shared, so compressing it saves nothing and feeds
+    backward a compressed weight. Found through the view's base, else through its chain of view
+    nodes back to a ``ToCopyBackward0`` of a leaf."""
+    base = t._base if t._is_view() and t._base is not None else t
+    node = base.grad_fn if base.grad_fn is not None else t.grad_fn
+    while node is not None and node.name() in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0]
+    return source is not None and type(source).__name__ == "AccumulateGrad"
+
+
+#: Autograd nodes of view operations: what autocast's copy of a weight is seen through.
+_VIEW_NODES = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "AsStridedBackward0",
+        "AliasBackward0",
+    }
+)
+
+
+#: The modules whose saved-tensor hooks give a region a meaning of its own: torch's checkpoint
+#: (its forward region keeps only its inputs, its recomputation hands what it saves to the
+#: checkpoint) and ``save_on_cpu`` (offloads). Another pair pushed inside such a region would
+#: be the innermost one and take the region's tensors from it.
+REGION_OWNERS = frozenset({"torch.utils.checkpoint", "torch.autograd.graph"})
+
+
+def in_foreign_region() -> bool:
+    """Whether memopt must not push saved-tensor hooks here (nor compress what is saved here).
+
+    True inside a region another owner's hooks hold (:data:`REGION_OWNERS`: a checkpoint
+    region memopt did not make, its recomputation, ``save_on_cpu``), inside a backward pass
+    (a reentrant checkpoint replays its region there, unhooked, and hands what it saves straight
+    to a nested backward) and inside a ``torch.func`` transform (``grad``, ``vjp``, ... refuse
+    saved-tensor hooks: the model runs there as without memopt). What such a region keeps -- a
+    checkpoint's inputs, saved before its hooks are pushed -- still meets the hooks around it,
+    memopt's included.
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is not None and getattr(top[0], "__module__", None) in REGION_OWNERS:
+        return True
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return torch._C._current_graph_task_id() != -1
 
 
 def compressible(

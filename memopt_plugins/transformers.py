@@ -59,7 +59,7 @@ _CALLBACKS: weakref.WeakSet[MemOptTrainerCallback] = weakref.WeakSet()
 
 
 class MemOptTrainerCallback(TrainerCallback, ExportableState):
-    """Cut the activation memory of ``Trainer`` training with a memopt config (see DESIGN.md).
+    """Cut the activation memory of ``Trainer`` training with a memopt config (README).
 
     Example::
 

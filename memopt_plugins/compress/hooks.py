@@ -11,6 +11,13 @@ GraphModules of one call, which AOTAutograd inlines into the graphs it compiles
 (:meth:`CompressionHooks.pack`: fused codec, dedup, statistics); traced, it puts the traced codec
 (:mod:`.codec.traced`) into the graph. The unpack hook decodes either.
 
+Scopes nest with other saved-tensor hooks as torch's do: the innermost pair wins. Inside a region
+whose hooks mean something else -- a checkpoint region memopt did not make (torch's non-reentrant
+checkpoint, Hugging Face's gradient checkpointing, ``checkpoint_wrapper``), its replay, a
+reentrant checkpoint's replay in backward, ``save_on_cpu`` -- a scope pushes nothing
+(:func:`memopt_plugins.policy.in_foreign_region`), so the region keeps only what it means to keep.
+A checkpoint saves its inputs before pushing its hooks: the enclosing scope compresses those.
+
 What is kept as it is follows the compression policy (:mod:`memopt_plugins.policy`). Parameters
 are never compressed, nor anything sharing their memory, and that is decided when a tensor is
 packed: against the parameters' and buffers' storages read when the step began and,
@@ -40,7 +47,7 @@ from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
-from ..policy import kept_as_is, kept_in_graph
+from ..policy import encodable, in_foreign_region, kept_as_is, kept_in_graph
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
@@ -51,10 +58,44 @@ from .stats import ModuleSaved, SavedStats
 log = logging.getLogger("memopt")
 
 
-class _Saved:
-    """What autograd holds instead of a tensor: a compact payload and how to restore it."""
+def _check_version(t: torch.Tensor | None, version: int) -> None:
+    """Autograd's in-place check, which it skips for tensors saved through hooks: raise as torch
+    does when ``t`` (or a view sharing its version counter) changed since it was saved."""
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead. (memopt saved it for backward through its "
+            "saved-tensor hooks; the same change raises without memopt.)"
+        )
 
-    __slots__ = ("payload", "decode", "shape", "__weakref__")
+
+class _Changed:
+    """What :func:`_check_version` reads of an original seen changed (it may be gone since)."""
+
+    def __init__(self, shape: torch.Size, version: int):
+        self.shape = shape
+        self._version = version
+
+    def type(self) -> str:
+        return "tensor"
+
+
+class _Kept:
+    """A tensor autograd keeps as it is, with its version when saved (:func:`_check_version`)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.version = t._version
+
+
+class _Saved:
+    """What autograd holds instead of a tensor: a compact payload and how to restore it, and
+    the original's version counter (through its base, held weakly) to check at unpack."""
+
+    __slots__ = ("payload", "decode", "shape", "source", "version", "changed", "__weakref__")
 
     def __init__(
         self, payload: object, decode: Callable[[object], torch.Tensor], shape: torch.Size
@@ -62,6 +103,29 @@ class _Saved:
         self.payload = payload
         self.decode = decode
         self.shape = shape
+        self.source: weakref.ref | None = None
+        self.version = 0
+        self.changed: int | None = None  # the version the original was seen at, when changed
+
+    def watch(self, t: torch.Tensor) -> _Saved:
+        """Check at unpack that ``t`` was not changed in place since (views share its base's
+        version counter). Only a live original can be read: it is looked at when the forward
+        ends (:meth:`look`) and at unpack, so a change to a tensor dropped before the forward
+        ended goes unseen."""
+        self.source = weakref.ref(t._base if t._base is not None else t)
+        self.version = t._version
+        return self
+
+    def look(self) -> None:
+        """Note a change of the original, while it is alive, for the check at unpack."""
+        source = self.source() if self.source is not None else None
+        if source is not None and source._version != self.version:
+            self.changed = source._version
+
+    def check(self) -> None:
+        self.look()
+        if self.changed is not None:
+            _check_version(_Changed(self.shape, self.changed), self.version)
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +231,9 @@ class CompressionHooks:
         # compiled with the old ones may run.
         self._pairs: dict[tuple, tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
         self._unpack_hook: torch.fx.GraphModule | None = None
+        self._release: weakref.finalize | None = None
+        self.owner: object = None  # what must live as long as these hooks are on a model
+        self.step_ended = False  # the training loop took a step since the last forward began
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
@@ -177,6 +244,9 @@ class CompressionHooks:
         if self.stochastic:
             self._seeds = add_seed_source(self._draw_graph_seed)
         SavedFilter.open()
+        # Process-wide state is given back by remove(), or when these hooks are collected with
+        # a model dropped unremoved (nothing process-wide holds them).
+        self._release = weakref.finalize(self, _release_process_state, self._seeds)
         self._watch = ScopeTracker.of(root).watch(self, fqns)
         self._running = RunningParameters(root)
         self._running.sync()
@@ -196,14 +266,14 @@ class CompressionHooks:
             self._running = None
         self._cache.clear()
         self._storages = None
-        if self._compiled is not None:  # graphs compiled before still run, rounding with seed 0
-            SavedFilter.close()
-            if self._seeds is not None:
-                remove_seed_source(self._seeds)
+        if self._release is not None:  # graphs compiled before still run, rounding with seed 0
+            self._release()
+            self._release = None
         self._compiled = None
         self._seeds = None
         self._pairs = {}
         self._unpack_hook = None
+        self.owner = None
 
     @contextmanager
     def observed(self, observer: PackObserver) -> Iterator[None]:
@@ -245,10 +315,14 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- module scopes
     def _begin(self) -> None:
-        """The outermost scope opens. Nothing held from an earlier forward means a new step:
-        restart the per-forward counts and refresh the parameters' storages (they may have
-        moved to another device or dtype since apply, or been sharded)."""
-        if self.stats.held_bytes == 0 and self._storages is not None:
+        """The outermost scope opens. The first forward after the training loop's step
+        (:attr:`step_ended`, set by ``MemoryOptimizer.count_step``), or, in a loop that counts
+        no steps, one with nothing held from an earlier forward, starts a new step: restart the
+        per-forward counts and refresh the parameters' storages (they may have moved to another
+        device or dtype since apply, or been sharded). Forwards in between (micro-batches whose
+        graphs are all alive) add to the step's counts."""
+        if (self.step_ended or self.stats.held_bytes == 0) and self._storages is not None:
+            self.step_ended = False
             self._storages.refresh()
             self._running.sync()
             self.stats.start_forward()
@@ -273,10 +347,13 @@ class CompressionHooks:
         return pair
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._scopes:
-            self._begin()
+        # Inside someone else's region (a checkpoint's forward or replay, a backward) the
+        # region's hooks stay innermost: they decide what is kept (policy.in_foreign_region).
+        foreign = in_foreign_region()
+        if not self._scopes and torch._C._current_graph_task_id() == -1:
+            self._begin()  # not a replay in backward
         scope = None
-        if torch.is_grad_enabled() and not self.suspended:
+        if torch.is_grad_enabled() and not self.suspended and not foreign:
             scope = saved_tensors_hooks(*self.pair(fqn))
             scope.__enter__()
             self._counting.append(fqn)
@@ -290,6 +367,10 @@ class CompressionHooks:
                 scope.__exit__(None, None, None)
                 self._counting.pop()
             if not scopes:
+                for _, saved in self._cache.values():  # in-place changes in this forward
+                    saved = saved()
+                    if saved is not None:
+                        saved.look()
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
                 self.stats.add_compiled(self._compiled.forward_done(output))
                 if not self._compiled_noted:
@@ -317,14 +398,18 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- pack / unpack
     def pack(self, t: torch.Tensor, bits: int) -> object:
-        """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself or a compact copy."""
+        """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself (with its version,
+        :class:`_Kept`) or a compact copy; :meth:`unpack` gives the tensor back."""
         with mark(PACK_RANGE):
             saved, added = self._pack(t, bits)
         if self.observer is not None:
             self.observer.packed(t, saved, added)
-        return saved
+        return _Kept(t) if saved is t else saved
 
     def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
+        if not encodable(t):
+            self._keep_unencodable(t)
+            return t, 0
         model = () if self._storages is None else (self._storages, self._running)
         if kept_as_is(t, self.min_numel, model):
             return t, 0
@@ -335,9 +420,11 @@ class CompressionHooks:
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
                 if saved.shape != t.shape:
-                    saved = _Saved(saved, _reshaped(t.shape), t.shape)
+                    saved = _Saved(saved, _reshaped(t.shape), t.shape).watch(t)
                 return saved, 0
         saved = self._compress(t, bits)
+        if saved is not t:
+            saved.watch(t)
         stats = self.stats
         original = tensor_nbytes(t)
         stats.forward_original += original
@@ -356,6 +443,20 @@ class CompressionHooks:
             base = t._base if t._base is not None else t
             self._cache[key] = (weakref.ref(base), weakref.ref(saved))
         return saved, nbytes
+
+    def _keep_unencodable(self, t: torch.Tensor) -> None:
+        """Count a saved tensor the codec cannot take (policy.encodable); say so once per kind."""
+        kind = type(t).__name__ if t.layout is torch.strided else str(t.layout)
+        if t.is_meta:
+            kind = "meta"
+        seen = self.stats.unencodable.get(kind, 0)
+        self.stats.unencodable[kind] = seen + 1
+        if not seen:
+            log.info(
+                "memopt: saved tensors of kind %s are kept as they are (the codec takes plain "
+                "dense tensors); memopt/unencodable counts them",
+                kind,
+            )
 
     def _count_module(self, t: torch.Tensor, original: int, stored: int) -> None:
         """Add ``t`` to the counts of the innermost entered scope (:attr:`SavedStats.modules`)."""
@@ -447,7 +548,11 @@ class CompressionHooks:
     def unpack(saved: object) -> torch.Tensor:
         """The tensor ``saved`` stands for: decoded from what :meth:`pack` or a compiled graph
         kept, or ``saved`` itself (kept as it was)."""
+        if isinstance(saved, _Kept):
+            _check_version(saved.tensor, saved.version)
+            return saved.tensor
         if isinstance(saved, _Saved):
+            saved.check()
             with mark(UNPACK_RANGE):
                 # decoded for the one node unpacking it: the lean ops may write gradients into it
                 return mark_private(saved.decode(saved.payload))
@@ -463,6 +568,13 @@ class CompressionHooks:
         if tag == HALVED:
             return saved[1].to(saved[2])
         return saved
+
+
+def _release_process_state(seeds: int | None) -> None:
+    """What installed hooks hold of the process: AOTAutograd's filter setting, the seed source."""
+    SavedFilter.close()
+    if seeds is not None:
+        remove_seed_source(seeds)
 
 
 #: The pack hooks of the compression scopes (:meth:`CompressionHooks.pair`).
@@ -482,4 +594,8 @@ def compact_copy(t: torch.Tensor) -> tuple[object, Callable[[object], torch.Tens
     if hooks is None or hooks[0] not in _SCOPE_PACKS:
         return None
     saved = hooks[0](t)  # kept as it is, a second call (save_for_backward) finds it cached
-    return (saved, hooks[1]) if isinstance(saved, _Saved) else None
+    if not isinstance(saved, _Saved):
+        return None
+    # Unwatched: the caller holds ``t`` outside autograd's saved variables and checks its
+    # version itself (the lean ReLU's ``mark_dirty`` bumps it after this call).
+    return _Saved(saved.payload, saved.decode, saved.shape), hooks[1]

@@ -50,6 +50,9 @@ class SavedStats:
     forward_tensors: int = 0
     compiled: dict[object, tuple[int, int]] = field(default_factory=dict)
     modules: dict[str, ModuleSaved] = field(default_factory=dict)
+    #: saved tensors kept as they are because the codec cannot take them, per kind (a tensor
+    #: subclass's name, a layout, "meta"), counted since apply
+    unencodable: dict[str, int] = field(default_factory=dict)
 
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes

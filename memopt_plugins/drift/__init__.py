@@ -15,7 +15,7 @@ What judges a module (the drift of which gradient):
   parameters, all together, so a bias whose exact gradient is ~0 (the key bias of attention) cannot
   blow up the ratio on its own;
 * a parameter-free module — the gradient of its inputs (every call), which is computed from what
-  it saved and from the gradient flowing into it. DESIGN.md's first plan judged such modules by
+  it saved and from the gradient flowing into it. A first design judged such modules by
   their parent's parameters; that counts the children's own compression error as the parent's (a
   2-bit ``down_proj`` pushed its whole MLP block, the activation and every enclosing container up
   the ladder with it), whereas a ``Linear``'s saved input only affects its own weight gradient,

@@ -14,7 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..distributed import rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
 from ..measure.storage import RunningParameters, is_sharded
-from ..policy import compressible
+from ..policy import compressible, in_foreign_region
 from ..tree import tensors_in
 
 
@@ -100,7 +100,7 @@ class PassRecorder:
         self.finished: dict[str, int] = {}  # watched module -> when its forward last ended
         self._ended = 0
         self._index: dict[int, int] = {}
-        self._stack: list[saved_tensors_hooks] = []
+        self._stack: list[saved_tensors_hooks | None] = []
         self._watch: Watch | None = None
         self._storages: ModelStorages | None = None
         self.running = RunningParameters(model)
@@ -141,19 +141,25 @@ class PassRecorder:
             self._watch = None
         self.running.remove()  # its leaves stay readable, for the pass's gradients
         while self._stack:  # only after an exception inside a forward
-            self._stack.pop().__exit__(None, None, None)
+            scope = self._stack.pop()
+            if scope is not None:
+                scope.__exit__(None, None, None)
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if fqn in self.inputs:
             self._add(self.inputs[fqn], (args, kwargs))
         if fqn in self._scope_set:
-            scope = saved_tensors_hooks(self._counter(fqn), _identity)
-            scope.__enter__()
+            scope = None  # inside a checkpoint's region its hooks stay innermost, as compression's
+            if not in_foreign_region():
+                scope = saved_tensors_hooks(self._counter(fqn), _identity)
+                scope.__enter__()
             self._stack.append(scope)
 
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
         if fqn in self._scope_set and self._stack:
-            self._stack.pop().__exit__(None, None, None)
+            scope = self._stack.pop()
+            if scope is not None:
+                scope.__exit__(None, None, None)
         self._ended += 1
         self.finished[fqn] = self._ended
         parent = fqn.rpartition(".")[0]

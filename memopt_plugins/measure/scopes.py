@@ -50,12 +50,13 @@ class ScopeObserver(Protocol):
 class _Hooked:
     """A module with memopt's hook pair and the observers watching it."""
 
-    __slots__ = ("fqn", "observers", "handles", "traced")
+    __slots__ = ("fqn", "observers", "handles", "traced", "tracker")
 
-    def __init__(self, fqn: str, module: nn.Module, traced: set[str]):
+    def __init__(self, fqn: str, module: nn.Module, tracker: ScopeTracker):
         self.fqn = fqn
         self.observers: list[ScopeObserver] = []
-        self.traced = traced  # the tracker's: fqns called inside a torch.compile'd graph
+        self.traced = tracker._traced  # fqns called inside a torch.compile'd graph
+        self.tracker = tracker  # the module's hooks keep its tracker alive (the registry is weak)
         enter, exit_ = self._enter, self._exit
         if fqn == "":
             # The root's scope runs eagerly even when the whole model is compiled (one graph
@@ -102,7 +103,11 @@ class Watch:
 class ScopeTracker:
     """The shared module hooks of one model (see the module docstring)."""
 
-    _of: weakref.WeakKeyDictionary[nn.Module, ScopeTracker] = weakref.WeakKeyDictionary()
+    #: root -> its tracker, both weakly: the tracker lives as long as hooks of its are on the
+    #: model (they hold it), so a model dropped unremoved is collected with everything it holds.
+    _of: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ScopeTracker]] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def __init__(self, root: nn.Module):
         self._root = weakref.ref(root)  # the registry's key: a strong reference would pin it
@@ -119,9 +124,11 @@ class ScopeTracker:
     @classmethod
     def of(cls, root: nn.Module) -> ScopeTracker:
         """The tracker of ``root`` (created on first use; fqns are names within ``root``)."""
-        tracker = cls._of.get(root)
+        ref = cls._of.get(root)
+        tracker = ref() if ref is not None else None
         if tracker is None:
-            tracker = cls._of[root] = cls(root)
+            tracker = cls(root)
+            cls._of[root] = weakref.ref(tracker)
         return tracker
 
     def watch(
@@ -138,7 +145,7 @@ class ScopeTracker:
             module = named[fqn]
             hooked = self._hooked.get(module)
             if hooked is None:
-                hooked = self._hooked[module] = _Hooked(fqn, module, self._traced)
+                hooked = self._hooked[module] = _Hooked(fqn, module, self)
             if first:
                 hooked.observers.insert(0, observer)
             else:
@@ -156,7 +163,8 @@ class ScopeTracker:
                 hooked.remove()
                 del self._hooked[module]
         root = self._root()
-        if not self._hooked and root is not None and type(self)._of.get(root) is self:
+        ref = type(self)._of.get(root) if root is not None else None
+        if not self._hooked and ref is not None and ref() is self:
             del type(self)._of[root]
 
     def traced(self) -> list[str]:

@@ -6,7 +6,7 @@ at once (the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THR
 heap pages are given back (``malloc_trim``) before each reading, and the peak is the kernel's
 high-water mark (``VmHWM``), reset before each step.
 
-The threshold is 4 KiB rather than DESIGN.md's 64 KiB: compressed activations come with small
+The threshold is 4 KiB rather than a 64 KiB one: compressed activations come with small
 per-group tables (a 1 MiB tensor has 8 KiB of scales), and blocks under the threshold are served
 from heap pages that are already resident, which RSS does not see. Smaller blocks still hide;
 tests therefore take ``max(retained, packed)`` as what a compressed step holds.

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..distributed import from_rank_zero
 from ..measure import (
     Measurement,
     ModuleCost,
@@ -352,6 +353,9 @@ class RecomputePlanner:
         self._apply(choose(measurement, self.budget, self.fixed, self.ratio))
 
     def _apply(self, plan: RecomputePlan) -> RecomputePlan:
+        # Each rank measured its own batch (other shapes choose other modules): all take rank
+        # 0's plan, so they save, compress and check the same modules.
+        plan = from_rank_zero(plan)
         self.chosen = tuple(self.recompute.wrap(plan.chosen))
         self.plan = plan
         level = logging.INFO if plan.met else logging.WARNING

@@ -54,7 +54,9 @@ Integer tensors are not quantized: the hooks narrow them losslessly
 
 from __future__ import annotations
 
+import base64
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -182,9 +184,17 @@ class NoiseGenerators:
     tensor.
     """
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int | Callable[[], int]):
+        self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def seed(self) -> int:
+        """The seed; given as a function, it is called once, at the first draw (a seed mixed
+        with the rank is read when training runs, after the process group was created)."""
+        if callable(self._seed):
+            self._seed = int(self._seed())
+        return self._seed
 
     def __call__(self, device: torch.device | str) -> torch.Generator:
         """The generator of ``device`` (a device without an index: the current one)."""
@@ -195,6 +205,27 @@ class NoiseGenerators:
             generator.manual_seed(self.seed)
             self._generators[device] = generator
         return generator
+
+    def state_dict(self) -> dict[str, object]:
+        """The seed and each generator's state, in plain Python types (JSON-safe: a checkpoint
+        resumed from it rounds with the noise the run would have drawn next)."""
+        return {
+            "seed": self.seed,
+            "generators": {
+                str(d): base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")
+                for d, g in self._generators.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._seed = int(state["seed"])
+        self._generators = {}
+        for device, encoded in dict(state.get("generators", {})).items():
+            generator = torch.Generator()
+            raw = bytearray(base64.b64decode(encoded))
+            generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+            self._generators[torch.device(device)] = generator
 
 
 def _indexed(device: torch.device | str) -> torch.device:

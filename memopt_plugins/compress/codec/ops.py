@@ -34,8 +34,11 @@ so that the host never waits for the GPU while a saved tensor is packed or unpac
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 
@@ -239,14 +242,18 @@ def _graph_params_fake(
     return torch.empty_like(mins, dtype=torch.bfloat16), torch.empty_like(mins, dtype=torch.uint8)
 
 
-#: Where compiled graphs draw their rounding seeds (:func:`graph_seed`), by key.
-_SEED_SOURCES: dict[int, Callable[[], int]] = {}
+#: Where compiled graphs draw their rounding seeds (:func:`graph_seed`), by key: held weakly
+#: (a registry must not keep a dropped model's hooks alive), keys never reused (a graph compiled
+#: for one model must not draw from another's).
+_SEED_SOURCES: dict[int, Callable[[], Callable[[], int] | None]] = {}
+_SOURCE_KEYS = itertools.count(1)
 
 
 def add_seed_source(draw: Callable[[], int]) -> int:
-    """Register ``draw`` (a host-side draw of one seed) for :func:`graph_seed`; its key."""
-    key = max(_SEED_SOURCES, default=0) + 1
-    _SEED_SOURCES[key] = draw
+    """Register ``draw`` (a host-side draw of one seed, held weakly: keep it alive) for
+    :func:`graph_seed`; its key."""
+    key = next(_SOURCE_KEYS)
+    _SEED_SOURCES[key] = weakref.WeakMethod(draw) if inspect.ismethod(draw) else weakref.ref(draw)
     return key
 
 
@@ -260,7 +267,8 @@ def graph_seed(anchor: torch.Tensor, source: int) -> torch.Tensor:
     the global RNG, and no wait on the device), as an int64 scalar on ``anchor``'s device.
     ``anchor`` (a small tensor of the graph) places the call after it; its values are unread.
     A graph whose source was removed (memopt taken off) rounds with seed 0."""
-    draw = _SEED_SOURCES.get(source)
+    ref = _SEED_SOURCES.get(source)
+    draw = ref() if ref is not None else None
     return torch.tensor(0 if draw is None else draw(), dtype=torch.int64, device=anchor.device)
 
 
