@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memopt-installed
 
-.PHONY: demo test lint bench bench-quick clean
+.PHONY: demo test check durations lint bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,12 +25,24 @@ lint: $(STAMP)
 # JOBS pytest-xdist workers (default 2: CI's cores), each with its share of the cores' threads
 # (tests/conftest.py); most of the time is torch.compile, single-threaded. loadgroup: the tests of
 # a module that share a fixture (a 2-process run, a measured baseline) run on one worker; the
-# longest tests start first (conftest's LONGEST), hence --no-loadscope-reorder. JOBS=0: one process.
+# longest start first (measured: tests/durations.json), hence --no-loadscope-reorder. JOBS=0: one
+# process. make check: lint and the tests measured at 3 s or less (no compiling, no spawned
+# processes), for the edit loop; make durations measures the whole suite again into durations.json.
 JOBS ?= 2
-test: lint
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
+test: lint cc
+	$(PYTEST)
+
+check: lint cc
+	$(PYTEST) --quick
+
+durations: $(STAMP) cc
+	$(PYTEST) --store-durations
+
+.PHONY: cc
+cc:
 	@set -- $${CC:-cc}; command -v "$$1" >/dev/null || \
 		{ echo "make test: no C compiler ($${CC:-cc}); the CPU codec needs one" >&2; exit 1; }
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run --out benchmarks

@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,23 +14,6 @@ if _WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
     torch.set_num_threads(_THREADS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
-
-# The longest tests, longest first (measured on 2 cores): under xdist they start first, so that no
-# worker is left with one of them at the end while the other has nothing to do. Prefixes of node
-# ids; the other tests keep their order after these.
-LONGEST = (
-    "test_compile_rounding.py",  # ~210 s each: inductor generating the stochastic codec
-    "test_compile_large.py",  # ~190 s and ~90 s
-    "test_compile_fsdp.py",  # ~180 s, two processes
-    "test_compile.py::test_int8_inside_compiled_training",  # ~240 s and ~150 s with recompute's
-    "test_accelerate.py::test_a_model_accelerate_compiles_trains_compressed",  # ~70 s
-    "test_lightning.py::test_blocks_compiled_in_the_module_train_compressed",
-    "test_compile.py::test_lean_ops_compile_without_graph_breaks",  # ~80 s each
-    "test_bench.py",  # ~60 s: the benchmark's quick run
-    "test_compile.py",
-    "test_fsdp.py",
-    "test_compress.py",
-)
 
 # Tests that share a module-scoped fixture (a spawned 2-process run, a measured baseline, the
 # benchmark's quick run) run on one worker, so that it is computed once: node id prefix -> group.
@@ -72,12 +57,48 @@ def _uses_shared_fixture(item: pytest.Item) -> bool:
     )
 
 
-def _rank(item: pytest.Item) -> int:
-    nodeid = item.nodeid.removeprefix("tests/")
-    return next((i for i, p in enumerate(LONGEST) if nodeid.startswith(p)), len(LONGEST))
+# Each test's measured seconds (setup, call and teardown on 2 xdist workers), written by
+# ``make durations`` (``pytest --store-durations``): under xdist the longest units of work start
+# first, so that no worker is left with a long one at the end while the other has nothing to do,
+# and ``make check`` (``--quick``) leaves out the tests measured over QUICK_SECONDS.
+DURATIONS = Path(__file__).with_name("durations.json")
+QUICK_SECONDS = 3.0
+
+
+def _durations() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help=f"only the tests measured in {DURATIONS.name} at {QUICK_SECONDS} s or less "
+        "(make check): no compiling, no spawned processes",
+    )
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help=f"write every test's measured seconds to tests/{DURATIONS.name} (make durations)",
+    )
+
+
+def _order_by_duration(items: list, durations: dict[str, float]) -> None:
+    """Longest unit of work first (a SHARED group is one unit: the sum of its tests)."""
+    units: dict[str, float] = {}
+    for item in items:
+        unit = _shared_group(item.nodeid) or item.nodeid
+        units[unit] = units.get(unit, 0.0) + durations.get(item.nodeid, 0.0)
+    items.sort(key=lambda i: -units[_shared_group(i.nodeid) or i.nodeid])  # stable
 
 
 def pytest_collection_modifyitems(config, items):
+    durations = _durations()
+    if config.getoption("quick"):
+        slow = [i for i in items if durations.get(i.nodeid, 0.0) > QUICK_SECONDS]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [i for i in items if durations.get(i.nodeid, 0.0) <= QUICK_SECONDS]
     if _WORKERS > 1:
         unshared = [
             i.nodeid
@@ -91,7 +112,22 @@ def pytest_collection_modifyitems(config, items):
                 f"{unshared[0]} uses a module-scoped fixture: name its module in "
                 "tests/conftest.py's SHARED, or xdist computes the fixture on each worker"
             )
-        items.sort(key=_rank)  # stable: the rest keep their order
+        _order_by_duration(items, durations)
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # Under xdist the controller receives every worker's reports: the sums are the whole run's.
+    _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if session.config.getoption("store_durations") and worker is None and _measured:
+        measured = {k: round(v, 2) for k, v in sorted(_measured.items())}
+        DURATIONS.write_text(json.dumps(measured, indent=0) + "\n")
 
 
 try:
@@ -102,7 +138,7 @@ else:
 
     class SharedFixtureScheduling(LoadScopeScheduling):
         """``--dist loadgroup``: each test is a unit of work on its own, but those of one SHARED
-        group are one unit; units go out in collection order (heavy first: LONGEST)."""
+        group are one unit; units go out in collection order (longest first: DURATIONS)."""
 
         def _split_scope(self, nodeid: str) -> str:
             return _shared_group(nodeid) or nodeid

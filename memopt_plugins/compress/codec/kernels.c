@@ -397,6 +397,22 @@ void memopt_graph_params(const float *restrict mins, const float *restrict maxs,
     }
 }
 
+/* fill_noise's noise of elements [0, n) widened to int32: what compiled graphs add to their codes
+ * for stochastic rounding (traced.noise, an operator opaque to inductor), split between `threads`
+ * threads in chunks of an even number of elements. */
+void memopt_noise(uint64_t seed, int64_t n, int32_t *restrict out, int threads) {
+    enum { CHUNK = 4096 };
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    const int parts = thread_count(chunks, threads);
+#pragma omp parallel for num_threads(parts) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        uint16_t k[CHUNK];
+        const int64_t first = c * CHUNK, len = n - first < CHUNK ? n - first : CHUNK;
+        fill_noise((uint64_t)first, seed, len, k);
+        for (int64_t i = 0; i < len; i++) out[first + i] = k[i];
+    }
+}
+
 /* One-byte codes of elements [first, first + n) from the packed stream. */
 static void unpack(const uint8_t *packed, int bits, int64_t first, int64_t n, uint8_t *codes) {
     const int per_byte = 8 / bits;

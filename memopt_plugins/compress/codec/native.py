@@ -49,6 +49,7 @@ _SIGNATURES = {
     ),
     "memopt_decode": ((_P, _INT, _F, _I64, _I64, _P, _P, _INT, _P, _INT), _INT),
     "memopt_graph_params": ((_P, _P, _I64, _INT, _F, _INT, _F, _P, _P), None),
+    "memopt_noise": ((ctypes.c_uint64, _I64, _P, _INT), None),
 }
 
 # Group flags written by memopt_quantize.
@@ -215,3 +216,12 @@ def graph_params(
         torch.finfo(dtype).max, scale.data_ptr(), zero_point.data_ptr(),
     )  # fmt: skip
     return scale, zero_point
+
+
+def noise(seed: int, numel: int) -> torch.Tensor:
+    """The stochastic rounding noise of elements ``0 .. numel - 1`` at ``seed``, as int32 in
+    ``[0, 2**16)``: what :func:`quantize` adds at that seed (:func:`.traced.noise`'s values)."""
+    out = torch.empty(numel, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    library().memopt_noise(seed & 0xFFFFFFFFFFFFFFFF, numel, out.data_ptr(), threads)
+    return out

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import native
 from .ops import graph_params_op, graph_seed_op, native_params
 from .reference import FIRST_LEVEL, graph_params, work_dtype
 
@@ -71,7 +72,8 @@ def encode(
     if pad:  # the last element repeated, as Groups.of pads
         flat = torch.cat((flat, flat[-1:].expand(pad)))
     groups = flat.view(-1, group_size).to(work)
-    params = graph_params_op if native_params(x.device, x.dtype) else graph_params
+    native_kernels = native_params(x.device, x.dtype)
+    params = graph_params_op if native_kernels else graph_params
     scale, zero_point = params(groups.amin(1), groups.amax(1), bits, x.dtype)
     if seed_source is not None:
         seed = graph_seed_op(scale, seed_source)
@@ -85,7 +87,8 @@ def encode(
         away = above.add(0.5).floor().add(1)
     else:  # floor(q + u), u = (k + 1/2) / 2**16, in the C kernel's 16-bit fixed point
         fixed = (above.clamp_max(1024) * 65536 + 0.5).to(torch.int32)
-        away = ((fixed + noise(seed, groups.numel()).view_as(fixed)) >> 16).add(1).to(work)
+        draw = graph_noise_op if native_kernels else noise
+        away = ((fixed + draw(seed, groups.numel()).view_as(fixed)) >> 16).add(1).to(work)
     codes = torch.where(scaled > 0, zp + away, torch.where(scaled < 0, zp - away, zp))
     codes = codes.clamp(0, top).to(torch.uint8)
     if bits < 8:
@@ -123,6 +126,24 @@ def noise(seed: torch.Tensor, numel: int) -> torch.Tensor:
     hashed = _mix32(((index >> 1) & _LOW32) ^ key)
     half = torch.where((index & 1) == 1, hashed >> 16, hashed & 0xFFFF)
     return half.to(torch.int32)
+
+
+def graph_noise(seed: torch.Tensor, numel: int) -> torch.Tensor:
+    """:func:`noise`, by the C kernel where it is built (on the CPU), else by torch ops."""
+    if seed.device.type == "cpu" and native.library() is not None:
+        return native.noise(int(seed), numel)
+    return noise(seed, numel)
+
+
+#: The operator compiled graphs call for the noise where the C kernels serve: opaque to inductor,
+#: which would otherwise compile the hash's two dozen int64 operations into every kernel that
+#: rounds a saved tensor (most of the time of compiling a model with stochastic rounding).
+graph_noise_op = torch.library.custom_op("memopt::graph_noise", graph_noise, mutates_args=())
+
+
+@graph_noise_op.register_fake
+def _graph_noise_fake(seed: torch.Tensor, numel: int) -> torch.Tensor:
+    return seed.new_empty(numel, dtype=torch.int32)
 
 
 def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
