@@ -212,8 +212,12 @@ def budget_outcomes(runs: list[Run]) -> dict[str, Any] | None:
     """After each check with a budget: how many training forwards kept within 5% of it
     (measured), how many checks missed it with the threshold holding modules (the check's kept
     bytes over it: its WARNING names them), how many kept less than 95% of it, and the largest
-    gap between the bytes the check predicted and the next forward's."""
-    checks = [c for r in runs for c in r.checks if "budget" in c and "measured" in c]
+    gap between the bytes the check predicted and the next forward's. The check at step 0 runs
+    before any training forward: it solves the same fractions on its own sample, whose bytes are
+    the sample's, not the batch's, so its bytes are not compared."""
+    checks = [
+        c for r in runs for c in r.checks if "budget" in c and "measured" in c and c["step"] > 0
+    ]
     if not checks:
         return None
     within = [abs(c["measured"] / c["budget"] - 1) <= BUDGET_TOLERANCE for c in checks]
