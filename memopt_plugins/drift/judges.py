@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .passes import CheckedParameters, PassGradients, PassRecorder, summed_over_shards
+from .passes import CheckedParameters, PassGradients, PassRecorder
 from .report import (
     CALLS_DIFFER,
     NEGLIGIBLE_GRADIENT,
@@ -124,16 +124,15 @@ def module_drifts(
     exact_sq: torch.Tensor,
     approx: PassGradients,
     metric: str,
-    sharded: Sequence[int] = (),
     variance: torch.Tensor | None = None,
     batch_ratio: float = 1.0,
     params: int = 0,
 ) -> Drifts:
     """Per-module drift from the exact and the compressed pass.
 
-    Only this rank's share of a sharded parameter's gradient is in the passes (``exact_sq`` is
-    already summed over ranks): every statistic below is a sum over elements, summed over ranks
-    there too, so a sharded parameter's drift is measured over the whole parameter. ``variance``
+    A sharded parameter's fold is already the whole gradient's (its shares' folds summed over
+    ranks) and ``exact_sq`` is summed over ranks, so its drift is measured over the whole
+    parameter, as unsharded. ``variance``
     (metrics ``noise`` and ``sgd``): per target, the sampling variance of the sample's mean exact
     gradient; a module whose variance is at most ``floors[kind] ** 2`` has no measurable drift.
     ``batch_ratio`` (``sgd``): the check's samples over the training batch's; ``params``: the
@@ -147,9 +146,7 @@ def module_drifts(
         e, q = exact.fold(i, approx), approx.fold(i, exact)
         stats[:, i] = torch.stack([(q - e).square().sum(), (q * e).sum(), q.square().sum(),
                                    e.square().sum()])  # fmt: skip
-    finite = exact.finite[:n] & approx.finite[:n]
-    if sharded:
-        stats = summed_over_shards(stats, [i for i in sharded if i < n])
+    finite = exact.finite[:n] & approx.finite[:n]  # sharded gradients' folds are whole
     diff_sq, dot, approx_sq, exact_fold_sq = stats.unbind()
     total = None
     if metric == "sgd" and variance is not None:

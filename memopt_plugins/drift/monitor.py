@@ -240,7 +240,6 @@ class DriftMonitor:
                     exact_sq,
                     approx,
                     metric,
-                    sharded,
                     variance,
                     batch_ratio,
                     len(params),

@@ -309,28 +309,39 @@ class PassGradients:
         return torch.zeros(0 if other is None else other.numel(), dtype=torch.float64)
 
 
-def fold(grad: torch.Tensor, salt: int) -> tuple[torch.Tensor, float]:
+def fold(
+    grad: torch.Tensor, salt: int, offset: int = 0, whole: int | None = None
+) -> tuple[torch.Tensor, float]:
     """``grad`` flattened and folded to :data:`SKETCH` float32 values (see there), on the CPU,
     and its exact squared norm; ``salt`` seeds the signs, so a target folds alike in every pass.
+    ``grad`` may be a share of a gradient of ``whole`` elements starting at ``offset``: it is
+    folded by its elements' places in the whole, so the shares' folds add up to the whole's.
     Chunk by chunk: it never holds more than :data:`CHUNK` elements' copy."""
     flat = grad.detach().reshape(-1)
-    if flat.numel() <= SKETCH:  # kept whole, in float32 unless it is float64
-        whole = flat.to(torch.float64 if flat.dtype == torch.float64 else torch.float32).cpu()
-        return whole, float(torch.linalg.vecdot(whole.double(), whole.double()))
+    whole = flat.numel() if whole is None else whole
+    if whole <= SKETCH:  # kept whole, in float32 unless it is float64
+        dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        kept = flat.to(dtype).cpu()
+        if flat.numel() < whole:  # a share, in its place
+            kept = torch.zeros(whole, dtype=dtype).index_copy_(
+                0, torch.arange(offset, offset + flat.numel()), kept
+            )
+        return kept, float(torch.linalg.vecdot(kept.double(), kept.double()))
     out = torch.zeros(SKETCH, dtype=torch.float64, device=flat.device)
     sq = torch.zeros((), dtype=torch.float64, device=flat.device)
     generator = torch.Generator(device=flat.device)
-    for start in range(0, flat.numel(), CHUNK):
-        chunk = flat[start : start + CHUNK].double()
+    end = offset + flat.numel()
+    for first in range(offset - offset % CHUNK, end, CHUNK):  # the whole's chunks it touches
+        lo, hi = max(first, offset), min(first + CHUNK, end)
+        chunk = flat[lo - offset : hi - offset].double()
         sq += torch.linalg.vecdot(chunk, chunk)
-        generator.manual_seed(salt * 1_000_003 + start // CHUNK)
+        generator.manual_seed(salt * 1_000_003 + first // CHUNK)
         signs = torch.randint(
-            0, 2, chunk.shape, generator=generator, device=flat.device, dtype=torch.int8
-        )
+            0, 2, (CHUNK,), generator=generator, device=flat.device, dtype=torch.int8
+        )[lo - first : hi - first]
         chunk.mul_(signs.mul_(2).sub_(1))
-        pad = -chunk.numel() % SKETCH
-        if pad:
-            chunk = torch.nn.functional.pad(chunk, (0, pad))
+        front = lo % SKETCH  # chunks start at a multiple of SKETCH
+        chunk = torch.nn.functional.pad(chunk, (front, -(front + chunk.numel()) % SKETCH))
         out += chunk.view(-1, SKETCH).sum(0)
     return out.float().cpu(), float(sq)
 
@@ -361,9 +372,11 @@ def gradients(
     def keeper(i: int, leaf: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
         def keep(grad: torch.Tensor) -> torch.Tensor | None:
             flat = grad.detach().reshape(-1)
+            whole, offset = flat.numel(), 0
             if i in shared:
-                flat = flat[rank_share(flat.numel())]
-            folded, square = fold(flat, i)
+                share = rank_share(whole)
+                flat, offset = flat[share], share.start
+            folded, square = fold(flat, i, offset, whole)
             sq[i] += square
             if not squares_only:
                 folds[i] = folded if folds[i] is None else folds[i] + folded
@@ -387,7 +400,19 @@ def gradients(
     finally:
         for handle in handles:
             handle.remove()
+    if not squares_only:  # a sharded gradient's fold: the shares' folds summed over ranks
+        for i in shares:
+            size = targets[i].numel()
+            fold_i = folds[i]
+            if fold_i is None:
+                fold_i = torch.zeros(size if size <= SKETCH else SKETCH, dtype=torch.float32)
+            folds[i] = sum_over_ranks(fold_i.to(_device_of(targets[i]))).cpu()
     return PassGradients(folds, sq, torch.isfinite(sq))
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    """Where a collective on ``t``'s behalf runs (gloo: the CPU; NCCL: the tensor's GPU)."""
+    return t.device if t.device.type == "cuda" else torch.device("cpu")
 
 
 def summed_over_shards(stats: torch.Tensor, sharded: Sequence[int]) -> torch.Tensor:
