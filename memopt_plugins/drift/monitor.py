@@ -7,7 +7,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -246,21 +246,20 @@ class DriftMonitor:
                 )
                 del approx
                 whole = found.total
-                # the whole gradient and each module's own error, max over ranks (sgd)
-                extra = [] if whole is None else [whole.cost, whole.error_sq, whole.spread]
-                extra += (
-                    []
-                    if whole is None
-                    else [whole.scale]
-                    + [
+                # sgd: the whole gradient and each module's own error, max over ranks (a fixed
+                # size on every rank: -1 where this rank has none)
+                extra = []
+                if metric == "sgd":
+                    own = [
                         float(found.errors[list(checked.own(f))].sum()) if checked.own(f) else 0.0
                         for f in fqns
                     ]
-                )
+                    head = [-1.0] * 4 if whole is None else [*astuple(whole)]
+                    extra = head + own
                 reduced = _max_of(reduce_max, [*found.values, *extra], device)
                 drift = reduced[: len(fqns)]
-                total = None
-                if whole is not None:
+                total, energy = None, {}
+                if extra and reduced[len(fqns)] >= 0:
                     cost, error_sq, spread, scale, *own = reduced[len(fqns) :]
                     total = Whole(cost, error_sq, spread, scale)
                     energy = {f: e for f, e in zip(fqns, own, strict=True) if e > 0}
@@ -270,7 +269,7 @@ class DriftMonitor:
                 absent = {**unmeasured, **found.missing, **dict.fromkeys(bad, NON_FINITE)}
                 absent = {f: r for f, r in absent.items() if f not in per}
                 parts = {f: p for f, p in found.parts.items() if f in per}
-                return Round(per, absent, parts, total, energy if total is not None else {})
+                return Round(per, absent, parts, total, energy)
 
             first, kept, last = None, None, None
             if pricing is not None:  # quantize.budget: the bits are solved from the first pass
