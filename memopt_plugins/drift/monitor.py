@@ -250,8 +250,11 @@ class DriftMonitor:
                 # size on every rank: -1 where this rank has none)
                 extra = []
                 if metric == "sgd":
+                    errors = found.errors
                     own = [
-                        float(found.errors[list(checked.own(f))].sum()) if checked.own(f) else 0.0
+                        float(errors[list(checked.own(f))].sum())
+                        if errors is not None and checked.own(f)
+                        else 0.0
                         for f in fqns
                     ]
                     head = [-1.0] * 4 if whole is None else [*astuple(whole)]
