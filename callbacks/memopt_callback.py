@@ -38,7 +38,7 @@ from .training_step import LossFn, loss_of, silenced_logging
 
 
 class MemOptCallback(Callback):
-    """Cut the activation memory of training with a memopt config (see DESIGN.md).
+    """Cut the activation memory of training with a memopt config.
 
     Example::
 
