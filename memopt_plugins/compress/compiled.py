@@ -43,8 +43,10 @@ Inside a graph, compared with eager:
 * what the graphs save is counted from the sizes they were traced with, times the calls of each
   graph in the forward (``SavedStats.compiled``, per compiled graph; :class:`CompiledGraphs`).
 
-The bits are read when a graph is compiled; a change of bits gives every scope new hook objects,
-so ``torch.compile``'s guard on the hooks recompiles the graphs at their next call.
+The bits are read when a graph is compiled. Each scope's module carries its bits as a key that
+its pre-hook compares while traced (:meth:`.ScopeTracker.set_key`), so ``torch.compile`` guards
+every graph on the bits of the modules inside it: a change recompiles those graphs only. The
+scope active around a graph (hooks keyed by its own bits) is guarded on by its hooks' ids.
 
 A compiled graph's pack hooks run once, when AOTAutograd traces the graph; the graph then runs
 any number of times per forward (compiled per block, one graph serves every block). So the bytes
@@ -163,8 +165,10 @@ class CompiledGraphs:
         self.root = root
         self.bits = bits
         self.kept: dict[str, int] = {}
+        #: The compressed scopes whose tensors compiled graphs saved, at the bits last traced.
+        self.traced_bits: dict[str, int] = {}
         self._graphs: dict[int, dict[str, _GraphSave]] = {}
-        self._traced_version: int | None = None  # the bits the last traced graph holds
+        self._said: int | None = None  # the bit table's version a recompile was said at
 
     def scope_of(self, node: torch.fx.Node, default: str) -> str:
         """The innermost scope among the modules that produced ``node`` (``nn_module_stack``
@@ -178,17 +182,19 @@ class CompiledGraphs:
                 return ids[key]
         return default
 
-    def note_version(self) -> None:
-        """A graph is traced at the bit table's current bits: say so once they changed."""
-        version = self.bits.version
-        if self._traced_version not in (None, version):
+    def note_bits(self, fqn: str, bits: int) -> None:
+        """A graph is traced saving tensors of scope ``fqn`` at ``bits``: say once per change of
+        the bit table when this recompiles a graph for new bits."""
+        before = self.traced_bits.get(fqn, bits)
+        self.traced_bits[fqn] = bits
+        if before != bits and self._said != self.bits.version:
+            self._said = self.bits.version
             log.info(
-                "memopt: bits changed since the last compiled graph was traced: torch.compile "
-                "recompiles each compiled graph at its next call (its recompile_limit, %d, "
-                "bounds how often; past it the graph runs eagerly)",
-                torch._dynamo.config.recompile_limit,
-            )
-        self._traced_version = version
+                "memopt: bits changed inside compiled graphs (%s: %d -> %d bits, ...): "
+                "torch.compile recompiles the graphs those modules run in at their next call "
+                "(recompile_limit, %d, bounds how often; past it a graph runs eagerly)",
+                fqn or "<root>", before, bits, torch._dynamo.config.recompile_limit,
+            )  # fmt: skip
 
     def traced(self, node: str, original: int, stored: int, kept: str | None) -> None:
         """Note what the graph being traced saves for its node ``node`` (traced twice: once)."""

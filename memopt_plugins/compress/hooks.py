@@ -226,11 +226,12 @@ class CompressionHooks:
         self._compiled: CompiledGraphs | None = None
         self._compiled_noted = False
         self._seeds: int | None = None  # the key of the compiled graphs' seed source
-        # The hook pairs, per (scope, bits, table version). Kept while installed: torch.compile
-        # guards on the hooks' ids, which must not be reused by new objects while a graph
-        # compiled with the old ones may run.
+        # The hook pairs, per (scope, bits). Kept while installed: torch.compile guards on the
+        # hooks' ids, which must not be reused by new objects while a graph compiled with the
+        # old ones may run.
         self._pairs: dict[tuple, tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
         self._unpack_hook: torch.fx.GraphModule | None = None
+        self._keyed: int | None = None  # the bit table's version the scopes' keys were set at
         self._release: weakref.finalize | None = None
         self.owner: object = None  # what must live as long as these hooks are on a model
         self.step_ended = False  # the training loop took a step since the last forward began
@@ -248,6 +249,7 @@ class CompressionHooks:
         # a model dropped unremoved (nothing process-wide holds them).
         self._release = weakref.finalize(self, _release_process_state, self._seeds)
         self._watch = ScopeTracker.of(root).watch(self, fqns)
+        self._keyed = None
         self._running = RunningParameters(root)
         self._running.sync()
 
@@ -328,11 +330,12 @@ class CompressionHooks:
             self.stats.start_forward()
 
     def pair(self, fqn: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        """The (pack, unpack) hooks of scope ``fqn`` at the bit table's current state: one pack
-        for eager and traced calls (:func:`.compiled.traced_context` tells them apart), one
-        unpack for every scope. A change of bits gives the scope a new pack hook."""
+        """The (pack, unpack) hooks of scope ``fqn`` at its bits: one pack for eager and traced
+        calls (:func:`.compiled.traced_context` tells them apart), one unpack for every scope.
+        Keyed by the scope's own bits, so other scopes' changes leave its hooks (and the compiled
+        graphs guarded on them) as they are, and at most one pair per width is ever made."""
         bits = self.bits.bits_of(fqn)
-        key = (fqn, bits, self.bits.version)
+        key = (fqn, bits)
         pair = self._pairs.get(key)
         if pair is None:
 
@@ -346,12 +349,20 @@ class CompressionHooks:
             _SCOPE_PACKS.add(pair[0])
         return pair
 
+    def _key_scopes(self) -> None:
+        """Give each scope's module its bits as the key the compiled graphs it runs in are
+        guarded on (:meth:`.ScopeTracker.set_key`): a change of bits recompiles those graphs."""
+        if self._keyed != self.bits.version and self._watch is not None:
+            self._keyed = self.bits.version
+            self._watch.tracker.set_key({f: str(b) for f, b in self.bits.scopes.items()})
+
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Inside someone else's region (a checkpoint's forward or replay, a backward) the
         # region's hooks stay innermost: they decide what is kept (policy.in_foreign_region).
         foreign = in_foreign_region()
         if not self._scopes and torch._C._current_graph_task_id() == -1:
             self._begin()  # not a replay in backward
+            self._key_scopes()
         scope = None
         if torch.is_grad_enabled() and not self.suspended and not foreign:
             scope = saved_tensors_hooks(*self.pair(fqn))
@@ -378,8 +389,7 @@ class CompressionHooks:
 
     def _note_compiled(self) -> None:
         """Say once which scopes ran inside compiled graphs, and what acts there instead."""
-        traced = self._watch.tracker.traced() if self._watch is not None else []
-        traced = [f for f in traced if f in self.bits.scopes]
+        traced = sorted(self._compiled.traced_bits)
         if not traced:
             return
         self._compiled_noted = True
@@ -388,8 +398,8 @@ class CompressionHooks:
             "compress what they save at those modules' bits (stochastic rounding, where "
             "configured, seeded at every run from memopt's generator), NaN/Inf groups decoded "
             "as NaN; parameters and "
-            "buffers never; %s in this forward; a change of bits recompiles them (README: "
-            "torch.compile)",
+            "buffers never; %s in this forward; a change of a module's bits recompiles the "
+            "graphs it runs in (README: torch.compile)",
             len(traced),
             ", ".join(f or "<root>" for f in traced[:3]),
             ", ..." if len(traced) > 3 else "",
@@ -523,7 +533,7 @@ class CompressionHooks:
         bits = self.bits.scopes.get(fqn, OFF_BITS)
         if bits >= OFF_BITS:
             return t, None
-        self._compiled.note_version()
+        self._compiled.note_bits(fqn, bits)
         if bits == HALF_BITS:
             return (t if t.element_size() <= 2 else (HALVED, t.to(torch.bfloat16), t.dtype)), None
         if t.is_contiguous():

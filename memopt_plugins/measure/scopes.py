@@ -32,9 +32,8 @@ def eagerly() -> Any:
 
 class UntracedRegions:
     """How deep the code being traced is inside recomputed regions (``depth``, raised by the
-    recompute wrapper): torch.compile traces those into its checkpoint operator, inside which
-    nothing from outside may be mutated, so scopes there do not note that they were traced
-    (nothing in a recomputed region is compressed: the note has nothing to say of them)."""
+    recompute wrapper): torch.compile traces those into its checkpoint operator, and scopes there
+    do not read their compile keys (nothing in a recomputed region is compressed)."""
 
     depth = 0
 
@@ -50,12 +49,12 @@ class ScopeObserver(Protocol):
 class _Hooked:
     """A module with memopt's hook pair and the observers watching it."""
 
-    __slots__ = ("fqn", "observers", "handles", "traced", "tracker")
+    __slots__ = ("fqn", "observers", "handles", "key", "tracker")
 
     def __init__(self, fqn: str, module: nn.Module, tracker: ScopeTracker):
         self.fqn = fqn
         self.observers: list[ScopeObserver] = []
-        self.traced = tracker._traced  # fqns called inside a torch.compile'd graph
+        self.key = ""  # what graphs this module is traced into depend on (ScopeTracker.set_key)
         self.tracker = tracker  # the module's hooks keep its tracker alive (the registry is weak)
         enter, exit_ = self._enter, self._exit
         if fqn == "":
@@ -70,8 +69,10 @@ class _Hooked:
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
-            if not UntracedRegions.depth:  # traced into a compiled graph: scopes act around it only
-                self.traced.add(self.fqn)
+            # Traced into a compiled graph: scopes act around it only. The graph is guarded on
+            # the module's key, so a new key recompiles the graphs this module runs in, no others.
+            if not UntracedRegions.depth:
+                _guard_on(self.key)
             return
         for observer in tuple(self.observers):
             observer.enter(self.fqn, module, args, kwargs)
@@ -85,6 +86,11 @@ class _Hooked:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _guard_on(key: str) -> bool:
+    """Compares ``key``: read while torch.compile traces, the graph is guarded on its value."""
+    return key == "\0"
 
 
 class Watch:
@@ -112,7 +118,6 @@ class ScopeTracker:
     def __init__(self, root: nn.Module):
         self._root = weakref.ref(root)  # the registry's key: a strong reference would pin it
         self._hooked: dict[nn.Module, _Hooked] = {}
-        self._traced: set[str] = set()
 
     @property
     def root(self) -> nn.Module:
@@ -167,11 +172,13 @@ class ScopeTracker:
         if not self._hooked and ref is not None and ref() is self:
             del type(self)._of[root]
 
-    def traced(self) -> list[str]:
-        """Fqns of the watched modules that ran inside a ``torch.compile``'d graph, outside
-        recomputed regions (:class:`UntracedRegions`): their scopes cannot act there (what the
-        graph saves meets the scope active around it)."""
-        return sorted(self._traced)
+    def set_key(self, keys: dict[str, str]) -> None:
+        """Give watched modules (by fqn) the keys that ``torch.compile``'d graphs they run in
+        are guarded on: a module's graphs recompile when its key changes (what was traced into
+        them, its bits, changed), the others run on."""
+        for hooked in self._hooked.values():
+            if hooked.fqn in keys:
+                hooked.key = keys[hooked.fqn]
 
     def hooked(self, module: nn.Module) -> bool:
         """True while ``module`` carries the tracker's hooks."""
