@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
@@ -173,6 +174,29 @@ def test_drift_check_does_not_duplicate_training_step_logs(tmp_path):
     assert module.log_calls == 3  # ...whose self.log calls went nowhere
     train_loss_rows = [r for r in csv_rows(trainer) if r["train_loss"]]
     assert len(train_loss_rows) == 3
+
+
+class CountingModule(GPT2Module):
+    """Counts its training samples in a torchmetrics metric, as users count accuracy."""
+
+    def __init__(self):
+        super().__init__()
+        self.samples = torchmetrics.SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        self.samples.update(torch.tensor(float(len(batch[0]))))
+        return super().training_step(batch, batch_idx)
+
+
+def test_drift_checks_leave_torchmetrics_state_as_they_found_it(tmp_path):
+    """The check's own training_step calls (three passes each on a slice of 2) update no metric:
+    the sum counts the 12 samples of 3 steps of 4, as without memopt (it counted 30)."""
+    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"check_every": 1}})
+    module = CountingModule()
+    make_trainer(tmp_path, [memopt], max_steps=3).fit(module, loader())
+    assert len(memopt.state_dict()["drift"]["history"]) == 3
+    assert module.samples.compute().item() == 12
+    assert module.samples._update_count == 3
 
 
 def test_checks_run_at_optimizer_step_boundaries_under_accumulation(tmp_path):

@@ -15,6 +15,8 @@ exit everything such a pass may change:
   ``zero_grad``); with ``clear_grads`` the pass runs without them, so that a ``backward()`` in it
   makes new ones instead of accumulating into them;
 * each module's train/eval mode;
+* the state of every torchmetrics metric among the modules (its accumulated values and update
+  count: the pass's own ``training_step`` must not count its samples; they are not buffers);
 * with ``optimizer``: the parameters' values and the optimizer's state (a pass that steps it).
 
 It never clones a parameter or a gradient without an optimizer (the drift check runs on large
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -94,6 +97,7 @@ class Isolation:
         self._python = random.getstate()
         self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self._modes = [(m, m.training) for m in model.modules()]
+        self._metrics = [(m, _metric_state(m)) for m in _metrics_in(model)]
         params = list(model.parameters())
         self._grads = [(p, p.grad) for p in params]
         self._params = [(p, p.detach().clone()) for p in params] if optimizer is not None else []
@@ -103,7 +107,7 @@ class Isolation:
                 p.grad = None
 
     def restore(self) -> None:
-        """Put back every RNG stream, buffer, ``.grad``, mode, and the optimizer's part."""
+        """Put back every RNG stream, buffer, ``.grad``, mode, metric, and the optimizer's part."""
         torch.set_rng_state(self._torch)
         for device_type, states in self._devices.items():
             module = getattr(torch, device_type)
@@ -119,6 +123,9 @@ class Isolation:
         for m, training in self._modes:
             if m.training != training:
                 m.training = training
+        for m, state in self._metrics:
+            for name, value in _metric_state(state).items():
+                setattr(m, name, value)
         for p, grad in self._grads:
             if p.grad is not grad:
                 p.grad = grad
@@ -133,6 +140,28 @@ class Isolation:
             yield
         finally:
             self.restore()
+
+
+#: What a torchmetrics metric changes besides its states (``_defaults``) when updated.
+_METRIC_COUNTERS = ("_update_count", "_computed", "_forward_cache")
+
+
+def _metrics_in(model: nn.Module) -> list[nn.Module]:
+    """The torchmetrics metrics among ``model``'s modules (none unless torchmetrics is loaded)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    if torchmetrics is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, torchmetrics.Metric)]
+
+
+def _metric_state(source: Any) -> dict[str, Any]:
+    """A copy of a metric's states and counters (from the metric, or from such a copy)."""
+    if isinstance(source, nn.Module):
+        names = (*source._defaults, *_METRIC_COUNTERS)
+        source = {n: getattr(source, n) for n in names if hasattr(source, n)}
+    return {
+        n: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) for n, v in source.items()
+    }
 
 
 @contextmanager
