@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memory import measure, rel_error
+from memory import gradients, measure, rel_error
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from zoo import hf_gpt2
+from zoo import hf_gpt2, hf_llama
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.engine import patched_by
@@ -426,3 +426,29 @@ def test_state_dict_carries_the_rounding_generators():
         got = torch.randint(2**62, (4,), generator=resumed.hooks.noise(torch.device("cpu")))
         assert torch.equal(got, expected[0]), before_apply
         resumed.remove()
+
+
+def test_a_meta_device_model_takes_the_lean_ops_and_trains_exactly_once_materialized():
+    """The apply -> shard -> materialize flow: ``ops`` on a Llama built on the meta device probes
+    each chain by its shapes (a CPU copy with made-up values), patches the same modules as on a
+    real model, and once materialized with the real weights the lean model's loss and gradients
+    are the plain model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plain, batch, loss_fn = hf_llama(batch_size=2, seq=16, dim=32, layers=1)
+    config = LlamaConfig(**plain.config.to_dict())
+    with torch.device("meta"):
+        lean = LlamaForCausalLM(config)
+    opt = MemoryOptimizer({"ops": {"loss": "chunked", "fuse": ["all"]}})
+    opt.apply(lean)
+    actions = set(opt._lean.actions.values())
+    assert {"lean swiglu", "lean rmsnorm", "lean loss"} <= actions, actions
+    lean.to_empty(device="cpu")
+    lean.load_state_dict(plain.state_dict())
+    with torch.no_grad():  # and the buffers outside the state dict (rotary frequencies)
+        for name, buffer in plain.named_buffers():
+            lean.get_buffer(name).copy_(buffer)
+    exact = gradients(plain, batch, loss_fn)
+    loss_fn(lean, batch).backward()
+    got = {n: p.grad for n, p in lean.named_parameters()}
+    assert rel_error(got, exact) <= 1e-5

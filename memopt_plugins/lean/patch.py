@@ -25,6 +25,7 @@ A name in ``fuse`` that matches no module, or a model ``loss: chunked`` cannot p
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
@@ -237,8 +238,13 @@ def _width(module: nn.Module) -> int:
     return weight.shape[-1] if isinstance(weight, torch.Tensor) else 64
 
 
-def _exact(module: nn.Module, forward: Callable[..., Any]) -> bool:
-    """The lean forward gives the module's own outputs on a probe input."""
+def _exact(module: nn.Module, chain: str) -> bool:
+    """The lean forward of ``chain`` gives the module's own outputs on a probe input. A module
+    on the meta device (to be materialized later, after sharding) is probed by its shapes: on a
+    CPU copy with made-up values."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module = _cpu_twin(module)
+    forward = _lean_forward(chain, module)
     first = next(module.parameters(), None)
     dtype = first.dtype if first is not None else torch.float32
     device = first.device if first is not None else torch.device("cpu")
@@ -263,6 +269,20 @@ def _exact(module: nn.Module, forward: Callable[..., Any]) -> bool:
         and mine.shape == theirs.shape
         and torch.allclose(mine, theirs, rtol=tolerance, atol=tolerance)
     )
+
+
+def _cpu_twin(module: nn.Module) -> nn.Module:
+    """A CPU copy of a meta-device ``module`` with values in [0.5, 1.5) (positive: variances and
+    norms' weights stay meaningful) and integer buffers at zero."""
+    twin = copy.deepcopy(module).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in (*twin.parameters(), *twin.buffers()):
+            if t.is_floating_point():
+                t.copy_(torch.rand(t.shape, generator=generator) + 0.5)
+            else:
+                t.zero_()
+    return twin
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -344,7 +364,7 @@ class LeanOps:
             forward = _lean_forward(chain, module)
             if forward is None:
                 continue
-            if not _exact(module, forward):
+            if not _exact(module, chain):
                 inexact.append(fqn)
                 continue
             self._patched.append(_LeanForward(module, forward, f"lean {chain}"))
