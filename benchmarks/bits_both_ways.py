@@ -90,7 +90,7 @@ CNN_LR = 5e-4
 #: Paired seeds per workload (``--seeds`` overrides all): the CNN's paired runs differ by about
 #: 0.4% of the held-out loss (standard deviation), the GPTs' by about 0.05%.
 SEEDS = {"gpt": 3, "cnn": 8, "nano": 3}
-#: The drift section of configs/int4_drift.yaml (the preset the README recommends).
+#: The drift section of configs/int4_drift.yaml (the preset the README starts with).
 DRIFT = {
     "metric": "sgd",
     "threshold": 0.05,

@@ -1,4 +1,4 @@
-"""memopt: cut the activation memory of PyTorch training (the README documents the API)."""
+"""memopt: cut the activation memory of PyTorch training (README.md and docs/ describe the API)."""
 
 from .config import ConfigError, MemOptConfig
 from .engine import MemoryOptimizer

@@ -7,27 +7,13 @@ state kept while unpatched): Accelerate has no events, so the loop calls ``after
     model = plugin.apply(model)                      # before accelerator.prepare
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     plugin.attach(accelerator)                       # save_state/load_state carry bits + history
-    for step, batch in enumerate(loader):
-        with accelerator.accumulate(model):
-            loss = loss_of(model, batch)
-            accelerator.backward(loss)
-            sample = plugin.sample(batch)            # a few samples for the drift check
-            plugin.after_backward(step, lambda: loss_of(unwrapped, sample))
-            optimizer.step()
-            optimizer.zero_grad()
+    ...
+    accelerator.backward(loss)
+    plugin.after_backward(step, lambda: loss_of(unwrapped, plugin.sample(batch)))
 
-The drift check's ``loss_fn`` must run the patched model itself (``accelerator.unwrap_model``), not
-the DDP wrapper around it, so that the check's extra backward never reaches the gradient reducer.
-
-FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): ``prepare`` shards the patched model
-with ``fully_shard`` (memopt first, then sharding, as activation checkpointing goes) and
-``unwrap_model`` returns the sharded module itself, which the check runs; the check's gradients
-never reach ``.grad``, so FSDP's reduce-scatter never sees them. Leave the plugin's
-``activation_checkpointing`` off when the config has a ``recompute`` section (the layers would be
-checkpointed twice). Accelerate runs FSDP on GPUs only: on the CPU it sets the plugin aside
-and wraps the model in DDP. To train sharded on the CPU, shard the patched model with
-``fully_shard`` yourself and ``prepare`` the rest (the optimizer, the data): ``prepare`` would wrap
-a sharded model in DDP, which fails.
+The check's ``loss_fn`` must run the patched model itself (``accelerator.unwrap_model``), not the
+DDP wrapper, so its backward never reaches the gradient reducer. FSDP2 and sharding on the CPU:
+docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -162,7 +148,7 @@ class MemOptPlugin:
         return report
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
-        """The ``memopt/*`` values (README); ``drift=False`` leaves out ``memopt/drift/*``."""
+        """The ``memopt/*`` values; ``drift=False`` leaves out ``memopt/drift/*``."""
         return self.memopt.metrics(drift)
 
     def state_dict(self) -> dict[str, Any]:

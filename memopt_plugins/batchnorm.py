@@ -1,28 +1,17 @@
 """Running-statistics BatchNorm mode: training-mode BN as a fixed per-channel affine map.
 
-``batchnorm.mode: running``: :class:`BatchNormPatch` lets a model train with ordinary
-(batch-statistics) BatchNorm for ``warmup_steps`` optimizer steps, then makes every BatchNorm layer
-in training mode normalize with its running mean and variance, exactly as in eval mode, through
-:func:`~memopt_plugins.batchnorm_ops.running_batch_norm`. That op (its module doc says how) keeps
-no BN-specific tensor when a ReLU follows BN and only BN's input otherwise, and checks in backward
-that no use of BN's output escaped it; the patch collects which layers ran fused
-(:attr:`BatchNormPatch.fused_layers`) and, on accelerators, reads that check at the next forward
-of the model rather than with a device sync per layer.
+``batchnorm.mode: running``: :class:`BatchNormPatch` lets a model train with batch statistics for
+``warmup_steps`` optimizer steps, then makes every BatchNorm layer in training normalize with its
+running statistics, exactly as in eval mode, through
+:func:`~memopt_plugins.batchnorm_ops.running_batch_norm` (no BN-specific tensor kept when a ReLU
+follows, only BN's input otherwise). The patch collects which layers ran fused and, on
+accelerators, reads the op's escape check at the next forward rather than with a sync per layer.
 
-Running statistics are frozen in this mode: they are what warmup left, and the layer is a
-constant affine map of its input (the gradient is exact for it; no gradient flows into the
-statistics, which is what running mode means). Keeping them updating was tried first and is
-worse: the statistics then move with the weights through a path the gradient does not see, a
-lagged feedback loop that made the digits CNN of ``benchmarks/batchnorm_digits.py`` diverge
-(AdamW, lr 1e-3, switch at step 300: 72% test accuracy with updating statistics, 99.4% frozen,
-99.4% in batch mode). Frozen statistics are also what PyTorch's quantization-aware training
-(``freeze_bn_stats``) and detection fine-tuning (``FrozenBatchNorm2d``) use, they make training
-and eval normalize identically (a training-mode forward equals the eval-mode forward, before and
-after any step), and a checkpoint recompute has nothing to update twice. Like those, running mode
-wants a learning rate the network tolerates without BN's scale invariance: momentum SGD at a high
-rate can diverge after the switch, in PyTorch's own eval-mode BN just the same.
-
-A layer without running statistics (``track_running_stats=False``) keeps batch statistics.
+The running statistics are frozen in this mode: updating them while normalizing with them forms a
+feedback loop the gradient does not see, which diverged in training (benchmarks/batchnorm.md).
+Frozen statistics are what ``freeze_bn_stats`` and ``FrozenBatchNorm2d`` use too, make training and
+eval normalize identically, and leave a recompute nothing to update twice. A layer without running
+statistics (``track_running_stats=False``) keeps batch statistics.
 """
 
 from __future__ import annotations

@@ -1,38 +1,18 @@
 """Running-statistics BatchNorm as an autograd op, fused with a ReLU that follows it.
 
-:func:`running_batch_norm` is the training-mode forward of a BatchNorm layer normalizing with its
-running mean and variance, exactly as in eval mode (it calls the eval kernel, so the two outputs
-are equal bit for bit); the running statistics are left as they are. The layer is then
-``z = x * s + t`` per channel with ``s = γ / sqrt(var + eps)``: backward needs no batch
-statistics, and
+:func:`running_batch_norm` is a BatchNorm layer's forward with its running statistics (the eval
+kernel, so equal bit for bit to eval mode), the statistics left as they are: ``z = x * s + t`` per
+channel, whose backward needs no batch statistics. Followed by a ReLU it keeps no BN-specific
+tensor: the ReLU's output ``y``, which the next layer saves anyway, gives the whole backward
+(``x̂ = (y − β)/γ`` where ``y > 0``); a channel whose ``γ`` is 0 or too small against ``β`` keeps
+its own slice of the input. Followed by anything else it keeps its input, through the active
+saved-tensor hooks.
 
-* **BN → ReLU** (the usual conv → BN → ReLU) keeps no BN-specific tensor at all. The ReLU output
-  ``y``, which the next layer saves anyway, determines the whole backward (the in-place activated
-  BatchNorm idea): ``dz = dy·[y > 0]``, ``x̂ = (y − β)/γ`` where ``y > 0``, ``dγ = Σ dz·x̂``,
-  ``dβ = Σ dz``, ``dx = dz·s``. A channel whose ``γ`` is 0, or so small against a positive ``β``
-  that ``(y − β)/γ`` would lose precision (``|γ|·64 ≤ β``), keeps its own slice of the input
-  instead; where ``β ≤ 0`` and ``γ = 0`` the channel's output is 0 and needs nothing.
-* BN followed by anything else keeps what an affine map with a learnable scale needs: its input
-  (for ``dγ``), saved through the active saved-tensor hooks (so compression and checkpointing see
-  it as usual) — the same tensor batch-mode BN keeps, without the batch statistics.
-
-Finding the ReLU soundly. BN's output is returned as a tensor subclass that watches every PyTorch
-call made on it (``__torch_function__``: functions, methods, operators, ``torch.ops``). If the first
-call is a ReLU (``F.relu``, ``torch.relu``, ``Tensor.relu`` or their in-place forms) it runs fused,
-and the BN input is dropped once nothing else can use BN's output: at once for an in-place ReLU
-(the tensor *is* the ReLU output from then on), otherwise when the output tensor is freed (in
-``x = self.bn(x); x = self.relu(x)`` that is the next line). Any other call that could reach BN's
-output in the graph (anything but a metadata query such as ``.shape``) keeps the input saved. The
-one use this cannot see is a C++ extension function that reads the tensor without going through
-PyTorch's dispatch; BN's backward then finds gradient where the ReLU passed none and raises an
-error naming the layer instead of returning a wrong gradient. A :class:`BatchNormObserver` hears
-that check (and which calls ran fused): by default it raises at once, while
-:class:`~memopt_plugins.batchnorm.BatchNormPatch` on accelerators, to avoid a device sync per
-layer, raises at the next forward of the model.
-
-The gradient is exact for the constant affine map: no gradient flows into the running statistics.
-Why they stay frozen, and when a model switches to this op, is :mod:`memopt_plugins.batchnorm`'s
-part (``batchnorm.mode: running``).
+To find the ReLU soundly, BN's output is a tensor subclass that watches every call made on it
+(``__torch_function__``): if the first is a ReLU it runs fused and BN's input is dropped once
+nothing else can use the output; any other use keeps the input. A use this cannot see (a C++
+extension outside PyTorch's dispatch) makes backward raise an error naming the layer, reported
+through a :class:`BatchNormObserver`, rather than return a wrong gradient.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Validated memopt configuration: frozen pydantic models and :func:`load_config`.
 
-The schema is a public contract (README, "Configuration"). Every key has a default, so the empty
+The schema is a public contract (docs/configuration.md). Every key has a default, so the empty
 file, the empty dict and ``None`` are all valid and change nothing. Bad input is never ignored:
 every problem becomes one line of a :class:`ConfigError` that names the key path, the value given
 and what is allowed (and, for a typo, the closest valid key): :mod:`.config_io` reads the YAML and
@@ -395,7 +395,7 @@ class OpsConfig(_Section):
 
 
 class MemOptConfig(_Section):
-    """The whole memopt config: one section per technique (README, "Configuration").
+    """The whole memopt config: one section per technique (docs/configuration.md).
 
     A section written with nothing under it (``quantize:`` with every key commented out, i.e.
     null) means that section's defaults.

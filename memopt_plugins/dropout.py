@@ -1,42 +1,18 @@
 """Memory-efficient dropout: the mask kept as bits (``bitmask``) or rebuilt from a seed.
 
-PyTorch's dropout keeps its whole noise tensor for backward: float32 on the CPU (4 bytes per
-element), a bool mask on CUDA (1 byte). :class:`_DropoutFunction` computes the same output and
-gradient and keeps
+PyTorch's dropout keeps its whole noise tensor for backward. :class:`_DropoutFunction` computes the
+same output and gradient and keeps either the mask packed 8 elements a byte (``bitmask``: drawn
+from the global RNG as PyTorch's CPU kernel draws it, so bit for bit ``nn.Dropout`` under the same
+seed) or one seed per call (``regenerate``: drawn from the global CPU generator, never reseeding
+it, the mask rebuilt from a private generator; reproducible, but not ``nn.Dropout``'s masks). Under
+``torch.utils.checkpoint`` (RNG preserved) a replay rebuilds the very mask or seed.
 
-* ``bitmask``: the mask packed 8 elements per byte (``uint8``). The mask is drawn from the global
-  RNG exactly as PyTorch's CPU kernel draws it, so on the CPU the output and the gradient are
-  bit-for-bit those of ``nn.Dropout`` under the same seed.
-* ``regenerate``: nothing tensor-sized. Each call draws one 63-bit seed from the global CPU
-  generator (one ``torch.randint``; the global stream is never reseeded) and fills the mask from
-  a fresh private ``torch.Generator`` seeded with it, in forward and again in backward. The seed
-  is its own stream, so the offset is always 0. The global stream therefore advances by one draw
-  per call rather than by a mask's worth as with ``nn.Dropout``: runs are reproducible under
-  ``torch.manual_seed``, but the masks differ from ``nn.Dropout``'s.
-
-Recompute: both modes draw from the global RNG, which ``torch.utils.checkpoint`` restores before
-it recomputes (``preserve_rng_state=True``, its default), so a recomputed region rebuilds the very
-mask (``bitmask``) or seed (``regenerate``) its forward used. The packed mask is ``uint8``; the
-compression hooks keep integer tensors losslessly, so they never quantize it.
-
-Coverage. :class:`DropoutPatch` swaps every module whose type is exactly ``nn.Dropout``,
-``Dropout1d``, ``Dropout2d``, ``Dropout3d``, ``AlphaDropout`` or ``FeatureAlphaDropout`` (the alpha
-variants qualify: their gradient is ``grad * a * mask``, so the mask is all backward needs) for a
-subclass of the same type that keeps ``p`` and ``inplace``, so ``isinstance`` checks, the module
-names and the state dict are unchanged. Functional dropout inside third-party modules (Hugging
-Face's eager attention calls ``nn.functional.dropout(attn_weights, p=..., training=...)``) is
-routed through a ``TorchFunctionMode`` that is active while any module of the patched model runs
-(entered by the outermost module call on the thread, including the module calls a checkpoint
-recompute makes). It covers ``F.dropout``, ``F.dropout1d/2d/3d``, ``F.alpha_dropout``,
-``F.feature_alpha_dropout`` and ``torch.dropout`` / ``feature_dropout`` / ``alpha_dropout`` /
-``feature_alpha_dropout`` (and their in-place forms). Not covered: subclasses of the dropout
-modules with their own ``forward`` (unless it calls one of those functions), dropout fused into
-another kernel (``F.scaled_dot_product_attention(dropout_p=...)``, fused RNN dropout), a
-functional call outside any module of the model, and dropout2d/3d inputs of the deprecated ranks
-(those go to PyTorch's own function, with its warning). A recompute that calls a bare function
-rather than a module (``checkpoint(block.forward, x)``) runs functional dropout in its body without
-the mode; PyTorch's checkpoint then reports the mismatch instead of computing a wrong gradient.
-Tracing (``torch.compile``) is not a goal of this module: it is written for eager execution.
+:class:`DropoutPatch` swaps modules whose type is exactly one of torch's dropout modules for a
+subclass of the same type (names, ``isinstance`` and state dict unchanged), and routes functional
+dropout called inside the model (Hugging Face's eager attention) through a ``TorchFunctionMode``
+active while any module of the model runs. Not covered: dropout fused into another kernel (SDPA's
+``dropout_p``, fused RNN dropout), subclasses with their own ``forward``, functional calls outside
+the model's modules. Written for eager execution; docs/architecture.md says more.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class ModulePlan:
     bits: int
     lean: str | None = None  # the lean op it runs as (``ops``), e.g. "lean swiglu"
 
-    def __iter__(self):  # (kind, action, bits): the plan tuple of the README
+    def __iter__(self):  # (kind, action, bits): the plan tuple
         return iter((self.kind, self.action, self.bits))
 
 
@@ -499,7 +499,7 @@ class MemoryOptimizer:
         return self.check_drift(loss_fn, step=step, batch_size=batch_size)
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
-        """The ``memopt/*`` values for a logger (README, "Use it").
+        """The ``memopt/*`` values for a logger (docs/logging.md).
 
         ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
         ``memopt/bits_mean`` (over the compressed modules, weighted by the bytes each saved

@@ -1,27 +1,15 @@
 """The compression policy: which modules get which bits, and which saved tensors are kept as they
-are. The one place these rules are spelled: the eager hooks and the compiled graphs' hooks
-(:mod:`.compress.hooks`), the step recorder (:mod:`.measure.step`), the drift check's passes
-(:mod:`.drift.passes`) and the planner's estimate (:mod:`.compress.estimate`) all ask here.
+are. The one place these rules are spelled: the hooks (eager and compiled), the step recorder, the
+drift passes and the planner's estimate all ask here.
 
-Kept as it is, whatever its scope's bits (:func:`kept_as_is`), is a saved tensor that is
-
-* memory of the model: a parameter or a buffer, or a view of one (compressing it would keep a copy
-  of the weight for backward and feed backward a compressed weight);
-* anything the codec cannot take (:func:`encodable`): a tensor subclass with its own dispatch
-  (DTensor), a sparse or other non-strided layout, meta, nested or quantized tensors;
-* smaller than ``quantize.min_numel`` elements;
-* a broadcast (expanded) view: smaller as it is than any copy;
-* autocast's cast copy of a parameter, or a view of one (``weight_bf16.t()``): cached and shared, so
-  compressing it saves nothing.
-
-The step recorder never counts the batch, nor any other storage that exists before the step; the
-hooks are given the model's parameters and buffers only, and compress the batch where a module
-saves it. Of what is not kept as it is, floating tensors are what the bits act on
-(:func:`compressible`); the hooks narrow integer tensors losslessly and keep bool and complex ones.
-Compiled graphs keep a tensor as it is for reasons of their own (:func:`kept_in_graph`).
-
-This module sits below both compression and the measurement layer, which asks it too: it imports
-nothing of memopt's but the config and module selection.
+Kept as it is (:func:`kept_as_is`): a parameter or buffer or a view of one (a compressed copy would
+keep the weight and feed backward a compressed weight); anything the codec cannot take
+(:func:`encodable`: DTensor and other subclasses, non-strided layouts, meta, nested, quantized);
+fewer than ``quantize.min_numel`` elements; a broadcast view; autocast's cached cast copy of a
+parameter. Of the rest, floating tensors are what the bits act on (:func:`compressible`); the hooks
+narrow integer tensors losslessly and keep bool and complex ones. Compiled graphs have reasons of
+their own (:func:`kept_in_graph`). This module imports nothing of memopt's but the config and
+module selection, so both compression and measurement can ask it.
 """
 
 from __future__ import annotations
@@ -35,7 +23,7 @@ from torch import nn
 from .config import OFF_BITS, QuantizeConfig
 from .select import check_globs, fqn_matches, parent_fqns
 
-#: Why a compiled graph saves a tensor as it is, for the log and the README.
+#: Why a compiled graph saves a tensor as it is, for the log and docs/compile.md.
 KEPT = {
     "small": "tensors under quantize.min_numel",
     "integer": "integer and bool tensors (eager narrows them losslessly)",

@@ -3,28 +3,15 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[MemOptTrainerCallback("configs/int4_drift.yaml")])
 
-An adapter of the Trainer's events over one :class:`~memopt_plugins.session.MemOptSession` (which
-owns the steps, the checks, the logging and the state kept while unpatched):
-
-* ``on_init_end``: patches the model, before ``train()`` turns on activation checkpointing and
-  before ``accelerator.prepare`` wraps or compiles it (a config that recomputes modules is refused
-  under ``activation_checkpointing``: the layers would be checkpointed twice);
-* ``on_train_begin``: restores the state when resuming; watches ``Trainer.compute_loss`` for the
-  inputs of a step with a check due (callbacks are not handed the batch), and logs through
-  ``Trainer.log`` (so into ``state.log_history`` and every ``report_to`` integration);
-* ``on_pre_optimizer_step`` (after the last accumulated backward): the drift check, when due, on
-  the first ``drift.sample_size`` samples of the last micro-batch, through the Trainer's own
-  ``compute_loss`` on the patched model itself, not its DDP wrapper. It changes neither
-  ``.grad``, the optimizer, RNG streams nor buffers, so a run in which it escalates nothing is,
-  bit for bit, the run without it; under DDP the maximum over ranks decides;
-* ``on_step_end``: the step is counted, its metrics logged at the Trainer's logging steps and at
-  a check's step; ``on_train_end``: the patch is removed, its state kept for a later ``train()``.
-
-Checkpoints keep the state in ``trainer_state.json`` (the callback is an ``ExportableState``);
-``train(resume_from_checkpoint=...)`` restores it whatever ``restore_callback_states_from_
-checkpoint`` says (bits are numerics, like optimizer state; with the flag on, the Trainer's new
-instance puts the user's back in its place). A PEFT model (LoRA) is patched like any other: its
-frozen base weights are parameters, never compressed. README, "Hugging Face Trainer", says more.
+An adapter of the Trainer's events over one :class:`~memopt_plugins.session.MemOptSession`:
+``on_init_end`` patches the model (before ``train()`` turns on activation checkpointing and before
+``accelerator.prepare`` wraps or compiles it); ``on_train_begin`` restores state and watches
+``Trainer.compute_loss`` for a check's inputs (callbacks are not handed the batch);
+``on_pre_optimizer_step`` runs a due drift check through the Trainer's own ``compute_loss`` on the
+patched model; ``on_step_end`` counts the step and logs through ``Trainer.log``; ``on_train_end``
+removes the patch and keeps its state. The state is saved in ``trainer_state.json`` and restored on
+resume whatever ``restore_callback_states_from_checkpoint`` says (bits are numerics, like optimizer
+state). docs/integrations.md says more.
 """
 
 from __future__ import annotations
@@ -59,7 +46,7 @@ _CALLBACKS: weakref.WeakSet[MemOptTrainerCallback] = weakref.WeakSet()
 
 
 class MemOptTrainerCallback(TrainerCallback, ExportableState):
-    """Cut the activation memory of ``Trainer`` training with a memopt config (README).
+    """Cut a ``Trainer``'s activation memory with a memopt config (docs/integrations.md).
 
     Example::
 

@@ -1,58 +1,19 @@
 """Compression inside ``torch.compile``'d graphs: how the hooks get in, and what the graphs save.
 
-Since PyTorch 2.8, AOTAutograd inlines the saved-tensor hooks active when it compiles a frame
-into the compiled graphs, when both hooks are ``torch.fx.GraphModule``\\ s: the pack hook becomes
-the epilogue of the forward graph (the graph saves codes, and the original is freed inside it) and
-the unpack hook the prologue of the backward graph. Hooks that are plain Python functions run
-instead on what a compiled graph returns for backward, after the whole graph has run, so the
-graph's peak is not reduced.
-
-Each compression scope therefore enters hooks that are GraphModules of one call each
-(:func:`hook_module`; :meth:`.hooks.CompressionHooks.pair`). Called by autograd on a real tensor,
-the call is the eager path (fused codec, stochastic rounding, dedup, statistics). Traced by
-AOTAutograd (:func:`traced_context`), the call sees the graph node of the saved tensor, finds the
-innermost compressed module that produced it (:meth:`CompiledGraphs.scope_of`) and emits the codec
-in PyTorch operations that inductor compiles into the graph, at that module's bits
-(:mod:`.codec.traced`): the codes, bfloat16 scale and zero point of :mod:`.codec.reference`, in
-the same bytes compiled as eager. The groups' minima and maxima, codes and packing are fused into
-the kernels around them; the parameters between them are one opaque operator
-(``memopt::graph_params``) where the C kernels serve the tensor (:func:`.codec.ops.native_params`):
-inlined, their few dozen operations went into every kernel that saves a tensor, and compiling
-took four times as long. Elsewhere (CUDA, float64, ``MEMOPT_CODEC=torch``, no C compiler) they
-stay inlined: the operator would run them as a few dozen small tensor operations, eagerly, at
-every call.
-
-What the hooks see: every tensor a graph saves but the parameters and buffers (AOTAutograd's
-``no_static`` filter, set while memopt is applied: :class:`SavedFilter`). Its default,
-``donated``, hid the graph's inputs and the saved tensors that are also outputs of the graph:
-compiled per block, every block's input (2 MiB a block on GPT-2 4 x 256, batch 8 x 256); the whole
-model compiled, the logits (16 MiB there), which the graph saves and the caller's loss discarded.
-
-Inside a graph, compared with eager:
-
-* stochastic rounding draws its noise from a seed drawn on the host at every run of the graph
-  (``memopt::graph_seed``, from memopt's CPU generator, never the global RNG) and hashed per
-  element as the C kernel hashes it: at the same seed the codes are the native codec's;
-* a group the eager codec keeps exactly (NaN/Inf, a range the bfloat16 scale cannot express)
-  decodes to NaN, and a constant group to its value rounded up to a bfloat16 step;
-* saved as they are (:data:`memopt_plugins.policy.KEPT`): integer tensors, slices with gaps and
-  views of the graph's inputs (they may be views of parameters), besides tensors under
-  ``min_numel``;
-* tensors are not deduplicated across graphs (a block's output saved by the next block's graph
-  as its input is coded there once, and again if its own graph saves it too);
-* what the graphs save is counted from the sizes they were traced with, times the calls of each
-  graph in the forward (``SavedStats.compiled``, per compiled graph; :class:`CompiledGraphs`).
-
-The bits are read when a graph is compiled. Each scope's module carries its bits as a key that
-its pre-hook compares while traced (:meth:`.ScopeTracker.set_key`), so ``torch.compile`` guards
-every graph on the bits of the modules inside it: a change recompiles those graphs only. The
-scope active around a graph (hooks keyed by its own bits) is guarded on by its hooks' ids.
-
-A compiled graph's pack hooks run once, when AOTAutograd traces the graph; the graph then runs
-any number of times per forward (compiled per block, one graph serves every block). So the bytes
-are noted per traced graph (:meth:`CompiledGraphs.traced`, under AOTAutograd's id of the graph)
-and, after each forward, multiplied by how often each graph ran in it: its autograd nodes found
-walking back from the forward's outputs (:meth:`CompiledGraphs.forward_done`).
+AOTAutograd (PyTorch >= 2.8) inlines saved-tensor hooks that are ``torch.fx.GraphModule``\\ s into
+the graphs it compiles: the pack hook becomes the end of the forward graph (which then saves codes
+and frees the original inside it), the unpack hook the start of the backward graph. Plain Python
+hooks would run only on what the whole graph returns, leaving its peak as it was. So each scope
+enters one-call GraphModules (:func:`hook_module`); traced (:func:`traced_context`), the call finds
+the innermost compressed module that produced a saved tensor (:meth:`CompiledGraphs.scope_of`) and
+emits the traced codec (:mod:`.codec.traced`) at its bits. While memopt is applied, AOTAutograd's
+``no_static`` filter (:class:`SavedFilter`) lets the hooks see everything a graph saves but
+parameters and buffers. A graph's pack hooks run once, at tracing, and the graph then runs many
+times per forward, so bytes are noted per traced graph and multiplied by its runs in each forward
+(:meth:`CompiledGraphs.forward_done`). Each scope's module carries its bits as a key its pre-hook
+compares while traced (:meth:`.ScopeTracker.set_key`), so dynamo guards every graph on the bits
+of the modules inside it: a change of bits recompiles those graphs only. What differs from eager:
+docs/compile.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """Saved-tensor hooks scoped per module: the innermost selected module decides the bits.
 
 Entering a selected module (a :class:`~memopt_plugins.measure.ScopeTracker` scope) enters its
-``saved_tensors_hooks`` and leaving it leaves them, so every tensor autograd saves while the
-module runs — by an ``nn.Module`` or a functional call — goes through
-:meth:`CompressionHooks.pack` with the bits the :class:`~.bits.BitTable` gives that module.
+``saved_tensors_hooks`` and leaving it leaves them, so every tensor autograd saves while the module
+runs, by an ``nn.Module`` or a functional call, goes through :meth:`CompressionHooks.pack` at the
+bits the :class:`~.bits.BitTable` gives that module. One pair serves eager and compiled code
+(:meth:`CompressionHooks.pair`, GraphModules that AOTAutograd inlines: :mod:`.compiled`).
 
-The pair a scope enters serves eager and compiled code alike (:meth:`CompressionHooks.pair`): two
-GraphModules of one call, which AOTAutograd inlines into the graphs it compiles
-(:mod:`.compiled`). Called by autograd, the pack hook runs the eager path
-(:meth:`CompressionHooks.pack`: fused codec, dedup, statistics); traced, it puts the traced codec
-(:mod:`.codec.traced`) into the graph. The unpack hook decodes either.
-
-Scopes nest with other saved-tensor hooks as torch's do: the innermost pair wins. Inside a region
-whose hooks mean something else -- a checkpoint region memopt did not make (torch's non-reentrant
-checkpoint, Hugging Face's gradient checkpointing, ``checkpoint_wrapper``), its replay, a
-reentrant checkpoint's replay in backward, ``save_on_cpu`` -- a scope pushes nothing
-(:func:`memopt_plugins.policy.in_foreign_region`), so the region keeps only what it means to keep.
-A checkpoint saves its inputs before pushing its hooks: the enclosing scope compresses those.
-
-What is kept as it is follows the compression policy (:mod:`memopt_plugins.policy`). Parameters
-are never compressed, nor anything sharing their memory, and that is decided when a tensor is
-packed: against the parameters' and buffers' storages read when the step began and,
-on a sharded model (FSDP2), against those its modules hold at that moment
-(:class:`~memopt_plugins.measure.storage.RunningParameters`). FSDP2 unshards a parameter into
-fresh memory every forward and frees it after; autograd may save the unsharded weight or a view
-of it (``weight.t()``), and compressing that would keep a copy of the weight for backward and
-feed backward a compressed weight.
+Scopes nest as torch's hooks do: the innermost pair wins. Inside a region whose hooks mean
+something else (a checkpoint memopt did not make, its replay, ``save_on_cpu``) a scope pushes
+nothing (:func:`memopt_plugins.policy.in_foreign_region`); the enclosing scope compresses the
+checkpoint's inputs. What is kept as it is follows :mod:`memopt_plugins.policy`: parameters and
+anything sharing their memory never are, judged when a tensor is packed, against the storages the
+modules hold then (FSDP2's freshly gathered weights included), since a compressed weight would
+outlive resharding and feed backward a compressed weight.
 """
 
 from __future__ import annotations
@@ -399,7 +386,7 @@ class CompressionHooks:
             "configured, seeded at every run from memopt's generator), NaN/Inf groups decoded "
             "as NaN; parameters and "
             "buffers never; %s in this forward; a change of a module's bits recompiles the "
-            "graphs it runs in (README: torch.compile)",
+            "graphs it runs in (docs/compile.md)",
             len(traced),
             ", ".join(f or "<root>" for f in traced[:3]),
             ", ..." if len(traced) > 3 else "",
@@ -500,8 +487,8 @@ class CompressionHooks:
         # Groups run in ``t``'s own (row-major) index order whatever its layout, not in memory
         # order: a transposed view's groups then span its leading dim. CLIP's image embeddings,
         # saved transposed by the similarity matmul, are nearly alike across samples at init;
-        # grouped per sample, 8-bit nearest rounding gave 2.25% gradient error where grouping
-        # along the samples gives 1.82% (tests/test_compress.py holds both).
+        # grouped per sample, 8-bit nearest rounding gave a larger gradient error than grouping
+        # along the samples (tests/test_compress.py holds both).
         generator = self.noise(t.device) if self.stochastic and self.noise else None
         packed = quantize(
             t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic,

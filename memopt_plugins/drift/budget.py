@@ -1,14 +1,12 @@
 """``quantize.budget``: the widths that minimise the summed squared predicted drift within a
 byte budget (greedy over the ladder), and the predictions it runs on.
 
-A module's drift at width ``b`` is predicted from its drift measured at its current width,
-scaled by the quantization step ``1 / (2^b - 1)`` (:func:`step_size`): the sensitivity ``C_l``
-of ActNN and GACT (drift = ``C_l`` x step), read from the drift check's own pass, with no extra
-passes. The prediction only orders the choices: a module's measured drift is partly the other
-modules' rounding carried back through backward, which no scaling of its own width predicts
-(on HF Llama it overstated one rung lower many times over, README "Bits that come back down"),
-so the monitor probes every solved allocation with one compressed pass and the threshold,
-measured, stays the hard cap.
+A module's drift at width ``b`` is predicted from its drift at its current width, scaled by the
+quantization step ``1 / (2^b - 1)`` (:func:`step_size`): the sensitivity of ActNN and GACT, read
+from the check's own pass. The prediction only orders the choices: a module's drift is partly the
+other modules' rounding carried back through backward, which no scaling of its own width predicts,
+so the monitor probes every solved allocation with one compressed pass and the threshold stays
+the hard cap (docs/drift.md, "A memory target").
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The ``ops`` section: swap a model's chains and loss head for the memory-lean operations.
 
-* ``fuse`` (chain names, or ``[all]`` for every chain the model has): modules are patched by
-  what they are, and only where the swap is exact: each candidate's new ``forward`` is run beside
-  its own on a probe input at :meth:`LeanOps.apply`, and a module whose outputs differ is left as
-  it is (logged). ``gelu``: GELU modules (``nn.GELU``, Hugging Face's ``GELUActivation`` and its
-  tanh-GELU written as Python chains: ``NewGELUActivation``, ``GELUTanh``, ``PytorchGELUTanh``)
-  call :func:`~.chains.gelu`; ``swiglu`` / ``geglu``: gated MLPs (``gate_proj``, ``up_proj``,
-  ``down_proj`` and a SiLU / tanh-GELU ``act_fn``: Llama, Mistral, Qwen2, Gemma) compute
-  ``down(swiglu(gate(x), up(x)))``; ``rmsnorm``: Llama-style RMSNorm modules (``weight``,
-  ``variance_epsilon``) call :func:`~.chains.rms_norm`; ``attention``: a Hugging Face model built
-  with eager attention switches to ``torch.nn.functional.scaled_dot_product_attention``
-  (``set_attn_implementation("sdpa")``): eager attention keeps its probabilities (batch x heads x
-  sequence x sequence) for backward and, in the decoder layer, alive through the MLP, where SDPA
-  saves its inputs, its output and one value per row. Not where attention dropout is on (SDPA
-  draws its own mask: the run would differ) or the model cannot switch.
-* ``loss: chunked``: a Hugging Face causal LM (an ``lm_head`` ``nn.Linear`` fed by its base model)
-  computes its loss with :func:`~.loss.linear_cross_entropy` in training with labels; its output's
-  ``logits`` is then ``None``. In eval mode, without labels (generation) or without gradients the
-  model's own forward runs.
-
-A name in ``fuse`` that matches no module, or a model ``loss: chunked`` cannot patch, is a
+``fuse`` (chain names, or ``[all]``) patches modules by what they are, and only where the swap is
+exact: each candidate's new ``forward`` runs beside its own on a probe input at
+:meth:`LeanOps.apply`, and one whose outputs differ is left as it is (logged). The chains: GELU
+modules, gated MLPs (SwiGLU / GeGLU), Llama-style RMSNorm, a Hugging Face model's eager attention
+as SDPA (not with attention dropout: SDPA draws its own mask), and a CNN's batch norms,
+convolutions, ReLUs and max-pools (:mod:`.conv`). ``loss: chunked`` makes a Hugging Face causal LM
+compute its training loss with :func:`~.loss.linear_cross_entropy` (``logits`` is then ``None``);
+in eval, without labels or without gradients its own forward runs. A ``fuse`` name matching no
+module, or a model ``loss: chunked`` cannot patch, is a
 :class:`~memopt_plugins.config.ConfigError`. :meth:`LeanOps.remove` puts every ``forward`` back.
 """
 

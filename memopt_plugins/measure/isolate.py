@@ -1,29 +1,15 @@
 """Run a pass and leave the model as it was: the one isolation rule of the measuring passes.
 
-The step recorder's :func:`~.step.measure` (the recompute planner's forward), the drift check's
-passes and the profiler's steps all run the model besides training. :func:`isolated` puts back on
-exit everything such a pass may change:
-
-* every RNG stream a forward may draw from: torch's on the CPU and on every initialized
-  accelerator device (all of them, not only the model's: a forward may draw noise on any; the
-  model's devices only while the accelerator is uninitialized, where a CPU model forks none, as
-  reading a state would initialize it), numpy's global one, Python's ``random``, and private
-  ``generators`` (the codec's stochastic rounding);
-* the module buffers (BatchNorm's running statistics and ``num_batches_tracked``, any other),
-  copied in place, so the tensors training holds are the ones it finds;
-* each parameter's ``.grad`` (the tensor itself: put back when a pass replaced it, e.g. by
-  ``zero_grad``); with ``clear_grads`` the pass runs without them, so that a ``backward()`` in it
-  makes new ones instead of accumulating into them;
-* each module's train/eval mode;
-* the state of every torchmetrics metric among the modules (its accumulated values and update
-  count: the pass's own ``training_step`` must not count its samples; they are not buffers);
-* with ``optimizer``: the parameters' values and the optimizer's state (a pass that steps it).
-
-It never clones a parameter or a gradient without an optimizer (the drift check runs on large
-models during training), never writes ``.grad`` when the pass left it alone, and runs no
-backward and no reducer itself: what a pass must not do (touch a DDP reducer) stays the pass's.
-Training after an isolated pass continues every stream from where it was, so a run with the pass
-is bit for bit the run without it.
+The step recorder (the recompute planner's forward), the drift check's passes and the profiler's
+steps all run the model beside training. :func:`isolated` puts back on exit everything such a pass
+may change: every RNG stream a forward may draw from (torch's on the CPU and every initialized
+accelerator, numpy's, Python's ``random``, and given private generators), the module buffers
+(copied in place, so training finds its own tensors), each parameter's ``.grad`` (with
+``clear_grads`` the pass runs without them), each module's train/eval mode, every torchmetrics
+metric's state (not buffers: the pass's own ``training_step`` must not count its samples), and
+with an ``optimizer`` the parameters and its state. It clones no parameter or gradient without an
+optimizer and runs no backward itself, so a run with an isolated pass is bit for bit the run
+without it.
 """
 
 from __future__ import annotations

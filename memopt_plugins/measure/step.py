@@ -1,27 +1,15 @@
-"""One measured forward: what each module saves for backward, what recompute would free, time.
+"""One measured forward: what each module saves for backward, what recompute would free, its cost.
 
 :class:`StepRecorder` watches a forward through the model's :class:`~.scopes.ScopeTracker` and a
-``saved_tensors_hooks`` pack counter, and :meth:`StepRecorder.stop` turns it into a
-:class:`Measurement`, which the recompute planner (``recompute.auto``), ``memopt plan`` and the
-profiler all read. Rules of the count:
-
-* A storage is counted once, however many ops save it (or views of it), and only when it is still
-  held after the forward. Storages that existed before the step -- parameters, buffers, the root
-  module's inputs (the batch) and any ``extra`` tensors -- are not the step's and never counted.
-* A saved storage belongs to its *owner* (the innermost watched module running when it was first
-  saved; ``None`` outside every watched module, e.g. a loss computed after the model) and lies
-  *inside* every module that encloses all of its saves.
-* Recomputing a module frees the saved storages inside it that are not its own inputs, and costs
-  the inputs that nothing else keeps (a checkpoint holds its inputs): ``ModuleCost.saved_bytes``
-  is the difference, ``kept_inputs`` the second term.
-* The price of recomputing a module is its inclusive count of operations (:class:`OpCounter`),
-  which does not depend on the clock, so the same model and batch give the same plan; its
-  forward time (on CPU the thread's CPU time, elsewhere wall time after a device synchronize)
-  is recorded for display.
-* A module that changed one of its inputs in place is *unsafe*: a replay would see other values.
-
-Addresses are reused as soon as memory is freed, so a storage is recognised by its address only
-while a tensor on it is alive (weak references; nothing is kept alive by the recorder).
+pack counter; :meth:`StepRecorder.stop` gives a :class:`Measurement`, which the recompute planner,
+``memopt plan`` and the profiler read. A storage is counted once however many ops save it, only
+when still held after the forward, and never when it existed before the step (parameters,
+buffers, the batch). It belongs to the innermost watched module running when first saved. A
+module's recompute frees the storages inside it that are not its inputs and costs the inputs
+nothing else keeps (``ModuleCost.saved_bytes``, ``kept_inputs``); its price is its count of
+operations (:class:`OpCounter`), not a clock, so plans repeat. A module that changed an input in
+place is unsafe to replay. Storages are recognised by address only while a tensor on them is alive
+(weak references).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """A training step's memory over time, from the allocator: its peak, where it is, what is alive.
 
 :func:`record_step` runs one forward and backward under ``torch.profiler`` with
-``profile_memory=True``, which reports every allocation and free of the step's device allocator
-(CPU or CUDA) with the operators and ``record_function`` ranges around it. From those events it
-builds the allocator's live bytes over the step (above what was allocated before it), the bytes
-retained for backward at the end of the forward, the peak, the place of the peak (phase, op, the
-autograd node and the module whose forward made it) and what is alive at the peak, by kind:
-
-* ``activations``: allocated in the forward and still alive (saved for backward as they are, the
-  outputs, the loss's logits);
-* ``packed``: compressed copies the compression hooks made in the forward;
-* ``decoded``: saved tensors decoded for backward (``memopt::unpack``);
-* ``recomputed``: allocated while a recompute region replays its forward;
-* ``backward``: gradients in flight and the backward's other temporaries.
-
-memopt marks its own work with :func:`mark` (a ``record_function`` range, entered only while a
-profiler runs, so that training pays nothing for it). Parameters, gradients held from before the
-step and optimizer state are allocated before the step and are not part of the live bytes.
-
-Reading the allocator rather than the process (RSS) makes the figures those of the step alone:
-library code paged in by a first call, heap pages the allocator keeps and the profiler's own
-records are not counted.
+``profile_memory=True`` (every allocation and free of the step's CPU or CUDA allocator, with the
+ops and ``record_function`` ranges around it) and builds the live bytes over the step, the bytes
+retained at the end of the forward, the peak, its place (phase, op, autograd node, module) and what
+is alive there by kind: ``activations``, ``packed``, ``decoded``, ``recomputed``, ``backward``.
+memopt marks its own work with :func:`mark`, entered only while a profiler runs. What was
+allocated before the step (parameters, held gradients, optimizer state) is not counted, and
+reading the allocator rather than RSS leaves out library pages and the profiler's own records.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """The recompute planner: pick the modules to recompute under a memory budget.
 
-``recompute.auto: {budget: b}`` (and ``memopt plan``) read one :class:`~memopt_plugins.measure.
-Measurement` of a forward: the bytes each module's recompute would free (storages saved only
-inside it, less the inputs the checkpoint must then keep), where it sits in the order of saves,
-and its forward's operations (FLOPs of matmuls and convolutions, one per element elsewhere:
-a cost that does not depend on the clock, so the same model, batch and budget give the same plan
-every time). :func:`choose` then picks modules by bytes freed per operation of recompute
-until at most ``b`` of the baseline saved bytes remain. Bytes freed count twice: off what is kept,
-and off the estimated backward peak -- a replay re-creates a module's activations on top of what
-is still held, so one big region can cost more peak than it saves. It never picks a module inside
-one already picked (a picked container replaces the picks inside it), nor one freeing more than
-half of the baseline by itself, nor the model itself.
-
-The measured forward is either the first training forward (:meth:`RecomputePlanner.install`;
-that step runs without recompute and compression, at baseline memory, and the plan applies
-from the next forward on) or one you run on a batch of your choice
-(:meth:`RecomputePlanner.plan_now`, ``MemoryOptimizer.plan_recompute``), with RNG streams and
-buffers left as they were.
+``recompute.auto: {budget: b}`` (and ``memopt plan``) read one
+:class:`~memopt_plugins.measure.Measurement` of a forward: the bytes each module's recompute would
+free, where it sits in the order of saves, and its forward's operations (a clock-free cost, so the
+same model, batch and budget give the same plan). :func:`choose` picks by bytes freed per operation
+until at most ``b`` of the baseline saved bytes remain, counting freed bytes off what is kept and
+off the estimated backward peak (a replay re-creates activations on top of what is held). It never
+picks a module inside a picked one, one freeing more than half of the baseline alone, nor the
+model. The forward measured is the first training forward (:meth:`RecomputePlanner.install`; that
+step runs at baseline memory) or one on a batch of your choice (:meth:`RecomputePlanner.plan_now`).
 """
 
 from __future__ import annotations

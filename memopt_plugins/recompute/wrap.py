@@ -1,26 +1,14 @@
 """Selective recompute: chosen modules give up their saved activations and replay in backward.
 
 A recomputed module keeps its class, parameters, hooks and state-dict keys: only an instance
-attribute ``forward`` is set, which runs the original forward under non-reentrant
-``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask in the
-replay), and :meth:`Recompute.remove` deletes it again.
-
-Traps handled here, each covered by tests/test_recompute.py:
-
-* BatchNorm inside a recomputed module would update its running statistics and
-  ``num_batches_tracked`` a second time in the replay (pytorch#96136). The replay runs them, and
-  any other buffer the forward changed, on scratch copies, so buffers move once per step.
-* Compression is suspended inside a recomputed module (recompute wins). The checkpoint's own
-  saved inputs are saved outside it, so an enclosing compression scope may compress them.
-* An input changed in place, by the module itself or after it, would be replayed on the wrong
-  values: that raises :class:`RecomputeError` naming the module (in forward when the module did
-  it, else before backward reaches the module), as does any failure of the replay itself.
-* A Hugging Face KV cache handed to a recomputed module would be written again by the replay:
-  in training the module runs with ``cache=None, use_cache=False``, as transformers does under
-  its own gradient checkpointing.
-
-Which modules to recompute is the config's choice (:func:`recompute_targets`) or the planner's
-(:mod:`.planner`).
+attribute ``forward`` is set, running the original under non-reentrant ``torch.utils.checkpoint``
+with the RNG state preserved; :meth:`Recompute.remove` deletes it. Traps handled (tests in
+tests/test_recompute.py): BatchNorm and other buffers are replayed on scratch copies, so they move
+once per step (pytorch#96136); compression is suspended inside (recompute wins), while the
+checkpoint's inputs stay compressible by an enclosing scope; an input changed in place raises
+:class:`RecomputeError` naming the module, as does a failed replay; a Hugging Face KV cache is not
+handed to a recomputed module in training. Which modules: the config (:func:`recompute_targets`)
+or the planner (:mod:`.planner`).
 """
 
 from __future__ import annotations

@@ -1,55 +1,18 @@
 """Activation codec: group-wise integer quantization of floating tensors.
 
-This package is the codec in layers, each importing only those below it:
-
-* here, the façade: :class:`PackedTensor`, :func:`quantize`, :func:`dequantize`,
-  :func:`packed_nbytes`, the noise generators, and dropout's 1-bit masks (:func:`pack_mask`);
-* :mod:`.ops`, the dispatch: the codec as PyTorch operators that ``torch.compile`` can trace, and
-  which implementation serves each call (``MEMOPT_CODEC``, :func:`.ops.codec_for`);
-* :mod:`.reference`, the specification: the codec in torch operations, run where no kernel serves;
-* :mod:`.native` and ``kernels.c``, the fused C kernels for the CPU and their loader;
-* :mod:`.triton_kernels`, the fused Triton kernels for CUDA;
-* :mod:`.traced`, the codec in traceable operations that compiled graphs inline (the compression
-  hooks put it into the graphs, :mod:`..hooks`).
-
-The reference, C and Triton kernels write one byte layout: codes packed low bits first,
-``8 // bits`` neighbours to a byte (:mod:`memopt_plugins.packing`); compiled graphs pack a group's
-codes in planes instead (:func:`.traced.encode`), since inductor vectorizes planes and fell back to
-scalar loops, ten times slower, on neighbours, and those bytes never leave the graph that wrote
-them.
-
-``quantize`` turns a floating tensor into a :class:`PackedTensor` that holds only compact tensors:
-codes of 8, 4 or 2 bits packed into ``uint8``, plus a bfloat16 scale and a ``uint8`` zero point per
-group of ``group_size`` consecutive elements; :func:`packed_nbytes` states that cost.
-``dequantize`` restores shape and dtype. Both call the codec's operators (:mod:`.ops`), which run
-the fused C kernels of :mod:`.native` on the CPU, the Triton kernels of :mod:`.triton_kernels` on
-CUDA, or the torch reference of :mod:`.reference`, as ``MEMOPT_CODEC`` selects.
-
-Guarantees the rest of the engine builds on:
-
-* an exact zero decodes to exactly zero, and a nonzero value decodes to a nonzero value of the
-  same sign (backward formulas read the sign pattern of saved outputs, e.g. ReLU);
-* stochastic rounding is unbiased: the expected decoded value is the input, except for values
-  closer to zero than the first level (below), and it draws from a private generator, never from
-  the global RNG;
-* a constant group decodes exactly, and a group holding NaN/Inf (or a range the bfloat16 scale
-  cannot express) is stored exactly, without affecting its neighbours. On CUDA (the Triton
-  kernels) the side tables that hold them have room fixed by the tensor's size, so that packing
-  never waits for the GPU (:func:`.reference.bounded_tables`): one group kept exactly per 1024
-  groups (at least one), 16 constants and one per 64 groups; past that room a group kept exactly
-  decodes to NaN, as in compiled graphs, and a constant to its value rounded up to a bfloat16 step
-  (at most 2**-8 above it).
-
-The levels of a group are ``0`` and ``±(k - 1 + c)·step`` for ``k = 1, 2, ...`` codes away from
-the zero point: uniformly spaced one step apart, except that the first level on each side of zero
-sits at ``c·step`` (:data:`FIRST_LEVEL`). A value between 0 and the first level rounds to it, so
-that the sign survives; with ``c = 1/16`` that biases only values within a sixteenth of a step of
-zero, by less than that, where a first level of a whole step would bias every value within one
-step (measured in ``benchmarks/gradient_bias.md``). At 2 bits four levels cannot spare the room,
-and the first level is a whole step.
-
-Integer tensors are not quantized: the hooks narrow them losslessly
+:func:`quantize` turns a floating tensor into a :class:`PackedTensor`: codes of 8, 4 or 2 bits
+packed into ``uint8``, a bfloat16 scale and a ``uint8`` zero point per group of ``group_size``
+elements (:func:`packed_nbytes` states the cost); :func:`dequantize` restores shape and dtype. An
+exact zero decodes to zero and a nonzero value keeps its sign (backward reads sign patterns, e.g.
+ReLU's); stochastic rounding is unbiased except within :data:`FIRST_LEVEL` of a step of zero, and
+draws from private generators, never the global RNG; constant groups decode exactly and NaN/Inf
+groups are kept exactly. Integer tensors are narrowed losslessly instead
 (:func:`memopt_plugins.packing.narrow_int`).
+
+The layers, each importing only those below: this façade (plus dropout's 1-bit masks),
+:mod:`.ops` (the PyTorch operators and the choice of implementation, ``MEMOPT_CODEC``),
+:mod:`.reference` (the specification), :mod:`.native` (C, CPU), :mod:`.triton_kernels` (CUDA) and
+:mod:`.traced` (inside compiled graphs). docs/cuda-codec.md describes them.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The codec's fused CPU kernels (``kernels.c``): built on first use, called through ctypes.
 
-Quantizing with torch's elementwise ops makes about a dozen passes over a saved tensor; the
-``memopt_quantize`` kernel makes one (group minimum and maximum, group parameters, codes and bit
-packing while a group is in cache), and ``memopt_decode`` one back. Both split a tensor's groups
-between ``torch.get_num_threads()`` OpenMP threads, on the OpenMP runtime torch has loaded.
-:mod:`.reference` is the specification: with round-to-nearest the kernels write the same bytes as
-it (tests check it). Stochastic rounding draws its noise from a hash of each element's index and
-the ``seed`` argument (:func:`~memopt_plugins.compress.codec.quantize` draws it from the
-generator it is given, or the codec's private one).
-
-The library is compiled once per source, compiler and CPU with the system C compiler (``CC``, a
-command with its arguments, or ``cc``; ``-O3 -march=native -fopenmp``, about a second) into
-``$XDG_CACHE_HOME/memopt_plugins`` (default ``~/.cache``). Where the CPU has AVX-512, rounding runs
-in hand-written 16-lane code; elsewhere the portable C loop computes the same bytes. Without a
-compiler, on another architecture, or with ``MEMOPT_NATIVE=0`` in the environment, the library is
-not loaded and the codec runs the reference on the CPU (``MEMOPT_CODEC=native`` then raises; see
-:func:`.ops.codec_for`); a failed build is logged once as a warning.
+``memopt_quantize`` makes one pass over a saved tensor (group minimum and maximum, parameters,
+codes and bit packing while a group is in cache) where torch's elementwise ops make many;
+``memopt_decode`` one back. Both split the groups between ``torch.get_num_threads()`` threads on
+torch's OpenMP runtime. At round-to-nearest they write the bytes of :mod:`.reference`, the
+specification; stochastic rounding hashes each element's index with ``seed``. The library is
+compiled once per source, compiler and CPU with the system compiler (``CC`` or ``cc``, ``-O3
+-march=native -fopenmp``) into ``$XDG_CACHE_HOME/memopt_plugins``, with AVX-512 rounding where
+the CPU has it. Without a compiler, on another architecture or with ``MEMOPT_NATIVE=0`` the codec
+runs the reference on the CPU; a failed build is logged once.
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
-"""The codec as PyTorch operators: ``memopt::quantize`` and ``memopt::dequantize`` (and, for
-the codec that compiled graphs run (:mod:`.traced`), ``memopt::graph_params``, its group
-parameters, and ``memopt::graph_seed``, the seed of its rounding noise at each run).
+"""The codec as PyTorch operators: ``memopt::quantize``, ``memopt::dequantize``, and for compiled
+graphs (:mod:`.traced`) ``memopt::graph_params`` and ``memopt::graph_seed``.
 
-Operators (``torch.library.custom_op``) are what ``torch.compile`` can trace: each has a fake
-implementation that states the shapes of its outputs, so a compiled graph can quantize a saved
-activation in its forward and decode it in its backward. The real implementation is chosen per
-call, by the tensor's device and the environment variable ``MEMOPT_CODEC`` (:func:`codec_for`):
-
-* ``auto`` (the default): on the CPU the fused C kernels of :mod:`.native` where they are built,
-  on CUDA the Triton kernels of :mod:`.triton_kernels` where ``triton`` imports; the torch
-  reference of :mod:`.reference` otherwise and on other devices;
-* ``torch``: the reference everywhere;
-* ``native``: the C kernels; an error for a tensor that is not on the CPU, or when the kernels
-  cannot be built (``MEMOPT_NATIVE=0`` still switches them off: ``auto`` then takes the reference
-  on the CPU, as ``torch`` does);
-* ``triton``: the Triton kernels, for CUDA tensors, and for CPU tensors when the kernels run in
-  Triton's interpreter (``TRITON_INTERPRET=1`` in the environment from the process's start); an
-  error for other tensors, or when ``triton`` cannot be imported.
-
-Float64 tensors always take the reference: neither kernel takes them. A ``MEMOPT_CODEC`` outside
-:data:`CODECS` is an error.
-
-Eager code calls :func:`quantize` and :func:`dequantize` here, which pick the same
-implementations without the operator dispatch (tens of microseconds a call, paid for every saved
-tensor); compiled code calls the operators. Every implementation writes the same bytes at
-round-to-nearest. Stochastic rounding draws its noise from ``seed`` (an argument: nothing hidden
-in Python state inside the operator); ``seed`` ``None`` rounds to nearest. Inputs are flat and
-contiguous. The kernels flag the groups of the two side tables (the groups kept exactly, the
-constant groups kept as one value), and torch gathers the tables: on the CPU as large as the data
-needs, on CUDA (Triton) of sizes fixed by the tensor's size (:func:`.reference.bounded_tables`),
-so that the host never waits for the GPU while a saved tensor is packed or unpacked.
+Operators (``torch.library.custom_op``) with fake implementations are what ``torch.compile`` can
+trace. The real implementation is chosen per call by the tensor's device and ``MEMOPT_CODEC``
+(:func:`codec_for`): ``auto`` (the C kernels on the CPU, Triton on CUDA, else the reference),
+``torch``, ``native`` or ``triton``; anything outside :data:`CODECS` is an error, and float64
+always takes the reference. Eager code calls :func:`quantize` / :func:`dequantize` here, which
+pick the same implementations without the operator dispatch (paid for every saved tensor).
+Every implementation writes the same bytes at round-to-nearest; stochastic rounding takes its
+noise from an explicit ``seed``. On CUDA the side tables have sizes fixed by the tensor's size
+(:func:`.reference.bounded_tables`), so the host never waits for the GPU while packing.
 """
 
 from __future__ import annotations

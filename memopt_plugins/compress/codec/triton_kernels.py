@@ -1,29 +1,16 @@
 """The codec's Triton kernels, for CUDA: quantize and decode in one pass each, dropout masks.
 
-``_quantize_kernel`` reads each group of ``group_size`` elements once: its minimum and maximum,
-its parameters (bfloat16 step rounded up, integer zero point, the flags of groups kept exactly or
-as one constant value), its codes and their bit packing, all while the group is in registers.
-``_decode_kernel`` unpacks and decodes in one pass the other way. With round-to-nearest both write
-the same bytes as the torch reference (:mod:`.reference`): the same float32 operations in the same
-order, divisions rounded to nearest (``div_rn``), no fused multiply-adds (``enable_fp_fusion``
-off) and bfloat16 rounding done on the bits. Stochastic rounding draws 16 bits of Philox noise
-(``tl.randint``) per element from the ``seed`` argument and the element's index: the same noise
-whatever the launch configuration.
-
-A program holds ``GROUPS`` groups as a ``(GROUPS, BYTE_COLS, PER_BYTE)`` tile: lanes of one packed
-byte side by side, so packing is a shift and a sum over the last axis. A group is padded to a power
-of two by repeating its last element, which changes neither its minimum and maximum nor whether it
-is constant, and the tensor's partial last group the same way, as :class:`.reference.Groups` pads
-it. When ``group_size`` is not a multiple of the codes per byte, bytes straddle groups: the kernels
-then write (or read) one code per byte, and :mod:`memopt_plugins.packing` packs (or unpacks) them
-in torch.
-
-The kernels take float32, bfloat16 and float16 tensors on CUDA, or on the CPU through Triton's
-interpreter (:data:`INTERPRETED`): ``TRITON_INTERPRET=1`` in the environment before ``triton`` is
-imported, since ``triton.jit`` reads it when it defines a function and triton's own library
-(``tl.randint``, the reductions) is defined at its import. Importing memopt imports triton
-(``torch._dynamo`` does), so in practice the variable is set when the process starts; this module
-refuses to import when its kernels and triton's library disagree.
+``_quantize_kernel`` reads each group once (minimum and maximum, parameters, the flags of groups
+kept exactly or constant, codes, bit packing) while it is in registers; ``_decode_kernel`` makes
+one pass back. At round-to-nearest both write the reference's bytes (:mod:`.reference`): the same
+float32 operations in the same order, ``div_rn``, no fused multiply-adds, bfloat16 rounding on the
+bits. Stochastic rounding draws Philox noise (``tl.randint``) from ``seed`` and the element's
+index, whatever the launch configuration. A program holds ``GROUPS`` groups as a
+``(GROUPS, BYTE_COLS, PER_BYTE)`` tile, so packing is a shift and a sum; groups are padded to a
+power of two by repeating their last element. Where ``group_size`` is not a multiple of the codes
+per byte, :mod:`memopt_plugins.packing` packs in torch. On the CPU the kernels run in Triton's
+interpreter (:data:`INTERPRETED`), which ``TRITON_INTERPRET=1`` must select before ``triton`` is
+first imported; this module refuses to import when its kernels and triton's library disagree.
 """
 
 from __future__ import annotations
