@@ -11,6 +11,7 @@ from collections import namedtuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from memory import gradients
 from torch import nn
 from transformers import BatchEncoding
@@ -601,3 +602,20 @@ def test_metrics_log_a_bits_summary_and_a_modules_bits_only_when_they_change():
     assert {k for k in changed if k.startswith("memopt/bits/")} == {f"memopt/bits/{fqn}"}
     assert changed[f"memopt/bits/{fqn}"] == 8.0 and changed["memopt/bits_modules/8"] == 1.0
     assert changed["memopt/bits_mean"] == (4 * (len(opt.bits) - 1) + 8) / len(opt.bits)
+
+
+def test_a_lowering_undone_reports_the_cost_at_the_bits_kept():
+    """sgd: raised from 2 bits, the modules' lowering back to 2 is probed and undone; the check
+    reports the whole model's cost at the bits it keeps (it gave the undone probe's: the demo
+    printed "costs 0.3% -> 51.1% ... no change")."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 64, generator=generator), torch.randn(64, 1, generator=generator)
+    drift = {"metric": "sgd", "lower": True, "lower_after": 1, "lower_below": 1.0}
+    opt = MemoryOptimizer({"quantize": {"bits": 2, "min_numel": 0}, "drift": drift})
+    opt.apply(model)
+    first = opt.check_drift(lambda: F.mse_loss(model(x), y), batch_size=64)
+    assert first.escalated and first.total[0] > 0.05 >= first.total[1]
+    undone = opt.check_drift(lambda: F.mse_loss(model(x), y), batch_size=64)
+    assert undone.rounds == 2 and undone.lowered == {} and undone.escalated == {}
+    assert undone.total[0] == undone.total[1] <= 0.05

@@ -303,7 +303,7 @@ class DriftMonitor:
             if kept is None and cfg.lower and not moved:
                 calm = {f: d for f, d in last.drift.items() if f not in trail}
                 lowered = self._lower(calm, current, set_bits, measured, round_max)
-                if lowered is not None:
+                if lowered is not None and lowered[1]:  # the probe's bits are the ones kept
                     last, lowered_now = lowered
         escalated = {f: (start[f], b) for f, b in current.items() if b > start[f]}
         if kept is not None:
