@@ -455,3 +455,23 @@ def test_a_meta_device_model_takes_the_lean_ops_and_trains_exactly_once_material
     loss_fn(lean, batch).backward()
     got = {n: p.grad for n, p in lean.named_parameters()}
     assert rel_error(got, exact) <= 1e-5
+
+
+def test_rounding_noise_is_fresh_for_every_saved_tensor_and_step():
+    """Stochastic rounding draws new noise per saved tensor and per step: two steps on the same
+    data and weights give different gradients, and two equal tensors saved in one step get
+    different codes (a generator re-seeded at every draw gave identical ones)."""
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(32, 64)
+    opt = MemoryOptimizer({"quantize": {"bits": 2, "rounding": "stochastic", "min_numel": 0}})
+    opt.apply(model)
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        steps.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert not torch.equal(*steps)
+    t = torch.randn(4096)
+    first, second = (opt._hooks.unpack(opt._hooks.pack(t.clone(), 2)) for _ in range(2))
+    assert not torch.equal(first, second)
+    opt.remove()
