@@ -42,11 +42,12 @@ class MemOptCallback(Callback):
 
     Example::
 
-        trainer = Trainer(callbacks=[MemOptCallback("configs/int4_drift.yaml")])
+        trainer = Trainer(callbacks=[MemOptCallback("int4_drift")])
 
     Args:
-        config: the memopt config: a path to a YAML file, a dict in the YAML schema, a
-            ``MemOptConfig``, or ``None`` for the defaults (which change nothing).
+        config: the memopt config: a preset's name (``"int4_drift"``), a path to a YAML file, a
+            dict in the YAML schema, a ``MemOptConfig``, or ``None`` for the defaults (which
+            change nothing).
         loss_fn: ``loss_fn(pl_module, batch) -> scalar loss`` for the drift check. Default: the
             module's own ``training_step`` on the sliced batch, with its ``self.log`` calls
             suppressed. Required under manual optimization.

@@ -3,7 +3,7 @@
 A thin adapter over one :class:`~memopt_plugins.session.MemOptSession` (steps, checks, logs and
 state kept while unpatched): Accelerate has no events, so the loop calls ``after_backward``.
 
-    plugin = MemOptPlugin("configs/int4_drift.yaml")
+    plugin = MemOptPlugin("int4_drift")
     model = plugin.apply(model)                      # before accelerator.prepare
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     plugin.attach(accelerator)                       # save_state/load_state carry bits + history
@@ -52,7 +52,8 @@ class MemOptPlugin:
     """Applies a memopt config to a model trained with Accelerate; checks drift; logs.
 
     Args:
-        config: a path to a YAML file, a dict in the YAML schema, a ``MemOptConfig`` or ``None``
+        config: a preset's name (``"int4_drift"``), a path to a YAML file, a
+            dict in the YAML schema, a ``MemOptConfig`` or ``None``
             (the defaults, which change nothing).
         log_every: log the bits (``memopt/bits_*``, changed ``memopt/bits/*``),
             ``memopt/saved_*`` and ``memopt/escalations`` through ``accelerator.log`` every this

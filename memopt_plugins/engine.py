@@ -134,8 +134,9 @@ class MemoryOptimizer:
     """Applies a memopt config to a model.
 
     Args:
-        config: a :class:`MemOptConfig`, a dict in the YAML schema, a path to a YAML file, or
-            ``None`` for the defaults (which change nothing).
+        config: a :class:`MemOptConfig`, a preset's name (``"int4_drift"``, ``memopt presets``),
+            a dict in the YAML schema, a path to a YAML file, or ``None`` for the defaults (which
+            change nothing).
 
     Attributes:
         reduce_max: ``reduce_max(t) -> t`` element-wise max of a tensor over all ranks, which the

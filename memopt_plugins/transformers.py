@@ -1,7 +1,7 @@
 """``MemOptTrainerCallback``: memopt in a Hugging Face ``transformers.Trainer``.
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
-                      callbacks=[MemOptTrainerCallback("configs/int4_drift.yaml")])
+                      callbacks=[MemOptTrainerCallback("int4_drift")])
 
 An adapter of the Trainer's events over one :class:`~memopt_plugins.session.MemOptSession` (which
 owns the steps, the checks, the logging and the state kept while unpatched):
@@ -64,11 +64,12 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
     Example::
 
         Trainer(model=model, args=args, train_dataset=ds,
-                callbacks=[MemOptTrainerCallback("configs/int4_drift.yaml")])
+                callbacks=[MemOptTrainerCallback("int4_drift")])
 
     Args:
-        config: the memopt config: a path to a YAML file, a dict in the YAML schema, a
-            ``MemOptConfig``, or ``None`` for the defaults (which change nothing).
+        config: the memopt config: a preset's name (``"int4_drift"``), a path to a YAML file, a
+            dict in the YAML schema, a ``MemOptConfig``, or ``None`` for the defaults (which
+            change nothing).
         loss_fn: ``loss_fn(model, inputs) -> scalar loss`` for the drift check, where ``model`` is
             the patched model and ``inputs`` the sliced micro-batch (the dict ``compute_loss``
             gets). Default: the Trainer's own ``compute_loss``.
