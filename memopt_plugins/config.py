@@ -40,6 +40,7 @@ __all__ = [
     "MemOptConfig",
     "QuantizeConfig",
     "RecomputeConfig",
+    "checked_bits",
     "closest",
     "is_preset_name",
     "load_config",
@@ -98,6 +99,15 @@ OFF_BITS = 32
 HALF_BITS = 16
 BITS_CHOICES: tuple[int, ...] = typing.get_args(Bits)
 _BITS_TEXT = "2, 4, 8, 16 (half cast) or 32 (off)"
+
+
+def checked_bits(bits: Any) -> int:
+    """``bits`` as an ``int`` when it is a width memopt stores at (:data:`BITS_CHOICES`), else
+    ``ValueError``: a module's bits are checked where they are set, not at its next forward."""
+    if isinstance(bits, bool) or not isinstance(bits, int | float) or bits not in BITS_CHOICES:
+        raise ValueError(f"bits must be one of {_BITS_TEXT}; got {bits!r}")
+    return int(bits)
+
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 GlobList = Annotated[
