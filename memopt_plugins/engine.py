@@ -210,8 +210,9 @@ class MemoryOptimizer:
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
             )
-        targets = recompute_targets(model, self.config.recompute)  # validates before patching
-        scopes = resolve_bits(model, self.config.quantize)
+        preset = self.config.set_by_preset  # a preset's glob may not apply to this model
+        targets = recompute_targets(model, self.config.recompute, preset)  # validates first
+        scopes = resolve_bits(model, self.config.quantize, preset)
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
         # All or nothing: a failure part-way takes off what went on (remove() undoes each part).
         self._model = model
