@@ -163,7 +163,9 @@ class MemoryOptimizer:
         self._pending_noise: dict[str, Any] | None = None  # rounding generators loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
-        self._lean = LeanOps(self.config.ops)
+        self._lean = LeanOps(
+            self.config.ops, loss_from_preset=self.config.set_by_preset("ops.loss", "chunked")
+        )
         self._logged_bits: dict[str, int] = {}  # what metrics() last reported per module
         self._budget_waits_noted = False
 

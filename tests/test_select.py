@@ -87,8 +87,9 @@ def test_lightning_fit_with_a_glob_written_for_the_hf_model(tmp_path):
     memopt = MemOptCallback({"quantize": {"bits": 8, "exclude": ["lm_head"]}})
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(module.batch), 2)
     trainer = pl.Trainer(
-        callbacks=[memopt], accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[memopt], accelerator="cpu", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
     )  # fmt: skip
     trainer.fit(module, loader)
     assert memopt.bits and _heads(memopt.bits) == []  # the bits the fit ended with
