@@ -128,3 +128,17 @@ def test_a_presets_glob_that_does_not_apply_is_logged_and_skipped(caplog):
     mine = preset.with_changes(quantize={"exclude": ["lm_hed"]})
     with pytest.raises(ConfigError, match="lm_hed"):
         MemoryOptimizer(mine).apply(model)
+
+
+def test_user_globs_match_a_peft_lora_model():
+    peft = pytest.importorskip("peft")
+    model, batch, loss_fn = hf_gpt2(batch_size=2, seq=16, dim=32, layers=1)
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    )
+    opt = MemoryOptimizer({"quantize": {"bits": 4, "exclude": ["lm_head", "transformer.h.*.mlp"]}})
+    opt.apply(lora)
+    assert "base_model.model.transformer.h.0.attn" in opt.bits
+    assert _heads(opt.bits) == [] and not [f for f in opt.bits if ".mlp" in f]
+    loss_fn(lora, batch).backward()
+    opt.remove()
