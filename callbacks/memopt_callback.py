@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from ..config import MemOptConfig
 from ..engine import DriftReport, MemoryOptimizer, slice_batch
+from ..loss_fn import bind_loss, takes_model_and_batch
 from ..session import MemOptSession
 from ..tree import batch_size_of
 from .memopt_profile import MemOptProfileCallback
@@ -42,14 +43,16 @@ class MemOptCallback(Callback):
 
     Example::
 
-        trainer = Trainer(callbacks=[MemOptCallback("configs/int4_drift.yaml")])
+        trainer = Trainer(callbacks=[MemOptCallback("int4_drift")])
 
     Args:
-        config: the memopt config: a path to a YAML file, a dict in the YAML schema, a
-            ``MemOptConfig``, or ``None`` for the defaults (which change nothing).
-        loss_fn: ``loss_fn(pl_module, batch) -> scalar loss`` for the drift check. Default: the
-            module's own ``training_step`` on the sliced batch, with its ``self.log`` calls
-            suppressed. Required under manual optimization.
+        config: the memopt config: a preset's name (``"int4_drift"``), a path to a YAML file, a
+            dict in the YAML schema, a ``MemOptConfig``, or ``None`` for the defaults (which
+            change nothing).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss`` for the drift check, called with the
+            LightningModule and the sliced batch (a closure ``loss_fn()`` is accepted too).
+            Default: the module's own ``training_step`` on the sliced batch, with its
+            ``self.log`` calls suppressed. Required under manual optimization.
         slicer: ``slicer(batch, n) -> batch`` that keeps ``n`` samples for the drift check.
             Default: cut every tensor of the batch along dim 0.
         profile: deprecated; add ``MemOptProfileCallback()`` to the Trainer's callbacks instead
@@ -65,6 +68,8 @@ class MemOptCallback(Callback):
     ) -> None:
         super().__init__()
         self.session = MemOptSession(config)  # a bad config fails here, at construction
+        if loss_fn is not None:
+            takes_model_and_batch(loss_fn)  # a loss_fn of neither form fails here too
         self.loss_fn = loss_fn
         self.slicer = slicer or slice_batch
         self.profile = profile
@@ -217,11 +222,7 @@ class MemOptCallback(Callback):
         batch_idx = self._batch_idx
 
         if self.loss_fn is not None:
-            user_loss = self.loss_fn
-
-            def loss_fn() -> torch.Tensor:
-                return user_loss(pl_module, sample)
-
+            loss_fn = bind_loss(self.loss_fn, pl_module, sample)
         else:
 
             def loss_fn() -> torch.Tensor:

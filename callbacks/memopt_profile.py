@@ -33,7 +33,7 @@ class MemOptProfileCallback(Callback):
 
     Example::
 
-        trainer = Trainer(callbacks=[MemOptCallback("configs/int4.yaml"), MemOptProfileCallback()])
+        trainer = Trainer(callbacks=[MemOptCallback("int4_drift"), MemOptProfileCallback()])
 
     Refused under a sharding strategy (``FSDPStrategy``, ``ModelParallelStrategy``): the profile
     runs on rank 0 alone, and a sharded forward needs every rank.

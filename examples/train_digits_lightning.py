@@ -1,6 +1,6 @@
 """Train a small ResNet on scikit-learn's bundled handwritten digits with Lightning + memopt.
 
-    python examples/train_digits_lightning.py --config configs/convnet.yaml --epochs 5
+    python examples/train_digits_lightning.py --config convnet --epochs 5
     python examples/train_digits_lightning.py --no-memopt
 
 The conv-net preset runs BatchNorm on running statistics (after a warm-up), stores dropout masks
@@ -22,7 +22,6 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-PRESETS = Path(__file__).resolve().parents[1] / "configs"
 
 from data import digits  # noqa: E402
 from memopt_plugins.callbacks import MemOptCallback  # noqa: E402
@@ -64,7 +63,7 @@ class DigitsResNet(pl.LightningModule):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(PRESETS / "convnet.yaml"), help="memopt YAML")
+    parser.add_argument("--config", default="convnet", help="memopt preset name or YAML file")
     parser.add_argument("--no-memopt", action="store_true", help="train without memopt")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--max-steps", type=int, default=-1, help="stop earlier (-1: no limit)")

@@ -1,6 +1,6 @@
 """Train a character-level GPT on the Python standard library's source with Lightning + memopt.
 
-    python examples/train_gpt_lightning.py --config configs/int4_drift.yaml --max-steps 300
+    python examples/train_gpt_lightning.py --config int4_drift --max-steps 300
     python examples/train_gpt_lightning.py --no-memopt          # the same run without memopt
 
 The corpus is the ``.py`` files of the standard library of the Python running this script, so
@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-PRESETS = Path(__file__).resolve().parents[1] / "configs"
 
 from data import VOCAB, char_splits  # noqa: E402
 from memopt_plugins.callbacks import MemOptCallback  # noqa: E402
@@ -124,7 +123,7 @@ def loaders(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(PRESETS / "int4_drift.yaml"), help="memopt YAML")
+    parser.add_argument("--config", default="int4_drift", help="memopt preset name or YAML file")
     parser.add_argument("--no-memopt", action="store_true", help="train without memopt")
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)

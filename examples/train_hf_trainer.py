@@ -1,6 +1,6 @@
 """A Hugging Face ``Trainer`` with memopt: GPT-2 (from a config) on the standard library's source.
 
-    python examples/train_hf_trainer.py --config configs/int4_drift.yaml --max-steps 200
+    python examples/train_hf_trainer.py --config int4_drift --max-steps 200
     python examples/train_hf_trainer.py --lora 8        # rank-8 LoRA adapters (peft), base frozen
     torchrun --nproc_per_node 2 examples/train_hf_trainer.py --cpu    # DDP, gloo on CPU
 
@@ -28,7 +28,6 @@ from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-PRESETS = Path(__file__).resolve().parents[1] / "configs"
 
 from data import VOCAB, CharWindows, char_splits  # noqa: E402
 
@@ -82,7 +81,7 @@ def with_lora(model: GPT2LMHeadModel, rank: int) -> torch.nn.Module:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(PRESETS / "int4_drift.yaml"), help="memopt YAML")
+    parser.add_argument("--config", default="int4_drift", help="memopt preset name or YAML file")
     parser.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--accumulate", type=int, default=1, help="gradient accumulation")

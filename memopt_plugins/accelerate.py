@@ -3,16 +3,21 @@
 A thin adapter over one :class:`~memopt_plugins.session.MemOptSession` (steps, checks, logs and
 state kept while unpatched): Accelerate has no events, so the loop calls ``after_backward``.
 
-    plugin = MemOptPlugin("configs/int4_drift.yaml")
+    plugin = MemOptPlugin("int4_drift")
     model = plugin.apply(model)                      # before accelerator.prepare
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     plugin.attach(accelerator)                       # save_state/load_state carry bits + history
-    ...
-    accelerator.backward(loss)
-    plugin.after_backward(step, lambda: loss_of(unwrapped, plugin.sample(batch)))
+    for step, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = loss_of(model, batch)             # loss_of(model, batch) -> scalar loss
+            accelerator.backward(loss)
+            plugin.after_backward(step, loss_of, batch)  # the drift check, when due
+            optimizer.step()
+            optimizer.zero_grad()
 
-The check's ``loss_fn`` must run the patched model itself (``accelerator.unwrap_model``), not the
-DDP wrapper, so its backward never reaches the gradient reducer. FSDP2 and sharding on the CPU:
+The drift check runs ``loss_of(model, sample)`` on the patched model itself (not the DDP wrapper,
+so its backward never reaches the gradient reducer) on the first ``drift.sample_size`` samples of
+the batch. A closure ``loss_fn()`` is accepted too. FSDP2 and sharding on the CPU:
 docs/distributed.md.
 """
 
@@ -28,6 +33,7 @@ from torch import nn
 
 from .config import MemOptConfig
 from .engine import DriftReport, MemoryOptimizer, slice_batch
+from .loss_fn import bind_loss
 from .session import MemOptSession
 from .tree import batch_size_of
 
@@ -38,7 +44,8 @@ class MemOptPlugin:
     """Applies a memopt config to a model trained with Accelerate; checks drift; logs.
 
     Args:
-        config: a path to a YAML file, a dict in the YAML schema, a ``MemOptConfig`` or ``None``
+        config: a preset's name (``"int4_drift"``), a path to a YAML file, a
+            dict in the YAML schema, a ``MemOptConfig`` or ``None``
             (the defaults, which change nothing).
         log_every: log the bits (``memopt/bits_*``, changed ``memopt/bits/*``),
             ``memopt/saved_*`` and ``memopt/escalations`` through ``accelerator.log`` every this
@@ -108,21 +115,24 @@ class MemOptPlugin:
         self.session.log_metrics = lambda metrics, step: accelerator.log(metrics, step=step)
 
     def sample(self, batch: Any) -> Any:
-        """The first ``drift.sample_size`` samples of ``batch``, for the drift check's loss_fn
-        (the check judges compression at ``batch``'s size)."""
+        """The first ``drift.sample_size`` samples of ``batch``, for a closure ``loss_fn()`` of the
+        drift check (the check judges compression at ``batch``'s size)."""
         self._batch_size = batch_size_of(batch)
         return self.slicer(batch, self.config.drift.sample_size)
 
     def after_backward(
-        self, step: int | None, loss_fn: Callable[[], torch.Tensor]
+        self, step: int | None, loss_fn: Callable[..., torch.Tensor], batch: Any = None
     ) -> DriftReport | None:
         """Call after each backward: at an optimizer-step boundary, runs the drift check when due.
 
         Args:
             step: the index of the optimizer step about to be taken (0 for the first), or
                 ``None`` to use the plugin's own count of boundaries.
-            loss_fn: ``loss_fn() -> scalar loss`` on a small batch, running the patched model
-                itself (not the DDP wrapper); called only when a check runs.
+            loss_fn: ``loss_fn(model, batch) -> scalar loss``, run on the patched model and a
+                :meth:`sample` of ``batch``; or a closure ``loss_fn() -> scalar loss`` on a small
+                batch, running the patched model itself (not the DDP wrapper). Called only when
+                a check runs.
+            batch: the training batch (needed by ``loss_fn(model, batch)``).
 
         Returns:
             The drift report when a check ran, else ``None``. Under torch.distributed every
@@ -133,17 +143,19 @@ class MemOptPlugin:
             return None  # accumulating: not an optimizer-step boundary
         if step is None:
             step = self.memopt.steps
-        check = loss_fn
-        if accelerator is not None:
-            autocast = accelerator.autocast
+        report = None
+        if self.session.due(step):
+            sample = None if batch is None else self.sample(batch)
+            loss = bind_loss(loss_fn, self.session.model, sample)
+            check = loss
+            if accelerator is not None:
+                autocast = accelerator.autocast
 
-            def check() -> torch.Tensor:
-                with autocast():
-                    return loss_fn()
+                def check() -> torch.Tensor:
+                    with autocast():
+                        return loss()
 
-        report = self.session.check_if_due(check, step, self._batch_size)
-        if report is not None:
-            self.last_report = report
+            report = self.last_report = self.session.check(check, step, self._batch_size)
         self.session.end_step(step, log_due=step % self.log_every == 0)
         return report
 

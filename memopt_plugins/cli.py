@@ -8,7 +8,8 @@ keeps the step's peak at most that fraction of the baseline's peak (or the whole
 cap, and then also the largest batch that fits), measured by running it: the modules the
 recompute planner picks, plus compression at ``N`` bits, or at the bits needed when recompute
 alone cannot reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
-returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
+returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``. ``--config``
+takes a preset's name or a YAML file; ``memopt presets`` lists the presets.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import presets
 from .config import ConfigError, MemOptConfig, closest, load_config, memory_bytes
 from .profiler import ProfileReport, profile_model, suggest_config
 from .profiler.fit import plan_peak
@@ -246,12 +248,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_presets(args: argparse.Namespace) -> int:
+    """``memopt presets``: each preset's name and what it is for, and which to start with."""
+    names = presets.names()
+    width = max(len(n) for n in names)
+    for name in names:
+        print(f"{name.ljust(width)}  {presets.describe(name)}")
+    print(
+        f"\nStart with {presets.FIRST}: MemOptCallback({presets.FIRST!r}), "
+        f"MemoryOptimizer({presets.FIRST!r}) or --config {presets.FIRST}. "
+        "Print one with: memopt presets NAME"
+    )
+    return 0
+
+
+def cmd_preset(args: argparse.Namespace) -> int:
+    """``memopt presets NAME``: the preset's YAML, comments and all (a file to start from)."""
+    found = presets.path(args.name)
+    if found is None:
+        try:
+            MemOptConfig.from_preset(args.name)
+        except ConfigError as err:  # names the presets and the closest one
+            raise CliError(str(err)) from None
+    print(found.read_text(encoding="utf-8"), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``memopt`` (subcommands ``profile`` and ``plan``)."""
+    """The argument parser of ``memopt`` (subcommands ``profile``, ``plan`` and ``presets``)."""
     parser = argparse.ArgumentParser(
         prog="memopt", description="Find where a model's training memory goes, and plan to cut it."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{profile,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{profile,plan,presets}")
     model_help = (
         "FILE.py:factory - the factory returns (model, batch, loss_fn) with "
         "loss_fn(model, batch) -> scalar loss"
@@ -260,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="per-module memory of one training step")
     p.add_argument("--model", required=True, metavar="FILE.py:factory", help=model_help)
-    p.add_argument("--config", metavar="YAML", help="memopt config whose plan is measured too")
+    p.add_argument(
+        "--config", metavar="NAME|YAML", help="memopt preset or config whose plan is measured too"
+    )
     p.add_argument("--out", default="memopt-report", metavar="DIR", help="report folder")
     p.add_argument("--top", type=_positive, default=25, metavar="N", help="rows shown (25)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="count this optimizer's state")
@@ -287,10 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(2, 4, 8, 16),
         help="also compress at these bits (default: only when recompute cannot reach the budget)",
     )
-    p.add_argument("--config", metavar="YAML", help="start from this config (its other keys stay)")
+    p.add_argument(
+        "--config", metavar="NAME|YAML", help="start from this preset or config (its keys stay)"
+    )
     p.add_argument("--output", "-o", metavar="FILE", help="also write the YAML to FILE")
     p.add_argument("--device", help=device_help)
     p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("presets", help="list the presets (--config NAME), or print one")
+    p.add_argument("name", nargs="?", metavar="NAME", help="print this preset's YAML")
+    p.set_defaults(run=lambda args: cmd_preset(args) if args.name else cmd_presets(args))
     return parser
 
 

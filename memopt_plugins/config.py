@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterator, Mapping
+from importlib import resources
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,11 +21,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from . import presets
 from .config_io import Allowed, ConfigError, closest, config_error, dump_yaml, read_yaml, show
 
 __all__ = [
@@ -37,7 +40,9 @@ __all__ = [
     "MemOptConfig",
     "QuantizeConfig",
     "RecomputeConfig",
+    "checked_bits",
     "closest",
+    "is_preset_name",
     "load_config",
     "memory_bytes",
 ]
@@ -94,6 +99,15 @@ OFF_BITS = 32
 HALF_BITS = 16
 BITS_CHOICES: tuple[int, ...] = typing.get_args(Bits)
 _BITS_TEXT = "2, 4, 8, 16 (half cast) or 32 (off)"
+
+
+def checked_bits(bits: Any) -> int:
+    """``bits`` as an ``int`` when it is a width memopt stores at (:data:`BITS_CHOICES`), else
+    ``ValueError``: a module's bits are checked where they are set, not at its next forward."""
+    if isinstance(bits, bool) or not isinstance(bits, int | float) or bits not in BITS_CHOICES:
+        raise ValueError(f"bits must be one of {_BITS_TEXT}; got {bits!r}")
+    return int(bits)
+
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 GlobList = Annotated[
@@ -416,6 +430,49 @@ class MemOptConfig(_Section):
     )
     ops: OpsConfig = Field(default_factory=OpsConfig, description="Memory-lean operations.")
 
+    # Where a preset's settings are in force (its name, and each (key, value) it set): a preset's
+    # glob that matches nothing on a model, or its chunked loss where the model has no reachable
+    # loss head, does not apply there (logged), where the user's own would be a mistake.
+    _preset: str | None = PrivateAttr(None)
+    _preset_values: frozenset[tuple[str, Any]] = PrivateAttr(frozenset())
+
+    def __eq__(self, other: object) -> bool:  # the settings decide, not where they came from
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash(self.to_yaml())
+
+    @property
+    def preset(self) -> str | None:
+        """The name of the preset this config was loaded from (kept by :meth:`with_changes`)."""
+        return self._preset
+
+    def set_by_preset(self, key: str, value: Any) -> bool:
+        """Whether the preset this config was loaded from set ``value`` at ``key``: an item of a
+        list (``"quantize.exclude"``, ``"*lm_head"``), a key of a mapping (``"quantize.overrides"``)
+        or a plain value (``"ops.loss"``, ``"chunked"``)."""
+        return (key, value) in self._preset_values
+
+    @classmethod
+    def from_preset(cls, name: str) -> MemOptConfig:
+        """The preset ``name`` (``memopt presets`` lists them), e.g. ``"int4_drift"``."""
+        found = presets.path(name)
+        if found is None:
+            known = presets.names()
+            guess = closest(name, known, n=1)
+            hint = f" Did you mean {guess[0]!r}?" if guess else ""
+            raise ConfigError(
+                f"no memopt preset named {name!r}.{hint} Presets: {', '.join(known)} "
+                "(`memopt presets` says what each is for); a path to a YAML file works too"
+            )
+        with resources.as_file(found) as file:
+            return cls._validate(read_yaml(file), f"invalid memopt preset {name}")._as_preset(name)
+
+    def _as_preset(self, name: str) -> MemOptConfig:
+        self._preset = name
+        self._preset_values = frozenset(_settings(self.to_dict()))
+        return self
+
     @field_validator("recompute", "quantize", "drift", "dropout", "batchnorm", "ops", mode="before")
     @classmethod
     def _null_section_is_default(cls, value: Any) -> Any:
@@ -436,8 +493,11 @@ class MemOptConfig(_Section):
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> MemOptConfig:
-        """Load and validate a YAML file; an empty file gives the defaults."""
-        return cls._validate(read_yaml(path), f"invalid memopt config in {os.fspath(path)}")
+        """Load and validate a YAML file; an empty file gives the defaults. A preset's own file
+        (``configs/int4_drift.yaml`` in the repository) loads as that preset."""
+        config = cls._validate(read_yaml(path), f"invalid memopt config in {os.fspath(path)}")
+        name = presets.name_of(path)
+        return config._as_preset(name) if name is not None else config
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of builtins (lists, not tuples) that YAML and JSON can write."""
@@ -461,7 +521,9 @@ class MemOptConfig(_Section):
                 data[section] = {**data[section], **update}
             else:
                 data[section] = update
-        return self.from_dict(data)
+        changed = self.from_dict(data)
+        changed._preset, changed._preset_values = self._preset, self._preset_values
+        return changed
 
     @classmethod
     def _validate(cls, data: Any, header: str) -> MemOptConfig:
@@ -478,17 +540,44 @@ class MemOptConfig(_Section):
             raise config_error(err, cls, header) from None
 
 
+def _settings(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(key path, value)`` of every setting in ``data``: one per list item and mapping key."""
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not prefix:
+            yield from _settings(value, f"{path}.")
+        elif isinstance(value, Mapping | list):
+            yield from ((path, item) for item in value if isinstance(item, Hashable))
+        else:
+            yield path, value
+
+
+def is_preset_name(text: str) -> bool:
+    """A bare name (``"int4_drift"``): no folder and no ``.yaml``/``.yml`` suffix. Anything else
+    is a path to a YAML file."""
+    return not any(sep in text for sep in ("/", os.sep)) and not text.endswith((".yaml", ".yml"))
+
+
 def load_config(
     config: MemOptConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
 ) -> MemOptConfig:
-    """A :class:`MemOptConfig` from a config (returned as is), a dict, a YAML path or ``None``."""
+    """A :class:`MemOptConfig` from a config (returned as is), a dict, a preset's name
+    (``"int4_drift"``), a YAML path or ``None``."""
     if isinstance(config, MemOptConfig):
         return config
     if config is None or isinstance(config, Mapping):
         return MemOptConfig.from_dict(config)
+    if isinstance(config, str) and is_preset_name(config):
+        return MemOptConfig.from_preset(config)
     if isinstance(config, str | os.PathLike):
+        stem = os.path.splitext(os.path.basename(os.fspath(config)))[0]
+        if not os.path.exists(config) and presets.path(stem) is not None:
+            raise ConfigError(
+                f"config file not found: {os.fspath(config)}; memopt has a preset named "
+                f"{stem!r}: pass {stem!r} to load it by name"
+            )
         return MemOptConfig.from_yaml(config)
     raise ConfigError(
-        "a memopt config must be a MemOptConfig, a dict, a path to a YAML file or None; "
-        f"got {show(config)}"
+        "a memopt config must be a MemOptConfig, a dict, a preset's name, a path to a YAML file "
+        f"or None; got {show(config)}"
     )

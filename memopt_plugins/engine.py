@@ -24,12 +24,13 @@ from .compress.codec import NoiseGenerators
 from .compress.estimate import storage_ratio
 from .compress.hooks import CompressionHooks, PackObserver
 from .compress.stats import ModuleSaved
-from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
+from .config import OFF_BITS, ConfigError, MemOptConfig, checked_bits, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
 from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing
 from .dropout import DropoutPatch
 from .lean import LeanOps
+from .loss_fn import bind_loss
 from .measure.process import peak_bytes
 from .policy import resolve_bits
 from .recompute import (
@@ -42,7 +43,7 @@ from .recompute import (
     region_actions,
 )
 from .select import layer_kind
-from .tree import slice_batch
+from .tree import batch_size_of, slice_batch
 
 __all__ = [
     "COMPRESS",
@@ -134,8 +135,9 @@ class MemoryOptimizer:
     """Applies a memopt config to a model.
 
     Args:
-        config: a :class:`MemOptConfig`, a dict in the YAML schema, a path to a YAML file, or
-            ``None`` for the defaults (which change nothing).
+        config: a :class:`MemOptConfig`, a preset's name (``"int4_drift"``, ``memopt presets``),
+            a dict in the YAML schema, a path to a YAML file, or ``None`` for the defaults (which
+            change nothing).
 
     Attributes:
         reduce_max: ``reduce_max(t) -> t`` element-wise max of a tensor over all ranks, which the
@@ -161,7 +163,9 @@ class MemoryOptimizer:
         self._pending_noise: dict[str, Any] | None = None  # rounding generators loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
-        self._lean = LeanOps(self.config.ops)
+        self._lean = LeanOps(
+            self.config.ops, loss_from_preset=self.config.set_by_preset("ops.loss", "chunked")
+        )
         self._logged_bits: dict[str, int] = {}  # what metrics() last reported per module
         self._budget_waits_noted = False
 
@@ -208,8 +212,9 @@ class MemoryOptimizer:
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
             )
-        targets = recompute_targets(model, self.config.recompute)  # validates before patching
-        scopes = resolve_bits(model, self.config.quantize)
+        preset = self.config.set_by_preset  # a preset's glob may not apply to this model
+        targets = recompute_targets(model, self.config.recompute, preset)  # validates first
+        scopes = resolve_bits(model, self.config.quantize, preset)
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
         # All or nothing: a failure part-way takes off what went on (remove() undoes each part).
         self._model = model
@@ -305,7 +310,12 @@ class MemoryOptimizer:
         self._table.clear()
 
     def set_bits(self, fqn: str, bits: int) -> None:
-        """Change the bits of one compressed module; takes effect at its next forward."""
+        """Change the bits of one compressed module; takes effect at its next forward.
+
+        Raises:
+            ValueError: ``bits`` is not one of 2, 4, 8, 16 (half cast) or 32 (off).
+            KeyError: ``fqn`` is not a compressed module.
+        """
         self._table.set(fqn, bits)
 
     # ----------------------------------------------------------------- recompute
@@ -327,9 +337,10 @@ class MemoryOptimizer:
         return self._planner.plan if self._planner is not None else None
 
     def plan_recompute(
-        self, loss_fn: Callable[[], Any], budget: float | None = None
+        self, loss_fn: Callable[..., Any], budget: float | None = None, *, batch: Any = None
     ) -> RecomputePlan:
-        """Measure one forward of ``loss_fn()`` now and recompute the modules the planner picks.
+        """Measure one forward of ``loss_fn(model, batch)`` now and recompute the modules the
+        planner picks (``loss_fn()``, a closure, is accepted too; then no ``batch``).
 
         Call it before training on a batch of your choice (saved bytes scale with the batch, so
         a small one plans as well) instead of letting ``recompute.auto`` measure the first
@@ -337,7 +348,8 @@ class MemoryOptimizer:
         ``recompute.auto.budget``; RNG streams and buffers are left as they were; a previous
         planner choice is replaced. See :mod:`memopt_plugins.recompute`.
         """
-        self._require_model()
+        model = self._require_model()
+        loss_fn = bind_loss(loss_fn, model, batch)
         if self._planner is None:
             if budget is None:
                 raise ConfigError(
@@ -392,18 +404,22 @@ class MemoryOptimizer:
 
     def check_drift(
         self,
-        loss_fn: Callable[[], torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
         *,
+        batch: Any = None,
         step: int | None = None,
         max_rounds: int | None = None,
         batch_size: int | None = None,
     ) -> DriftReport:
-        """Compare compressed and exact gradients of ``loss_fn()`` and escalate drifting modules.
+        """Compare compressed and exact gradients of the loss and escalate drifting modules.
 
-        ``loss_fn()`` returns a scalar loss on a small batch (see :func:`slice_batch`) and
-        calls the patched model itself (under DDP: ``ddp.module``). ``batch_size``: samples in
-        the training batch it was cut from (``drift.metric: sgd`` judges the cost at that batch;
-        default: the small batch's own, which overstates it). Training is unaffected:
+        ``loss_fn(model, batch) -> scalar loss`` runs on the patched model and the first
+        ``drift.sample_size`` samples of ``batch``, the training batch (:func:`slice_batch`);
+        ``batch_size`` defaults to ``batch``'s. A closure ``loss_fn()`` is accepted too: it
+        returns the loss on a small batch and calls the patched model itself (under DDP:
+        ``ddp.module``). ``batch_size``: samples in the training batch the small one was cut
+        from (``drift.metric: sgd`` judges the cost at that batch; default: the small batch's
+        own, which overstates it). Training is unaffected:
         RNG streams, buffers, ``.grad`` and the saved-bytes statistics are as before the call.
         ``max_rounds=None`` re-checks until no module escalates (one compressed pass per round;
         a check that escalates nothing costs one exact and one compressed pass); ``1`` escalates
@@ -411,6 +427,10 @@ class MemoryOptimizer:
         :meth:`should_check`). See :mod:`memopt_plugins.drift`.
         """
         model = self._require_model()
+        if batch is not None:
+            batch_size = batch_size_of(batch) if batch_size is None else batch_size
+            batch = slice_batch(batch, self.config.drift.sample_size)
+        loss_fn = bind_loss(loss_fn, model, batch)
         hooks = self._hooks
         kept = hooks.stats.snapshot()
         step_ended = hooks.step_ended  # the check's passes are no training forward
@@ -489,14 +509,16 @@ class MemoryOptimizer:
 
     def maybe_check_drift(
         self,
-        loss_fn: Callable[[], torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
         step: int | None = None,
         batch_size: int | None = None,
+        *,
+        batch: Any = None,
     ) -> DriftReport | None:
         """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due, else None."""
         if self._model is None or not self.should_check(step):
             return None
-        return self.check_drift(loss_fn, step=step, batch_size=batch_size)
+        return self.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
         """The ``memopt/*`` values for a logger (docs/logging.md).
@@ -585,7 +607,7 @@ class MemoryOptimizer:
             self._pending_noise = dict(state["noise"])
             self._load_noise()
         if self._model is None:
-            self._table.pending = {f: int(b) for f, b in bits.items()}
+            self._table.pending = {f: checked_bits(b) for f, b in bits.items()}
             return
         for fqn, b in bits.items():
             self.set_bits(fqn, int(b))

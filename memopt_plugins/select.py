@@ -1,13 +1,34 @@
-"""Module selection: fqn globs, class names, and the layer kind of a module."""
+"""Module selection: fqn globs, class names, and the layer kind of a module.
+
+A glob names a module of the model the user wrote, wherever a framework wraps it: it is matched
+against the module's name and against that name with leading wrapper attributes dropped
+(:data:`WRAPPERS`), so ``lm_head`` matches Lightning's ``model.lm_head`` and PEFT's
+``base_model.model.lm_head``. A glob that matches no module is a :class:`ConfigError`, unless a
+preset wrote it: a preset serves many models, and its glob just does not apply to this one
+(logged).
+"""
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from torch import nn
 
 from .config import ConfigError, closest
+
+log = logging.getLogger("memopt")
+
+#: Attributes frameworks hold the user's model under: a LightningModule's (and a Hugging Face
+#: task model's) ``model``, DDP/FSDP's ``module``, torch.compile's ``_orig_mod`` and PEFT's
+#: ``base_model.model``.
+WRAPPERS = frozenset({"model", "module", "_orig_mod", "base_model"})
+
+#: ``from_preset(key, glob)``: whether a preset wrote ``glob`` under ``key``
+#: (:meth:`~memopt_plugins.config.MemOptConfig.set_by_preset`).
+FromPreset = Callable[[str, Any], bool]
 
 #: Layer kinds, from most to least expensive to recompute.
 COMPUTE = "compute"  # Linear, Conv, attention, embedding: recompute costs a matmul
@@ -99,9 +120,23 @@ def layer_kind(module: nn.Module) -> str:
     return OTHER
 
 
+def unwrapped_names(fqn: str) -> list[str]:
+    """``fqn`` and the names it has with leading :data:`WRAPPERS` dropped, longest first:
+    ``base_model.model.lm_head`` -> ``[base_model.model.lm_head, model.lm_head, lm_head]``."""
+    parts = fqn.split(".")
+    names = [fqn]
+    for i, part in enumerate(parts[:-1]):
+        if part not in WRAPPERS:
+            break
+        names.append(".".join(parts[i + 1 :]))
+    return names
+
+
 def fqn_matches(fqn: str, globs: Iterable[str]) -> bool:
-    """True when the fully qualified module name matches one of the shell-style globs."""
-    return any(fnmatch.fnmatchcase(fqn, g) for g in globs)
+    """True when the module name, or that name with leading wrappers dropped, matches one of the
+    shell-style globs."""
+    names = unwrapped_names(fqn)
+    return any(fnmatch.fnmatchcase(n, g) for g in globs for n in names)
 
 
 def parent_fqns(fqn: str) -> list[str]:
@@ -126,19 +161,37 @@ def outermost(fqns: Iterable[str]) -> list[str]:
     return [f for f in chosen if not any(p in present for p in parent_fqns(f))]
 
 
-def check_globs(key: str, globs: Sequence[str], names: Sequence[str]) -> None:
-    """Raise ConfigError for any glob that matches none of ``names`` (module fqns of the model)."""
+def check_globs(
+    key: str, globs: Sequence[str], names: Sequence[str], from_preset: FromPreset | None = None
+) -> None:
+    """Raise ConfigError for a glob that matches none of ``names`` (module fqns of the model);
+    a preset's such glob is logged and left to match nothing."""
     for glob in globs:
-        if not any(fnmatch.fnmatchcase(n, glob) for n in names):
-            raise ConfigError(_no_match_message(key, glob, names, "module"))
+        if not any(fqn_matches(n, [glob]) for n in names):
+            _no_match(key, glob, names, "module", from_preset)
 
 
-def check_types(key: str, type_names: Sequence[str], model: nn.Module) -> None:
-    """Raise ConfigError for a class name that no module of the model has."""
+def check_types(
+    key: str, type_names: Sequence[str], model: nn.Module, from_preset: FromPreset | None = None
+) -> None:
+    """Raise ConfigError for a class name that no module of the model has (a preset's: logged)."""
     present = sorted({type(m).__name__ for m in model.modules()})
     for name in type_names:
         if name not in present:
-            raise ConfigError(_no_match_message(key, name, present, "module class"))
+            _no_match(key, name, present, "module class", from_preset)
+
+
+def _no_match(
+    key: str, given: str, names: Sequence[str], what: str, from_preset: FromPreset | None
+) -> None:
+    if from_preset is None or not from_preset(key, given):
+        raise ConfigError(_no_match_message(key, given, names, what))
+    log.info(
+        "memopt: the preset's %s %r matches no %s of this model: it does not apply here",
+        key,
+        given,
+        what,
+    )
 
 
 def select_modules(
@@ -155,7 +208,7 @@ def select_modules(
 
 def _no_match_message(key: str, given: str, names: Sequence[str], what: str) -> str:
     shown = [n for n in names if n][:8]
-    suggestion = closest(given, names)
+    suggestion = closest(given, list(dict.fromkeys(u for n in names for u in unwrapped_names(n))))
     hint = f" Did you mean {', '.join(repr(s) for s in suggestion)}?" if suggestion else ""
     return (
         f"{key}: {given!r} matches no {what} of the model.{hint} "

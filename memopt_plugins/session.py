@@ -41,7 +41,8 @@ class MemOptSession:
     """One model's memopt across a training loop: patch, steps, checks, logs and kept state.
 
     Args:
-        config: a path to a YAML file, a dict in the YAML schema, a ``MemOptConfig`` or ``None``
+        config: a preset's name (``"int4_drift"``), a path to a YAML file, a
+            dict in the YAML schema, a ``MemOptConfig`` or ``None``
             (the defaults, which change nothing). A bad config fails here.
 
     Attributes:

@@ -1,7 +1,7 @@
 """``MemOptTrainerCallback``: memopt in a Hugging Face ``transformers.Trainer``.
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
-                      callbacks=[MemOptTrainerCallback("configs/int4_drift.yaml")])
+                      callbacks=[MemOptTrainerCallback("int4_drift")])
 
 An adapter of the Trainer's events over one :class:`~memopt_plugins.session.MemOptSession`:
 ``on_init_end`` patches the model (before ``train()`` turns on activation checkpointing and before
@@ -30,6 +30,7 @@ from transformers.trainer_callback import ExportableState
 
 from .config import ConfigError, MemOptConfig
 from .engine import MemoryOptimizer, patched_by, slice_batch
+from .loss_fn import takes_model_and_batch
 from .session import MemOptSession
 from .transformers_tap import TrainerTap, calling_trainer
 from .tree import batch_size_of
@@ -51,14 +52,16 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
     Example::
 
         Trainer(model=model, args=args, train_dataset=ds,
-                callbacks=[MemOptTrainerCallback("configs/int4_drift.yaml")])
+                callbacks=[MemOptTrainerCallback("int4_drift")])
 
     Args:
-        config: the memopt config: a path to a YAML file, a dict in the YAML schema, a
-            ``MemOptConfig``, or ``None`` for the defaults (which change nothing).
-        loss_fn: ``loss_fn(model, inputs) -> scalar loss`` for the drift check, where ``model`` is
-            the patched model and ``inputs`` the sliced micro-batch (the dict ``compute_loss``
-            gets). Default: the Trainer's own ``compute_loss``.
+        config: the memopt config: a preset's name (``"int4_drift"``), a path to a YAML file, a
+            dict in the YAML schema, a ``MemOptConfig``, or ``None`` for the defaults (which
+            change nothing).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss`` for the drift check, where ``model`` is
+            the patched model and ``batch`` the sliced micro-batch (the inputs dict
+            ``compute_loss`` gets; a closure ``loss_fn()`` is accepted too). Default: the
+            Trainer's own ``compute_loss``.
         slicer: ``slicer(inputs, n) -> inputs`` that keeps ``n`` samples for the drift check.
             Default: cut every tensor of the batch along dim 0.
     """
@@ -70,6 +73,8 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
         slicer: Callable[[Any, int], Any] | None = None,
     ) -> None:
         self.session = MemOptSession(config)  # a bad config fails here, at construction
+        if loss_fn is not None:
+            takes_model_and_batch(loss_fn)  # a loss_fn of neither form fails here too
         self.loss_fn = loss_fn
         self.slicer = slicer or slice_batch
         self._batch_size: int | None = None  # of the micro-batch the check's sample comes from
@@ -192,11 +197,12 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
         sample, model = tap.take(), self.session.model
         if sample is not None:
             user_loss = self.loss_fn
-            loss_fn = (
-                tap.loss_on(model, sample)
-                if user_loss is None
-                else lambda: user_loss(model, copy.copy(sample))
-            )
+            if user_loss is None:
+                loss_fn = tap.loss_on(model, sample)
+            elif takes_model_and_batch(user_loss):  # each call its own copy: labels get popped
+                loss_fn = lambda: user_loss(model, copy.copy(sample))  # noqa: E731
+            else:
+                loss_fn = user_loss
             self.session.check(loss_fn, state.global_step, self._batch_size)
         elif not self._warned:
             self._warned = True

@@ -393,7 +393,9 @@ def test_what_cannot_be_patched_is_a_config_error():
         MemoryOptimizer({"ops": {"fuse": ["swiglu"]}}).apply(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
     mlp = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ConfigError, match="Sequential cannot be patched: it has no lm_head"):
+    with pytest.raises(
+        ConfigError, match="ops.loss: chunked cannot act on Sequential: it has no lm_head"
+    ):
         MemoryOptimizer({"ops": {"loss": "chunked"}}).apply(mlp)
     dropped, _, _ = hf_gpt2(dropout=0.1)
     with pytest.raises(ConfigError, match="attention dropout is 0.1"):
@@ -412,3 +414,59 @@ def test_all_leaves_attention_with_dropout_eager_and_says_so(caplog):
     assert "ops.fuse attention left GPT2LMHeadModel as it is" in caplog.text
     assert {p.lean for p in opt.plan.values() if p.lean} == {"lean gelu"}
     opt.remove()
+
+
+# --------------------------------------------------------------------------- the lean preset
+def _nanogpt():
+    from benchmarks.clients.nanogpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    tokens = torch.randint(0, 128, (2, 32))
+    return GPT(config), tokens, lambda model, batch: model(batch, targets=batch)[1]
+
+
+def _bert_classifier():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, num_labels=3,
+    )  # fmt: skip
+    tokens, labels = torch.randint(0, 128, (2, 16)), torch.tensor([0, 2])
+    return (
+        BertForSequenceClassification(config),
+        (tokens, labels),
+        lambda model, batch: model(input_ids=batch[0], labels=batch[1]).loss,
+    )
+
+
+@pytest.mark.parametrize(
+    "build, name, why",
+    [
+        (_nanogpt, "GPT", "not a Hugging Face PreTrainedModel"),
+        (_bert_classifier, "Bert", "no lm_head"),
+    ],
+    ids=["nanogpt", "bert-classifier"],
+)
+def test_the_lean_preset_leaves_an_unreachable_loss_as_it_is_and_applies_the_rest(
+    build, name, why, caplog
+):
+    model, batch, loss_fn = build()
+    with caplog.at_level("INFO", logger="memopt"):
+        opt = MemoryOptimizer("lean")
+        opt.apply(model)
+    lines = [r.getMessage() for r in caplog.records if "ops.loss" in r.getMessage()]
+    assert len(lines) == 1 and f"left the loss of {name}" in lines[0] and why in lines[0]
+    assert "transformers is not imported" not in caplog.text
+    assert opt.bits and "lean loss" not in {p.lean for p in opt.plan.values()}
+    loss = loss_fn(model, batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    opt.remove()
+    # the user's own ops.loss: chunked on the same model is an error that says why
+    with pytest.raises(ConfigError, match=rf"ops.loss: chunked cannot act on {name}.*{why}") as err:
+        MemoryOptimizer({"ops": {"loss": "chunked", "fuse": ["all"]}}).apply(model)
+    assert "not imported" not in str(err.value)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # refused before patching

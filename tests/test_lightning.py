@@ -496,6 +496,11 @@ def test_lightning_cli_builds_the_callback_from_a_preset_path(tmp_path):
     assert max(memopt.bits.values()) > 2
 
 
+def test_lightning_cli_builds_the_callback_from_a_preset_name(tmp_path):
+    _, memopt = _cli(tmp_path, "int4_drift")
+    assert memopt.config.preset == "int4_drift" and memopt.config.quantize.bits == 4
+
+
 def test_lightning_cli_accepts_an_inline_config_mapping(tmp_path):
     _, memopt = _cli(tmp_path, "{quantize: {bits: 8, exclude: ['*.lm_head']}}")
     assert memopt.config.quantize.bits == 8

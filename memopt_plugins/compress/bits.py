@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 
-from ..config import OFF_BITS
+from ..config import OFF_BITS, checked_bits
 
 
 class BitTable:
@@ -56,7 +56,8 @@ class BitTable:
         return {f: self.scopes[f] for f in self._listed if f not in self._parked}
 
     def set(self, fqn: str, bits: int) -> None:
-        """Change the bits of one compressed module."""
+        """Change the bits of one compressed module (``ValueError`` for a width memopt has not)."""
+        bits = checked_bits(bits)
         if fqn not in self._listed or fqn in self._parked:
             raise KeyError(
                 f"{fqn!r} is not a compressed module; compressed: {sorted(self.compressed)}"

@@ -9,7 +9,9 @@ convolutions, ReLUs and max-pools (:mod:`.conv`). ``loss: chunked`` makes a Hugg
 compute its training loss with :func:`~.loss.linear_cross_entropy` (``logits`` is then ``None``);
 in eval, without labels or without gradients its own forward runs. A ``fuse`` name matching no
 module, or a model ``loss: chunked`` cannot patch, is a
-:class:`~memopt_plugins.config.ConfigError`. :meth:`LeanOps.remove` puts every ``forward`` back.
+:class:`~memopt_plugins.config.ConfigError` (checked before anything is patched); a preset's
+``loss: chunked`` on a model whose head it cannot reach (a plain PyTorch LM, a classifier) leaves
+the loss as it is, in one logged line. :meth:`LeanOps.remove` puts every ``forward`` back.
 """
 
 from __future__ import annotations
@@ -280,10 +282,17 @@ def _first(out: Any) -> torch.Tensor:
 
 
 class LeanOps:
-    """Applies the ``ops`` section to a model; :meth:`remove` undoes it."""
+    """Applies the ``ops`` section to a model; :meth:`remove` undoes it.
 
-    def __init__(self, config: OpsConfig):
+    Args:
+        config: the ``ops`` section.
+        loss_from_preset: ``loss: chunked`` came from a preset: where the model has no loss head
+            it can reach, the loss is left as it is (logged) instead of a ConfigError.
+    """
+
+    def __init__(self, config: OpsConfig, loss_from_preset: bool = False):
         self.config = config
+        self.loss_from_preset = loss_from_preset
         self.actions: dict[str, str] = {}  # fqn -> "lean swiglu", "lean loss", ...
         self._patched: list[_LeanForward] = []
         self._attention: list[tuple[nn.Module, str]] = []  # (model, its own implementation)
@@ -294,6 +303,7 @@ class LeanOps:
 
     def apply(self, model: nn.Module) -> dict[str, str]:
         """Patch ``model``; returns ``{fqn: action}`` for every patched module."""
+        heads = self._loss_heads(model) if self.config.loss == "chunked" else []
         try:
             every = "all" in self.config.fuse
             chains = _WHAT if every else self.config.fuse
@@ -303,9 +313,8 @@ class LeanOps:
                         self._attend(lm, fqn, required=not every)
                 else:
                     self._fuse(model, chain, required=not every)
-            if self.config.loss == "chunked":
-                for fqn, lm in _outermost(model, _has_head):
-                    self._chunk_loss(lm, fqn)
+            for fqn, lm in heads:
+                self._chunk_loss(lm, fqn)
         except BaseException:
             self.remove()
             raise
@@ -374,26 +383,34 @@ class LeanOps:
                 + (", ".join(c for c in _WHAT if _any(model, c)) or "none of them")
             )
 
-    def _chunk_loss(self, model: nn.Module, fqn: str) -> None:
-        head = getattr(model, "lm_head", None)
-        prefix = getattr(model, "base_model_prefix", None)
-        base = getattr(model, prefix, None) if isinstance(prefix, str) else None
-        config = getattr(model, "config", None)
-        why = None
-        if not isinstance(head, nn.Linear):
-            why = "it has no lm_head nn.Linear"
-        elif "transformers" not in sys.modules:
-            why = "it is not a Hugging Face model (transformers is not imported)"
-        elif not isinstance(base, nn.Module):
-            why = "it has no base model (base_model_prefix) to feed the head"
-        elif any(getattr(config, name, None) not in (None, 1, 1.0) for name in _SCALED_LOGITS):
-            why = "its logits are scaled before the loss"
-        if why is not None:
+    def _loss_heads(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The causal LMs (outermost) whose loss ``loss: chunked`` computes; where there is none,
+        a ConfigError, or for a preset's ``loss: chunked`` one logged line and ``[]``."""
+        found = _outermost(model, _has_head)
+        whys = [(type(lm).__name__, _unreachable(lm)) for _, lm in found]
+        failed = [(name, why) for name, why in whys if why is not None]
+        if not failed:
+            return found
+        name, why = failed[0]
+        if not self.loss_from_preset:
             raise ConfigError(
-                f"ops.loss: chunked needs a Hugging Face causal LM whose lm_head is fed by its "
-                f"base model; {type(model).__name__} cannot be patched: {why}. For a head of "
-                "your own call memopt_plugins.lean.linear_cross_entropy in the loss instead."
+                f"ops.loss: chunked cannot act on {name}: {why}. It computes the loss of a "
+                "Hugging Face causal LM whose lm_head is fed by its base model; for a head of "
+                "your own call memopt_plugins.lean.linear_cross_entropy in your loss, or set "
+                "ops.loss: none."
             )
+        log.info(
+            "memopt: ops.loss chunked left the loss of %s as it is: %s (for a head of your own, "
+            "call memopt_plugins.lean.linear_cross_entropy in your loss)",
+            name,
+            why,
+        )
+        return [(fqn, lm) for (fqn, lm), (_, why) in zip(found, whys, strict=True) if why is None]
+
+    def _chunk_loss(self, model: nn.Module, fqn: str) -> None:
+        head: Any = model.lm_head
+        base = getattr(model, model.base_model_prefix)
+        config = getattr(model, "config", None)
         softcap = getattr(config, "final_logit_softcapping", None)
         outputs = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
         names = {f.name for f in dataclasses.fields(outputs)} - {"loss", "logits"}
@@ -445,6 +462,26 @@ _WHAT = {
     "relu": "nn.ReLU modules",
     "maxpool": "MaxPool1d/2d/3d modules",
 }
+
+
+def _unreachable(model: nn.Module) -> str | None:
+    """Why ``loss: chunked`` cannot compute the loss of ``model``, or ``None`` when it can."""
+    transformers = sys.modules.get("transformers")  # a Hugging Face model has imported it
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if isinstance(prefix, str) else None
+    config = getattr(model, "config", None)
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return "it has no lm_head (an nn.Linear output head over the vocabulary)"
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return (
+            "it is not a Hugging Face PreTrainedModel, so its own forward computes the logits "
+            "and the loss"
+        )
+    if not isinstance(base, nn.Module):
+        return "it names no base model (base_model_prefix) whose hidden states feed lm_head"
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _SCALED_LOGITS):
+        return "its logits are scaled before the loss"
+    return None
 
 
 def _switches_attention(module: nn.Module) -> bool:

@@ -29,7 +29,15 @@ from ..measure import tensor_version
 from ..measure.scopes import UntracedRegions
 from ..measure.timeline import REPLAY_RANGE, mark
 from ..patching import InstanceForward
-from ..select import check_globs, check_types, outermost, parent_fqns, select_modules, within
+from ..select import (
+    FromPreset,
+    check_globs,
+    check_types,
+    outermost,
+    parent_fqns,
+    select_modules,
+    within,
+)
 from ..tree import tensors_in
 
 log = logging.getLogger("memopt")
@@ -47,17 +55,20 @@ class RecomputeError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- selection
-def recompute_targets(model: nn.Module, config: RecomputeConfig) -> list[str]:
+def recompute_targets(
+    model: nn.Module, config: RecomputeConfig, from_preset: FromPreset | None = None
+) -> list[str]:
     """The modules ``recompute.modules``/``types`` select, outermost only, after validation.
 
     Raises:
-        ConfigError: a glob or class name that matches nothing, a selection that is the whole
+        ConfigError: a glob or class name that matches nothing (one a preset wrote, as
+            ``from_preset`` says, is logged instead), a selection that is the whole
             model or a container that is never called (``ModuleList``), or a model that already
             checkpoints its activations (see :func:`existing_checkpointing`).
     """
     names = [fqn for fqn, _ in model.named_modules()]
-    check_globs("recompute.modules", config.modules, names)
-    check_types("recompute.types", config.types, model)
+    check_globs("recompute.modules", config.modules, names, from_preset)
+    check_types("recompute.types", config.types, model, from_preset)
     if not (config.modules or config.types or config.auto is not None):
         return []
     found = existing_checkpointing(model)

@@ -1,0 +1,144 @@
+"""Module globs name the model the user wrote, wherever a framework wraps it (Lightning's
+``model.``, PEFT's ``base_model.model.``, DDP's ``module.``, torch.compile's ``_orig_mod.``); a
+preset's glob that does not apply to a model is told apart from a typo."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from memopt_plugins.callbacks import MemOptCallback
+from torch import nn
+from zoo import hf_gpt2, hf_llama
+
+from memopt_plugins import ConfigError, MemOptConfig, MemoryOptimizer
+from memopt_plugins.select import fqn_matches, unwrapped_names
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class GPT2Module(pl.LightningModule):
+    """A Hugging Face GPT-2 built from a config, held at ``self.model``."""
+
+    def __init__(self):
+        super().__init__()
+        self.model, self.batch, self.loss_fn = hf_gpt2(batch_size=2, seq=16, dim=32, layers=2)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss_fn(self.model, batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class PeftLike(nn.Module):
+    """PEFT's attribute path: ``PeftModel.base_model`` (a tuner) ``.model`` (the user's)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.base_model = nn.Module()
+        self.base_model.model = model
+
+    def forward(self, **inputs):
+        return self.base_model.model(**inputs)
+
+
+def test_leading_wrapper_attributes_are_dropped_and_nothing_else():
+    assert unwrapped_names("base_model.model.lm_head") == [
+        "base_model.model.lm_head",
+        "model.lm_head",
+        "lm_head",
+    ]
+    assert unwrapped_names("module._orig_mod.blocks.0") == [
+        "module._orig_mod.blocks.0",
+        "_orig_mod.blocks.0",
+        "blocks.0",
+    ]
+    assert unwrapped_names("transformer.h.0.model") == ["transformer.h.0.model"]
+    assert fqn_matches("model.transformer.h.1.mlp", ["transformer.h.*.mlp"])
+    assert not fqn_matches("model.transformer.h.1.mlp", ["h.*.mlp"])  # only wrappers drop
+
+
+def _heads(bits: dict[str, int]) -> list[str]:
+    return [f for f in bits if f.endswith("lm_head")]
+
+
+def test_user_globs_match_a_hf_model_inside_a_lightning_module():
+    module = GPT2Module()
+    config = {
+        "quantize": {
+            "bits": 4,
+            "exclude": ["lm_head"],
+            "overrides": {"transformer.h.0.mlp": 8},
+        },
+        "recompute": {"modules": ["transformer.h.1.attn"]},
+    }
+    opt = MemoryOptimizer(config)
+    opt.apply(module)
+    assert _heads(opt.bits) == [] and opt.bits["model.transformer.h.0.mlp"] == 8
+    assert opt.recomputed == ("model.transformer.h.1.attn",)
+    opt.remove()
+
+
+def test_lightning_fit_with_a_glob_written_for_the_hf_model(tmp_path):
+    module = GPT2Module()
+    memopt = MemOptCallback({"quantize": {"bits": 8, "exclude": ["lm_head"]}})
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(module.batch), 2)
+    trainer = pl.Trainer(
+        callbacks=[memopt], accelerator="cpu", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    assert memopt.bits and _heads(memopt.bits) == []  # the bits the fit ended with
+
+
+def test_user_globs_match_a_model_under_peft_attribute_path():
+    model, batch, loss_fn = hf_llama(batch_size=2, seq=16, dim=32, layers=2)
+    wrapped = PeftLike(model)
+    opt = MemoryOptimizer({"quantize": {"bits": 4, "exclude": ["lm_head", "model.norm"]}})
+    opt.apply(wrapped)
+    assert _heads(opt.bits) == []
+    assert "base_model.model.model.norm" not in opt.bits
+    assert "base_model.model.model.layers.0.mlp" in opt.bits
+    wrapped(input_ids=batch, labels=batch).loss.backward()
+
+
+def test_a_users_typo_stays_an_error_with_the_name_it_meant():
+    with pytest.raises(ConfigError, match=r"'lm_hed' matches no module.*Did you mean 'lm_head'"):
+        MemoryOptimizer({"quantize": {"bits": 4, "exclude": ["lm_hed"]}}).apply(GPT2Module())
+
+
+def test_a_presets_glob_that_does_not_apply_is_logged_and_skipped(caplog):
+    model, _, _ = hf_llama(batch_size=2, seq=16, dim=32, layers=1)  # self_attn, no *.attn
+    preset = MemOptConfig.from_preset("transformer_selective_recompute")
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        opt = MemoryOptimizer(preset)
+        opt.apply(model)
+    assert opt.recomputed == () and opt.bits  # the rest of the preset applied
+    (line,) = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
+    assert "recompute.modules '*.attn'" in line
+    opt.remove()
+    # the same glob written by the user (a copy of the preset's settings) is an error
+    with pytest.raises(ConfigError, match=r"recompute.modules: '\*.attn' matches no module"):
+        MemoryOptimizer(preset.to_dict()).apply(model)
+    # and so is a glob the user adds to the preset
+    mine = preset.with_changes(quantize={"exclude": ["lm_hed"]})
+    with pytest.raises(ConfigError, match="lm_hed"):
+        MemoryOptimizer(mine).apply(model)
+
+
+def test_user_globs_match_a_peft_lora_model():
+    peft = pytest.importorskip("peft")
+    model, batch, loss_fn = hf_gpt2(batch_size=2, seq=16, dim=32, layers=1)
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    )
+    opt = MemoryOptimizer({"quantize": {"bits": 4, "exclude": ["lm_head", "transformer.h.*.mlp"]}})
+    opt.apply(lora)
+    assert "base_model.model.transformer.h.0.attn" in opt.bits
+    assert _heads(opt.bits) == [] and not [f for f in opt.bits if ".mlp" in f]
+    loss_fn(lora, batch).backward()
+    opt.remove()
