@@ -241,6 +241,7 @@ def test_a_patched_model_dropped_without_remove_is_collected_and_torch_settings_
 
     from torch._functorch import config as functorch_config
 
+    gc.collect()  # models earlier tests dropped unremoved, which hold the setting until collected
     before = functorch_config.saved_tensors_hooks_filtering_mode
     model = _mlp()
     opt = MemoryOptimizer({"quantize": {"bits": 8}, "recompute": {"modules": ["1"]}})
