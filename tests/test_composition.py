@@ -218,11 +218,14 @@ def _mlp() -> nn.Module:
 
 
 def test_remove_leaves_no_process_wide_state():
+    import gc
+
     from torch._functorch import config as functorch_config
 
     from memopt_plugins.compress.codec import ops
     from memopt_plugins.measure import ScopeTracker
 
+    gc.collect()  # models earlier tests dropped unremoved hold the setting until collected
     before = functorch_config.saved_tensors_hooks_filtering_mode
     sources = dict(ops._SEED_SOURCES)
     model = _mlp()
@@ -476,3 +479,33 @@ def test_rounding_noise_is_fresh_for_every_saved_tensor_and_step():
     first, second = (opt._hooks.unpack(opt._hooks.pack(t.clone(), 2)) for _ in range(2))
     assert not torch.equal(first, second)
     opt.remove()
+
+
+class SavedThenChanged(nn.Module):
+    """Saves ``t`` twice with an in-place change between: once for a branch the loss never
+    uses (so plain torch raises nothing), once after the change for the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.lin(x)
+        unused = t.sin()  # saves t at its first version; alive, it never reaches the loss
+        t.mul_(2)
+        out = t.cos()  # saves t at its second version
+        del unused
+        return out
+
+
+def test_a_tensor_saved_again_after_an_in_place_change_is_encoded_again():
+    """Deduplication keys a saved tensor by its version too: the second save (after ``mul_``)
+    gets the changed values, and the gradient is plain torch's (keyed by storage alone, it was
+    handed the first save's codes: the values before the change)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    model = SavedThenChanged()
+    exact = gradients(model, x, lambda m, b: m(b).sum())
+    config = {"quantize": {"bits": 8, "rounding": "nearest", "min_numel": 0}}
+    got = gradients(model, x, lambda m, b: m(b).sum(), config)
+    assert rel_error(got, exact) <= 0.02
