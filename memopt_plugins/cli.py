@@ -196,15 +196,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     suggestion = suggest_config(report, args.suggest, base=config) if args.suggest else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    written, image, warning = [], None, None
+    written, image, timeline, warning = [], None, None, None
     try:
         written.append(report.plot(out / "memory.png", top=min(args.top, 20)))
         written.append(report.plot_timeline(out / "timeline.png"))
-        image = "memory.png"
+        image, timeline = "memory.png", "timeline.png"
     except ImportError as err:
         warning = f"memopt: memory.png and timeline.png not written: {err}"
     shown = min(args.top, len(report.modules))
-    markdown = report.to_markdown(args.top, image=image)
+    markdown = report.to_markdown(args.top, image=image, timeline=timeline)
     markdown += f"\nThe {shown} largest of {len(report.modules)} rows; report.json has all.\n"
     for name, text in (("report.md", markdown), ("report.json", report.to_json() + "\n")):
         (out / name).write_text(text, encoding="utf-8")

@@ -30,6 +30,7 @@ from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing
 from .dropout import DropoutPatch
 from .lean import LeanOps
+from .logs import show_on_console
 from .measure.process import peak_bytes
 from .policy import resolve_bits
 from .recompute import (
@@ -200,7 +201,8 @@ class MemoryOptimizer:
         return plan
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Patch ``model`` in place and return it. A model can be patched once."""
+        """Patch ``model`` in place and return it. A model can be patched once. memopt's lines
+        reach the console from here on unless logging is configured (:mod:`.logs`)."""
         if self._model is not None:
             raise RuntimeError("this MemoryOptimizer is already applied; call remove() first")
         if patched_by(model) is not None:
@@ -208,6 +210,7 @@ class MemoryOptimizer:
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
             )
+        show_on_console()
         targets = recompute_targets(model, self.config.recompute)  # validates before patching
         scopes = resolve_bits(model, self.config.quantize)
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside

@@ -9,6 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -238,6 +241,15 @@ def test_profile_callback_measures_the_first_batch_under_the_memopt_callbacks_pl
     assert "compress 4" in table and len(table.splitlines()) == 1 + 2 + 3  # title, header, top 3
     assert (Path(trainer.log_dir) / "memopt_profile.png").read_bytes()[:4] == b"\x89PNG"
     assert probe.bits and set(probe.bits.values()) == {4}
+    # every picture the Markdown links is written beside it
+    folder = Path(trainer.log_dir)
+    linked = re.findall(r"!\[[^]]*\]\(([^)]+)\)", (folder / "memopt_profile.md").read_text())
+    assert linked == ["memopt_profile.png", "memopt_timeline.png"]
+    assert all((folder / name).read_bytes()[:4] == b"\x89PNG" for name in linked)
+    # the training patch's lines once: the profile's own patch and the put-back say nothing
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("compressing saved activations" in m for m in messages) == 1
+    assert sum("by module" in m for m in messages) == 1
     with pytest.deprecated_call(match="MemOptProfileCallback"):
         MemOptCallback(profile=True)
 
@@ -583,3 +595,45 @@ def test_blocks_compiled_in_the_module_train_compressed(tmp_path):
     ratios = [float(r["memopt/saved_ratio"]) for r in csv_rows(trainer) if r["memopt/saved_ratio"]]
     assert ratios and min(ratios) > 3.0  # what the compiled blocks save is compressed
     torch._dynamo.reset()
+
+
+CONSOLE_FIT = """
+import lightning.pytorch as pl, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from memopt_plugins.callbacks import MemOptCallback
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+torch.manual_seed(0)
+data = DataLoader(TensorDataset(torch.randn(32, 16), torch.randn(32, 1)), batch_size=8)
+config = {"quantize": {"bits": 2, "min_numel": 1}, "drift": {"check_every": 2, "sample_size": 2}}
+pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+           enable_model_summary=False, enable_checkpointing=False,
+           callbacks=[MemOptCallback(config)]).fit(Net(), data)
+"""
+
+
+def test_a_fit_without_logging_set_up_shows_memopts_lines_once_each(tmp_path):
+    """A script that configures no logging sees the plan, the memory kept and each drift check
+    on stderr, each line once."""
+    done = subprocess.run(
+        [sys.executable, "-c", CONSOLE_FIT], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("memopt: ")]
+    starts = ("memopt: plan for", "memopt: compressing", "memopt: first training step kept")
+    for start in starts:
+        assert sum(line.startswith(start) for line in lines) == 1, (start, lines)
+    checks = [line for line in lines if line.startswith("memopt: drift check at step")]
+    assert [c.split()[5].rstrip(":") for c in checks] == ["0", "2"]
+    assert len(set(lines)) == len(lines)
