@@ -119,4 +119,4 @@ class MemOptProfileCallback(Callback):
             log.info("memopt: profile written to %s (no charts: %s)", markdown, err)
             return
         markdown.write_text(report.to_markdown(image=chart.name, timeline=timeline.name))
-        log.info("memopt: profile written to %s with %s and %s", markdown, chart.name, timeline.name)
+        log.info("memopt: profile written to %s (charts: %s, %s)", markdown, chart, timeline)
