@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
 
-from memopt_plugins import ConfigError
+from memopt_plugins import ConfigError, MemOptConfig
 
 TWO_BITS_YAML = """\
 quantize:
@@ -121,11 +121,10 @@ def test_two_bit_yaml_escalates_logs_csv_and_checkpoints_state(tmp_path, caplog)
     rows = csv_rows(trainer)
     logged = {k for row in rows for k, v in row.items() if v != ""}
     escalations = [float(r["memopt/escalations"]) for r in rows if r["memopt/escalations"]]
-    assert "memopt/drift/max" in logged
+    assert "memopt/drift_max" in logged
     assert max(escalations) > 0
-    bits_columns = {k for k in logged if k.startswith("memopt/bits/")}
-    assert "memopt/bits/model.transformer.h.0.mlp.c_fc" in bits_columns
-    assert {"memopt/saved_bytes", "memopt/saved_ratio"} <= logged
+    assert {"memopt/kept_bytes", "memopt/compression_ratio", "memopt/bits_mean"} <= logged
+    assert not any(k.startswith(("memopt/bits/", "memopt/drift/")) for k in logged)  # opt-in
 
     state = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=False)
     saved = state["callbacks"]["MemOptCallback"]
@@ -193,8 +192,8 @@ def test_metrics_respect_log_every_n_steps_and_checks_log_at_their_step(tmp_path
     trainer = make_trainer(tmp_path, [memopt], max_steps=6, log_every_n_steps=2)
     trainer.fit(GPT2Module(), loader())
     rows = csv_rows(trainer)
-    bits_steps = sorted(int(r["step"]) for r in rows if r["memopt/saved_bytes"])
-    drift_steps = sorted(int(r["step"]) for r in rows if r["memopt/drift/max"])
+    bits_steps = sorted(int(r["step"]) for r in rows if r["memopt/kept_bytes"])
+    drift_steps = sorted(int(r["step"]) for r in rows if r["memopt/drift_max"])
     assert drift_steps == [0, 4]
     assert bits_steps == [0, 1, 3, 4, 5]  # every 2nd step, plus the steps of the checks
 
@@ -592,9 +591,53 @@ def test_blocks_compiled_in_the_module_train_compressed(tmp_path):
     callback = MemOptCallback({"quantize": {"bits": 8, "rounding": "nearest"}})
     trainer = make_trainer(tmp_path, [callback], max_steps=2)
     trainer.fit(CompiledBlocksModule(), loader())
-    ratios = [float(r["memopt/saved_ratio"]) for r in csv_rows(trainer) if r["memopt/saved_ratio"]]
+    rows = csv_rows(trainer)
+    ratios = [float(r["memopt/compression_ratio"]) for r in rows if r["memopt/compression_ratio"]]
     assert ratios and min(ratios) > 3.0  # what the compiled blocks save is compressed
     torch._dynamo.reset()
+
+
+INT4_DRIFT = Path(__file__).resolve().parents[1] / "configs" / "int4_drift.yaml"
+
+
+@pytest.mark.parametrize("per_module", [False, True])
+def test_a_preset_fit_logs_a_compact_metric_set(tmp_path, per_module):
+    """The int4_drift preset (checks every 2 steps): at most 25 ``memopt/`` CSV columns, among
+    them how many times larger a batch fits; ``log.per_module`` adds columns per module."""
+    config = MemOptConfig.from_yaml(INT4_DRIFT).with_changes(
+        drift={"check_every": 2, "sample_size": 2}, log={"per_module": per_module}
+    )
+    memopt = MemOptCallback(config)
+    trainer = make_trainer(tmp_path, [memopt], max_steps=6)
+    trainer.fit(GPT2Module(), loader())
+    rows = [r for r in csv_rows(trainer) if r["memopt/kept_bytes"]]
+    columns = {k for k in rows[0] if k.startswith("memopt/")}
+    per_module_columns = {k for k in columns if k.startswith(("memopt/bits/", "memopt/drift/"))}
+    assert bool(per_module_columns) == per_module
+    if per_module:
+        assert "memopt/bits/model.transformer.h.0.mlp.c_fc" in per_module_columns
+    else:
+        assert len(columns) <= 25, sorted(columns)
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    for row in rows:
+        assert float(row["memopt/compression_ratio"]) > 4.0 and float(row["memopt/kept_bytes"]) > 0
+        assert 1.0 < float(row["memopt/batch_fits_x"]) <= float(row["memopt/compression_ratio"])
+        assert float(row["memopt/peak_bytes"]) > 0
+    assert float(rows[0]["memopt/bits_modules/4"]) == len(memopt.bits)
+    assert [int(r["step"]) for r in rows if r["memopt/drift_max"]] == [0, 2, 4]
+
+
+def test_legacy_metric_names_are_logged_beside_the_new_with_a_future_warning():
+    with pytest.warns(FutureWarning, match="memopt/saved_bytes"):
+        memopt = MemOptCallback({"quantize": {"bits": 4}, "log": {"legacy_names": True}})
+    model = GPT2Module()
+    memopt.memopt.apply(model)
+    model.training_step((torch.randint(0, 512, (4, 32)),), 0).backward()
+    memopt.memopt.count_step()
+    metrics = memopt.memopt.metrics()
+    assert metrics["memopt/saved_bytes"] == metrics["memopt/kept_bytes"] > 0
+    assert metrics["memopt/saved_ratio"] == metrics["memopt/compression_ratio"] > 4.0
+    memopt.memopt.remove()
 
 
 CONSOLE_FIT = """
