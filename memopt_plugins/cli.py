@@ -3,11 +3,12 @@
 ``memopt profile --model FILE.py:factory [--config YAML] [--out DIR] [--top N]`` prints the
 per-module memory table of one training step and writes ``DIR/report.md``, ``DIR/memory.png``,
 ``DIR/timeline.png`` (the step's memory over time) and ``DIR/report.json``. ``memopt plan
---model FILE.py:factory [--budget 0.4] [--memory 6GiB] [--bits N]`` prints a config (YAML) that
-keeps the step's peak at most that fraction of the baseline's peak (or the whole step under that
-cap, and then also the largest batch that fits), measured by running it: the modules the
-recompute planner picks, plus compression at ``N`` bits, or at the bits needed when recompute
-alone cannot reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
+--model FILE.py:factory [--budget 0.4] [--memory 6GiB] [--optimizer adamw] [--bits N]`` prints a
+config (YAML) that keeps the step's peak at most that fraction of the baseline's peak (or the
+whole step, the optimizer's state included, under that cap, and then also the largest batch that
+fits with the config and without memopt), measured by running it: the modules the recompute
+planner picks, plus compression at ``N`` bits, or at the bits needed when recompute alone cannot
+reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
 returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
 """
 
@@ -34,8 +35,11 @@ EXPECTED = (
     "a factory taking no arguments and returning (model, batch, loss_fn): model a "
     "torch.nn.Module, loss_fn(model, batch) -> scalar loss"
 )
+#: The optimizers whose state ``--optimizer`` counts: Adam(W) keeps two fp32 tensors per
+#: parameter, SGD with momentum one, plain SGD none.
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
@@ -231,10 +235,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.device is not None:
         model.to(args.device)
         batch = map_tensors(lambda t: t.to(args.device), batch)
+    name = None if args.optimizer == "none" else args.optimizer
+    optimizer = OPTIMIZERS[name](model.parameters()) if name else None
     try:
         plan = plan_peak(
             model, batch, loss_fn, budget=args.budget, memory=args.memory, bits=args.bits,
-            base=base, device=args.device,
+            base=base, device=args.device, optimizer=optimizer, optimizer_name=name,
         )  # fmt: skip
     except ConfigError as err:
         raise CliError(f"--config does not fit the model of {args.model}: {err}") from None
@@ -286,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=(2, 4, 8, 16),
         help="also compress at these bits (default: only when recompute cannot reach the budget)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=(*sorted(OPTIMIZERS), "none"),
+        default="adamw",
+        help="the training's optimizer, whose state --memory counts (default adamw)",
     )
     p.add_argument("--config", metavar="YAML", help="start from this config (its other keys stay)")
     p.add_argument("--output", "-o", metavar="FILE", help="also write the YAML to FILE")
