@@ -215,8 +215,9 @@ def largest_batch(
 ) -> tuple[int, int] | None:
     """The largest batch whose whole step (``fixed`` model bytes, the batch, the step's peak)
     fits in ``memory`` under ``config`` (``None``: without memopt), from the per-sample slope of
-    ``step`` (measured under it), verified by a step at that size: ``(size, measured bytes)``, or
-    ``None`` when not even one sample fits."""
+    ``step`` (measured under it), verified by a step at that size (over: the next size from the
+    slope between ``step``'s batch and that size): ``(size, measured bytes)``, or ``None`` when
+    not even one sample fits."""
     n = batch_size(batch)
     if n is None or step.per_sample is None or step.per_sample.peak <= 0:
         return None
@@ -231,5 +232,9 @@ def largest_batch(
         total = fixed + batch_bytes(bigger) + measured.reading.peak
         if total <= memory:
             return size, total
-        size = min(size - 1, math.floor(size * memory / total))
+        if size > n and total > total_now:  # the slope between the two measured sizes
+            per_sample = (total - total_now) / (size - n)
+            size = min(size - 1, n + math.floor((memory - total_now) / per_sample))
+        else:
+            size = min(size - 1, math.floor(size * memory / total))
     return None
