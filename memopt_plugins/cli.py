@@ -29,6 +29,7 @@ from torch import nn
 from .config import ConfigError, MemOptConfig, closest, load_config, memory_bytes
 from .profiler import ProfileReport, profile_model, suggest_config
 from .profiler.fit import plan_peak
+from .profiler.ops import OpsEntry, suggest_ops
 from .tree import map_tensors
 
 EXPECTED = (
@@ -173,7 +174,7 @@ def _config(path: str | None) -> MemOptConfig | None:
 
 def _profile(
     spec: str, config: MemOptConfig | None, optimizer: str | None, device: str | None
-) -> ProfileReport:
+) -> tuple[nn.Module, ProfileReport]:
     model, batch, loss_fn = build(spec)
     if device is not None:
         model.to(device)
@@ -181,7 +182,7 @@ def _profile(
     opt = OPTIMIZERS[optimizer](model.parameters()) if optimizer else None
     path = Path(spec.rpartition(":")[0]).expanduser().resolve()
     try:
-        return profile_model(model, batch, loss_fn, config, opt, device=device)
+        return model, profile_model(model, batch, loss_fn, config, opt, device=device)
     except ConfigError as err:
         raise CliError(f"--config does not fit the model of {spec}: {err}") from None
     except Exception as err:
@@ -196,7 +197,7 @@ def _profile(
 def cmd_profile(args: argparse.Namespace) -> int:
     """``memopt profile``: write report.md, memory.png and report.json, print the table."""
     config = _config(args.config)
-    report = _profile(args.model, config, args.optimizer, args.device)
+    model, report = _profile(args.model, config, args.optimizer, args.device)
     suggestion = suggest_config(report, args.suggest, base=config) if args.suggest else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,13 +218,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
         (out / "suggested.yaml").write_text(suggestion.to_yaml(), encoding="utf-8")
         written.append(out / "suggested.yaml")
 
-    print(report.summary(), report.table(args.top), sep="\n\n")
+    ops = suggest_ops(model, report)
+    if ops:
+        print(report.summary(), _ops_lines(ops), report.table(args.top), sep="\n\n")
+    else:
+        print(report.summary(), report.table(args.top), sep="\n\n")
     if suggestion is not None:
         print("\n" + suggestion.to_yaml(), end="")
     print("\nwrote " + ", ".join(os.fspath(p) for p in written))
     if warning:
         print(warning, file=sys.stderr)
     return 0
+
+
+def _ops_lines(ops: list[OpsEntry]) -> str:
+    return "\n".join(
+        [
+            "memory-lean ops that act where the peak is (configs/lean.yaml has them all):",
+            *(f"  {entry}" for entry in ops),
+        ]
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -100,6 +100,40 @@ def test_profile_held_out_bert_writes_report_and_png(factories, tmp_path, capsys
     assert sum(m["self_saved"] for m in data["modules"]) == saved
 
 
+GPT2_FACTORY = textwrap.dedent(
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build():
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=1, n_head=4)
+        batch = torch.randint(0, 512, (8, 64))
+        return GPT2LMHeadModel(cfg), batch, lambda m, b: m(input_ids=b, labels=b).loss
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "spec, entry, modules",
+    [("toy.py:mlp", "ops: {fuse: [gelu]}", 1), ("gpt2.py:build", "ops: {loss: chunked}", 1)],
+)
+def test_profile_suggests_the_lean_op_where_the_peak_is(
+    factories, tmp_path, capsys, spec, entry, modules
+):
+    """The MLP peaks in the backward of the Linear after its GELU: the gelu chain; GPT-2 in
+    the backward of its loss's log-softmax: the chunked loss. The entry is a valid config."""
+    (factories / "gpt2.py").write_text(GPT2_FACTORY)
+    assert main(["profile", "--model", f"{factories}/{spec}", "--out", str(tmp_path / "r")]) == 0
+    stdout = capsys.readouterr().out
+    suggested = [s.strip() for s in stdout.splitlines() if s.startswith("  ops: ")]
+    assert [s.split("  #")[0] for s in suggested] == [entry]
+    assert f"# {modules} module(s)" in suggested[0]
+    assert MemOptConfig.from_dict(yaml.safe_load(entry)).ops != MemOptConfig().ops
+    if spec.startswith("toy"):
+        assert "peak in the backward of 2.2" in stdout  # the Linear after the GELU (2.1)
+
+
 def test_profile_with_config_top_and_suggest(factories, tmp_path, capsys):
     config = tmp_path / "q8.yaml"
     config.write_text("quantize:\n  bits: 8\n")
