@@ -412,6 +412,13 @@ class MemoryOptimizer:
             self._hooks.memory.finish()
         return self._drift.steps
 
+    def measure_afresh(self) -> None:
+        """Measure the next training step as the first after :meth:`apply`
+        (``memopt/peak_bytes``, :attr:`batch_fits`): forwards run outside the training loop's
+        steps (a batch-size finder's trials, which count no steps) are not its."""
+        if self._hooks is not None:
+            self._hooks.memory = StepPeak(self._hooks.memory.device)
+
     def should_check(self, step: int | None = None) -> bool:
         """True when a drift check is due at ``step`` (default: :attr:`steps`).
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
 
 from memopt_plugins import ConfigError, MemOptConfig
+from memopt_plugins.engine import patched_by
 
 TWO_BITS_YAML = """\
 quantize:
@@ -73,9 +74,10 @@ class GPT2Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def loader(n: int = 32) -> DataLoader:
+def loader(n: int = 32, batch_size: int = 4) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randint(0, 512, (n, 32), generator=generator)), 4)
+    tokens = torch.randint(0, 512, (n, 32), generator=generator)
+    return DataLoader(TensorDataset(tokens), batch_size)
 
 
 def make_trainer(root: Path, callbacks: list[Callback], **kwargs) -> pl.Trainer:
@@ -680,3 +682,39 @@ def test_a_fit_without_logging_set_up_shows_memopts_lines_once_each(tmp_path):
     checks = [line for line in lines if line.startswith("memopt: drift check at step")]
     assert [c.split()[5].rstrip(":") for c in checks] == ["0", "2"]
     assert len(set(lines)) == len(lines)
+
+
+class SizedGPT2Module(GPT2Module):
+    """GPT2Module whose loader takes ``batch_size`` (which a batch-size finder sets) and which
+    records the size of each training batch and how compressed its forward's saved bytes were
+    (in a module hook: the finder's trials run without callbacks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_size = 2
+        self.seen: list[tuple[int, float]] = []
+
+    def train_dataloader(self):
+        return loader(64, batch_size=self.batch_size)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # a module hook: trials call it
+        memopt = patched_by(self)
+        ratio = memopt.hooks.stats.forward_ratio if memopt is not None else 1.0
+        self.seen.append((batch[0].shape[0], ratio))
+
+
+def test_the_batch_size_finder_tries_its_batches_compressed_and_leaves_the_state(tmp_path):
+    """``BatchSizeFinder`` runs its trials after the callback patched the model, with no
+    callbacks: every trial batch runs at 4 bits (so on a GPU the batch it settles on is the one
+    memopt allows), no drift check runs in a trial, and the fit then starts from the callback's
+    state: its checks at steps 0 and 2 and 3 steps counted."""
+    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"check_every": 2}})
+    finder = BatchSizeFinder(mode="power", init_val=2, max_trials=3, steps_per_trial=1)
+    module = SizedGPT2Module()
+    make_trainer(tmp_path, [finder, memopt], max_steps=3).fit(module)
+    trials = [size for size, _ in module.seen[:3]]
+    assert trials == [2, 4, 8] and finder.optimal_batch_size == 8
+    assert [size for size, _ in module.seen[3:]] == [8, 8, 8]  # the fit, at the batch found
+    assert all(ratio > 4.0 for _, ratio in module.seen)  # trials and training, compressed
+    drift = memopt.state_dict()["drift"]
+    assert [h["step"] for h in drift["history"]] == [0, 2] and drift["steps"] == 3

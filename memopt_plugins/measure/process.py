@@ -80,7 +80,7 @@ class StepPeak:
     """
 
     def __init__(self, device: Callable[[], torch.device]) -> None:
-        self._device = device  # read at each step: a model may move after it is patched
+        self.device = device  # read at each step: a model may move after it is patched
         self.peak: int | None = None
         self.transient_share: float | None = None
         self._open = False
@@ -91,7 +91,7 @@ class StepPeak:
         """A training forward begins; the first of a step opens the step."""
         if self._open or self._paused:
             return
-        device = self._device()
+        device = self.device()
         self._open = True
         self._start = self._seen = current_bytes(device)
         self._mark = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -101,7 +101,7 @@ class StepPeak:
         ``original`` uncompressed."""
         if not self._open or self._paused:
             return
-        held = current_bytes(self._device())
+        held = current_bytes(self.device())
         self._seen = max(self._seen, held)
         if self.transient_share is None and original > 0:
             self.transient_share = max(held - self._start - kept, 0) / original
@@ -111,7 +111,7 @@ class StepPeak:
         if not self._open:
             return
         self._open = False
-        device = self._device()
+        device = self.device()
         mark = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         self.peak = mark if mark > self._mark else self._seen
 
