@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from zoo import hf_gpt2
 
-from memopt_plugins import ConfigError, MemoryOptimizer
+from memopt_plugins import ConfigError, MemOptConfig, MemoryOptimizer
 from memopt_plugins.compress.codec import codec_generator
 from memopt_plugins.engine import patched_by
 from memopt_plugins.transformers import STATE_KEY, MemOptTrainerCallback
@@ -162,6 +162,20 @@ def test_two_bit_run_escalates_and_logs_memopt_metrics(two_bit_run):
     raised = history[0]["escalated"]
     assert f"{len(raised)} of " in lines[0] and "threshold 0.05" in lines[0]
     assert any(f"{f or '<root>'} {old} -> " in lines[0] for f, (old, _) in raised.items())
+
+
+def test_rows_printed_with_disable_tqdm_hold_the_compact_metric_set(tmp_path, capsys):
+    """``disable_tqdm=True`` prints every logged row: with the int4_drift preset (checks every 2
+    steps) each of memopt's rows holds at most 25 ``memopt/`` keys, not one per module."""
+    preset = Path(__file__).resolve().parents[1] / "configs" / "int4_drift.yaml"
+    config = MemOptConfig.from_yaml(preset).with_changes(drift={"check_every": 2, "sample_size": 2})
+    memopt = MemOptTrainerCallback(config)
+    trainer = make_trainer(tmp_path, [memopt])
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "'memopt/" in line]
+    assert len(printed) == 3 and len(memopt.bits) > 25
+    assert all(line.count("'memopt/") <= 25 for line in printed)
+    assert all("'memopt/batch_fits_x'" in line for line in printed)
 
 
 def test_checkpoint_holds_memopt_state(two_bit_run):
