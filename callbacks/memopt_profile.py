@@ -1,7 +1,8 @@
 """``MemOptProfileCallback``: the memory of a Lightning fit's first training step, per module.
 
 At the first training batch it measures the LightningModule as it is and under the memopt config
-(:func:`~memopt_plugins.profiler.profile_model`), logs the table on the ``memopt`` logger and
+(:func:`~memopt_plugins.profiler.profile_model`, with the state of the first optimizer
+``configure_optimizers`` returned), logs the table on the ``memopt`` logger and
 writes ``memopt_profile.md`` in the trainer's log directory, with ``memopt_profile.png`` and
 ``memopt_timeline.png`` (with matplotlib). Where a :class:`~memopt_plugins.callbacks.MemOptCallback`
 has patched the module, its patch is lifted for the measurement and put back with its state.
@@ -86,6 +87,8 @@ class MemOptProfileCallback(Callback):
     ) -> None:
         """Measure ``batch`` now, log the table and write the chart and the Markdown."""
         loss = self.loss_fn or step_loss(batch_idx)
+        # the state of the optimizer configure_optimizers returned counts (one step, undone)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
         memopt = patched_by(pl_module)
         config = self.config if self.config is not None or memopt is None else memopt.config
         state = memopt.state_dict() if memopt is not None else None
@@ -96,7 +99,7 @@ class MemOptProfileCallback(Callback):
                 memopt.remove()
             try:
                 with silenced_logging(pl_module):
-                    report = profile_model(pl_module, batch, loss, config)
+                    report = profile_model(pl_module, batch, loss, config, optimizer)
             finally:
                 if memopt is not None:
                     memopt.load_state_dict(state)

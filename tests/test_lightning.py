@@ -251,6 +251,8 @@ def test_profile_callback_measures_the_first_batch_under_the_memopt_callbacks_pl
     messages = [r.getMessage() for r in caplog.records]
     assert sum("compressing saved activations" in m for m in messages) == 1
     assert sum("by module" in m for m in messages) == 1
+    # the state of the optimizer configure_optimizers returned is counted (SGD: none)
+    assert "optimizer state" in (folder / "memopt_profile.md").read_text()
     with pytest.deprecated_call(match="MemOptProfileCallback"):
         MemOptCallback(profile=True)
 
