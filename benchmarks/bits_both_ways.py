@@ -201,7 +201,7 @@ def train(workload: Workload, arm: str, seed: int, steps: int) -> Run:
         run.bits_mean = metrics["memopt/bits_mean"]
         run.bits_plain = statistics.fmean(opt.bits.values())
         run.escalations = int(metrics["memopt/escalations"])
-        run.deescalations = int(metrics.get("memopt/deescalations", 0))
+        run.deescalations = int(metrics.get("memopt/lowerings", 0))
         opt.remove()
     precise_batchnorm(model, workload)
     run.loss = evaluate(model, workload)[0]

@@ -7,6 +7,12 @@ the LightningModule in ``setup("fit")`` (before the strategy wraps it), applies 
 optimizer-step boundaries on a slice of the current batch with the strategy's reduce, logs
 ``memopt/*`` metrics through the trainer's loggers, and removes the patch in ``teardown``.
 
+Lightning's batch-size finder (``BatchSizeFinder``, ``Tuner.scale_batch_size``) runs its trial
+steps after ``setup`` with no callbacks: the model is patched, so each trial batch runs compressed
+and the finder finds the batch memopt allows; no drift check runs in a trial (none can raise bits
+there), and the checkpoint the finder restores gives the callback back its state. A model built in
+``configure_model`` is patched only after the finder's trials, which then measure it unpatched.
+
 A model built in ``configure_model`` is patched in ``on_fit_start``, after it: under
 ``ModelParallelStrategy`` that is after ``configure_model`` sharded it with ``fully_shard``
 (FSDP2), which memopt supports in either order (see :mod:`memopt_plugins.compress.hooks` and
@@ -150,6 +156,7 @@ class MemOptCallback(Callback):
             self.session.apply(pl_module)
             self._deferred = False
         self.session.restore()
+        self.memopt.measure_afresh()  # a BatchSizeFinder's trials (patched, no callbacks) ran
         self._fit_started = True
         self.session.log_plan()
 

@@ -1,10 +1,11 @@
 """``MemOptProfileCallback``: the memory of a Lightning fit's first training step, per module.
 
 At the first training batch it measures the LightningModule as it is and under the memopt config
-(:func:`~memopt_plugins.profiler.profile_model`), logs the table on the ``memopt`` logger and
-writes ``memopt_profile.png`` and ``memopt_profile.md`` in the trainer's log directory. Where a
-:class:`~memopt_plugins.callbacks.MemOptCallback` has patched the module, its patch is lifted for
-the measurement and put back with its state.
+(:func:`~memopt_plugins.profiler.profile_model`, with the state of the first optimizer
+``configure_optimizers`` returned), logs the table on the ``memopt`` logger and
+writes ``memopt_profile.md`` in the trainer's log directory, with ``memopt_profile.png`` and
+``memopt_timeline.png`` (with matplotlib). Where a :class:`~memopt_plugins.callbacks.MemOptCallback`
+has patched the module, its patch is lifted for the measurement and put back with its state.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing_extensions import override
 
 from ..config import MemOptConfig
 from ..engine import patched_by
-from ..profiler import profile_model
+from ..logs import quiet
+from ..profiler import ProfileReport, profile_model
 from .training_step import LossFn, silenced_logging, step_loss
 
 log = logging.getLogger("memopt")
@@ -85,22 +87,39 @@ class MemOptProfileCallback(Callback):
     ) -> None:
         """Measure ``batch`` now, log the table and write the chart and the Markdown."""
         loss = self.loss_fn or step_loss(batch_idx)
+        # the state of the optimizer configure_optimizers returned counts (one step, undone)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
         memopt = patched_by(pl_module)
         config = self.config if self.config is not None or memopt is None else memopt.config
         state = memopt.state_dict() if memopt is not None else None
-        if memopt is not None:
-            memopt.remove()  # profile_model measures the model as it is, then under the config
-        try:
-            with silenced_logging(pl_module):
-                report = profile_model(pl_module, batch, loss, config)
-        finally:
+        # profile_model measures the model as it is, then under the config; the training patch
+        # is lifted meanwhile and put back as it was (its apply lines were said already)
+        with quiet():
             if memopt is not None:
-                memopt.load_state_dict(state)
-                memopt.apply(pl_module)
+                memopt.remove()
+            try:
+                with silenced_logging(pl_module):
+                    report = profile_model(pl_module, batch, loss, config, optimizer)
+            finally:
+                if memopt is not None:
+                    memopt.load_state_dict(state)
+                    memopt.apply(pl_module)
         log.info("memopt: memory of the first training step by module\n%s", report.table(self.top))
         folder = trainer.log_dir or trainer.default_root_dir
         if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            chart = report.plot(Path(folder) / "memopt_profile.png")
-            (Path(folder) / "memopt_profile.md").write_text(report.to_markdown(image=chart.name))
-            log.info("memopt: profile written to %s", chart)
+            self.write(report, Path(folder))
+
+    def write(self, report: ProfileReport, folder: Path) -> None:
+        """``memopt_profile.md`` in ``folder``, with ``memopt_profile.png`` and
+        ``memopt_timeline.png`` beside it when matplotlib is installed (linked only then)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        markdown = folder / "memopt_profile.md"
+        try:
+            chart = report.plot(folder / "memopt_profile.png")
+            timeline = report.plot_timeline(folder / "memopt_timeline.png")
+        except ImportError as err:
+            markdown.write_text(report.to_markdown())
+            log.info("memopt: profile written to %s (no charts: %s)", markdown, err)
+            return
+        markdown.write_text(report.to_markdown(image=chart.name, timeline=timeline.name))
+        log.info("memopt: profile written to %s (charts: %s, %s)", markdown, chart, timeline)

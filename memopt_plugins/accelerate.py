@@ -47,9 +47,9 @@ class MemOptPlugin:
         config: a preset's name (``"int4_drift"``), a path to a YAML file, a
             dict in the YAML schema, a ``MemOptConfig`` or ``None``
             (the defaults, which change nothing).
-        log_every: log the bits (``memopt/bits_*``, changed ``memopt/bits/*``),
-            ``memopt/saved_*`` and ``memopt/escalations`` through ``accelerator.log`` every this
-            many optimizer steps (drift values are logged at every check).
+        log_every: log the ``memopt/*`` metrics (:meth:`~memopt_plugins.MemoryOptimizer.metrics`)
+            through ``accelerator.log`` every this many optimizer steps (drift values are logged
+            at every check).
         slicer: ``slicer(batch, n) -> batch`` used by :meth:`sample`; default cuts every tensor of
             the batch along dim 0.
     """
@@ -160,7 +160,8 @@ class MemOptPlugin:
         return report
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
-        """The ``memopt/*`` values; ``drift=False`` leaves out ``memopt/drift/*``."""
+        """The ``memopt/*`` values (:meth:`.MemoryOptimizer.metrics`); ``drift=False`` leaves out
+        the last check's drift."""
         return self.memopt.metrics(drift)
 
     def state_dict(self) -> dict[str, Any]:

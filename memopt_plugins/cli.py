@@ -3,13 +3,14 @@
 ``memopt profile --model FILE.py:factory [--config YAML] [--out DIR] [--top N]`` prints the
 per-module memory table of one training step and writes ``DIR/report.md``, ``DIR/memory.png``,
 ``DIR/timeline.png`` (the step's memory over time) and ``DIR/report.json``. ``memopt plan
---model FILE.py:factory [--budget 0.4] [--memory 6GiB] [--bits N]`` prints a config (YAML) that
-keeps the step's peak at most that fraction of the baseline's peak (or the whole step under that
-cap, and then also the largest batch that fits), measured by running it: the modules the
-recompute planner picks, plus compression at ``N`` bits, or at the bits needed when recompute
-alone cannot reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
-returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``. ``--config``
-takes a preset's name or a YAML file; ``memopt presets`` lists the presets.
+--model FILE.py:factory [--budget 0.4] [--memory 6GiB] [--optimizer adamw] [--bits N]`` prints a
+config (YAML) that keeps the step's peak at most that fraction of the baseline's peak (or the
+whole step, the optimizer's state included, under that cap, and then also the largest batch that
+fits with the config and without memopt), measured by running it: the modules the recompute
+planner picks, plus compression at ``N`` bits, or at the bits needed when recompute alone cannot
+reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
+returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
+``--config`` takes a preset's name or a YAML file; ``memopt presets`` lists the presets.
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ from . import presets
 from .config import ConfigError, MemOptConfig, closest, load_config, memory_bytes
 from .profiler import ProfileReport, profile_model, suggest_config
 from .profiler.fit import plan_peak
+from .profiler.ops import OpsEntry, suggest_ops
 from .tree import map_tensors
 
 EXPECTED = (
     "a factory taking no arguments and returning (model, batch, loss_fn): model a "
     "torch.nn.Module, loss_fn(model, batch) -> scalar loss"
 )
+#: The optimizers whose state ``--optimizer`` counts: Adam(W) keeps two fp32 tensors per
+#: parameter, SGD with momentum one, plain SGD none.
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
@@ -171,7 +176,7 @@ def _config(path: str | None) -> MemOptConfig | None:
 
 def _profile(
     spec: str, config: MemOptConfig | None, optimizer: str | None, device: str | None
-) -> ProfileReport:
+) -> tuple[nn.Module, ProfileReport]:
     model, batch, loss_fn = build(spec)
     if device is not None:
         model.to(device)
@@ -179,7 +184,7 @@ def _profile(
     opt = OPTIMIZERS[optimizer](model.parameters()) if optimizer else None
     path = Path(spec.rpartition(":")[0]).expanduser().resolve()
     try:
-        return profile_model(model, batch, loss_fn, config, opt, device=device)
+        return model, profile_model(model, batch, loss_fn, config, opt, device=device)
     except ConfigError as err:
         raise CliError(f"--config does not fit the model of {spec}: {err}") from None
     except Exception as err:
@@ -194,19 +199,19 @@ def _profile(
 def cmd_profile(args: argparse.Namespace) -> int:
     """``memopt profile``: write report.md, memory.png and report.json, print the table."""
     config = _config(args.config)
-    report = _profile(args.model, config, args.optimizer, args.device)
+    model, report = _profile(args.model, config, args.optimizer, args.device)
     suggestion = suggest_config(report, args.suggest, base=config) if args.suggest else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    written, image, warning = [], None, None
+    written, image, timeline, warning = [], None, None, None
     try:
         written.append(report.plot(out / "memory.png", top=min(args.top, 20)))
         written.append(report.plot_timeline(out / "timeline.png"))
-        image = "memory.png"
+        image, timeline = "memory.png", "timeline.png"
     except ImportError as err:
         warning = f"memopt: memory.png and timeline.png not written: {err}"
     shown = min(args.top, len(report.modules))
-    markdown = report.to_markdown(args.top, image=image)
+    markdown = report.to_markdown(args.top, image=image, timeline=timeline)
     markdown += f"\nThe {shown} largest of {len(report.modules)} rows; report.json has all.\n"
     for name, text in (("report.md", markdown), ("report.json", report.to_json() + "\n")):
         (out / name).write_text(text, encoding="utf-8")
@@ -215,13 +220,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
         (out / "suggested.yaml").write_text(suggestion.to_yaml(), encoding="utf-8")
         written.append(out / "suggested.yaml")
 
-    print(report.summary(), report.table(args.top), sep="\n\n")
+    ops = suggest_ops(model, report)
+    if ops:
+        print(report.summary(), _ops_lines(ops), report.table(args.top), sep="\n\n")
+    else:
+        print(report.summary(), report.table(args.top), sep="\n\n")
     if suggestion is not None:
         print("\n" + suggestion.to_yaml(), end="")
     print("\nwrote " + ", ".join(os.fspath(p) for p in written))
     if warning:
         print(warning, file=sys.stderr)
     return 0
+
+
+def _ops_lines(ops: list[OpsEntry]) -> str:
+    return "\n".join(
+        [
+            "memory-lean ops that act where the peak is (configs/lean.yaml has them all):",
+            *(f"  {entry}" for entry in ops),
+        ]
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -233,10 +251,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.device is not None:
         model.to(args.device)
         batch = map_tensors(lambda t: t.to(args.device), batch)
+    name = None if args.optimizer == "none" else args.optimizer
+    optimizer = OPTIMIZERS[name](model.parameters()) if name else None
     try:
         plan = plan_peak(
             model, batch, loss_fn, budget=args.budget, memory=args.memory, bits=args.bits,
-            base=base, device=args.device,
+            base=base, device=args.device, optimizer=optimizer, optimizer_name=name,
         )  # fmt: skip
     except ConfigError as err:
         raise CliError(f"--config does not fit the model of {args.model}: {err}") from None
@@ -316,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=(2, 4, 8, 16),
         help="also compress at these bits (default: only when recompute cannot reach the budget)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=(*sorted(OPTIMIZERS), "none"),
+        default="adamw",
+        help="the training's optimizer, whose state --memory counts (default adamw)",
     )
     p.add_argument(
         "--config", metavar="NAME|YAML", help="start from this preset or config (its keys stay)"

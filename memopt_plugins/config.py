@@ -37,6 +37,7 @@ __all__ = [
     "ConfigError",
     "DriftConfig",
     "DropoutConfig",
+    "LogConfig",
     "MemOptConfig",
     "QuantizeConfig",
     "RecomputeConfig",
@@ -405,6 +406,26 @@ class OpsConfig(_Section):
     )
 
 
+class LogConfig(_Section):
+    """Which ``memopt/*`` metrics go to the framework's loggers (a compact set by default)."""
+
+    per_module: bool = Field(
+        False,
+        description=(
+            "Also log one series per compressed module: its bits when they change "
+            "(memopt/bits/<module>) and its drift at each check (memopt/drift/<module>)."
+        ),
+    )
+    legacy_names: bool = Field(
+        False,
+        description=(
+            "Also log the metrics under their names of memopt 0.1 (memopt/saved_bytes, "
+            "memopt/saved_ratio, memopt/deescalations, memopt/drift/max, memopt/drift/skipped) "
+            "beside the new ones; deprecated, removed in the next release."
+        ),
+    )
+
+
 # --------------------------------------------------------------------------- top level
 
 
@@ -429,6 +450,7 @@ class MemOptConfig(_Section):
         default_factory=BatchNormConfig, description="BatchNorm statistics."
     )
     ops: OpsConfig = Field(default_factory=OpsConfig, description="Memory-lean operations.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Metrics sent to loggers.")
 
     # Where a preset's settings are in force (its name, and each (key, value) it set): a preset's
     # glob that matches nothing on a model, or its chunked loss where the model has no reachable
@@ -473,7 +495,9 @@ class MemOptConfig(_Section):
         self._preset_values = frozenset(_settings(self.to_dict()))
         return self
 
-    @field_validator("recompute", "quantize", "drift", "dropout", "batchnorm", "ops", mode="before")
+    @field_validator(
+        "recompute", "quantize", "drift", "dropout", "batchnorm", "ops", "log", mode="before"
+    )
     @classmethod
     def _null_section_is_default(cls, value: Any) -> Any:
         return {} if value is None else value

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -30,8 +31,9 @@ from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing
 from .dropout import DropoutPatch
 from .lean import LeanOps
+from .logs import show_on_console
 from .loss_fn import bind_loss
-from .measure.process import peak_bytes
+from .measure.process import StepPeak
 from .policy import resolve_bits
 from .recompute import (
     IN_RECOMPUTE,
@@ -74,6 +76,16 @@ def patched_by(model: nn.Module) -> MemoryOptimizer | None:
     ref = _PATCHED.get(model)
     return ref() if ref is not None else None
 
+
+#: ``{new name: name in memopt 0.1}`` of the metrics renamed, logged under both with
+#: ``log.legacy_names`` (deprecated; removed in the next release).
+LEGACY_NAMES = {
+    "memopt/kept_bytes": "memopt/saved_bytes",
+    "memopt/compression_ratio": "memopt/saved_ratio",
+    "memopt/lowerings": "memopt/deescalations",
+    "memopt/drift_max": "memopt/drift/max",
+    "memopt/drift_skipped": "memopt/drift/skipped",
+}
 
 #: Plan actions: compressed, left as it is (and RECOMPUTE, IN_RECOMPUTE from the recompute package).
 COMPRESS = "compress"
@@ -122,6 +134,17 @@ def _count(actions: Mapping[str, str]) -> str:
     return ", ".join(f"{a} x{n}" if n > 1 else a for a, n in counts.items())
 
 
+def _device_of(model: weakref.ref[nn.Module]) -> Callable[[], torch.device]:
+    """``device()``: where the model's first parameter is now (the CPU without one)."""
+
+    def device() -> torch.device:
+        module = model()
+        first = next(module.parameters(), None) if module is not None else None
+        return first.device if first is not None else torch.device("cpu")
+
+    return device
+
+
 def noise_seed(seed: int | None) -> Callable[[], int]:
     """The seed of a run's stochastic-rounding noise: ``seed`` (``quantize.seed``), else
     ``torch.initial_seed()`` (read now), mixed with the rank (rank 0 keeps it). The rank is read
@@ -167,6 +190,14 @@ class MemoryOptimizer:
             self.config.ops, loss_from_preset=self.config.set_by_preset("ops.loss", "chunked")
         )
         self._logged_bits: dict[str, int] = {}  # what metrics() last reported per module
+        if self.config.log.legacy_names:
+            warnings.warn(
+                "memopt: log.legacy_names logs the metrics under their 0.1 names too "
+                f"({', '.join(LEGACY_NAMES.values())}); they go in the next release: read "
+                f"{', '.join(LEGACY_NAMES)} instead",
+                FutureWarning,
+                stacklevel=2,
+            )
         self._budget_waits_noted = False
 
     # ----------------------------------------------------------------- public API
@@ -204,7 +235,8 @@ class MemoryOptimizer:
         return plan
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Patch ``model`` in place and return it. A model can be patched once."""
+        """Patch ``model`` in place and return it. A model can be patched once. memopt's lines
+        reach the console from here on unless logging is configured (:mod:`.logs`)."""
         if self._model is not None:
             raise RuntimeError("this MemoryOptimizer is already applied; call remove() first")
         if patched_by(model) is not None:
@@ -212,6 +244,7 @@ class MemoryOptimizer:
                 f"{type(model).__name__} is already patched by a MemoryOptimizer; "
                 "call remove() on that one before applying another"
             )
+        show_on_console()
         preset = self.config.set_by_preset  # a preset's glob may not apply to this model
         targets = recompute_targets(model, self.config.recompute, preset)  # validates first
         scopes = resolve_bits(model, self.config.quantize, preset)
@@ -257,6 +290,7 @@ class MemoryOptimizer:
         )
         hooks.install(model, list(self._table.scopes))
         hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
+        hooks.memory = StepPeak(_device_of(weakref.ref(model)))
         self._hooks = hooks
         self._load_noise()
         self._recompute = Recompute(model, suspend=self._region_context)
@@ -387,7 +421,15 @@ class MemoryOptimizer:
         self._drift.steps += 1
         if self._hooks is not None:
             self._hooks.step_ended = True  # the next forward starts the step's counts afresh
+            self._hooks.memory.finish()
         return self._drift.steps
+
+    def measure_afresh(self) -> None:
+        """Measure the next training step as the first after :meth:`apply`
+        (``memopt/peak_bytes``, :attr:`batch_fits`): forwards run outside the training loop's
+        steps (a batch-size finder's trials, which count no steps) are not its."""
+        if self._hooks is not None:
+            self._hooks.memory = StepPeak(self._hooks.memory.device)
 
     def should_check(self, step: int | None = None) -> bool:
         """True when a drift check is due at ``step`` (default: :attr:`steps`).
@@ -443,24 +485,25 @@ class MemoryOptimizer:
         # have no scope there): they would hide the region's saved tensors from the checkpoint.
         regions = self._region_fqns()
         try:
-            return self._drift.check(
-                model,
-                loss_fn,
-                self._table.compressed,
-                set_bits=self.set_bits,
-                suspend=hooks.suspend,
-                generators=[hooks.noise(d) for d in devices],
-                scopes=[f for f in self._table.scopes if f not in regions],
-                min_numel=self.config.quantize.min_numel,
-                reduce_max=self.reduce_max,
-                speaks=self.speaks,
-                step=step,
-                max_rounds=max_rounds,
-                batch_size=batch_size,
-                pricing=None
-                if self.config.quantize.budget is None
-                else self._pricing(trained, kept_modules if eager else {}),
-            )
+            with hooks.memory.paused():  # the check's passes are no training step's
+                return self._drift.check(
+                    model,
+                    loss_fn,
+                    self._table.compressed,
+                    set_bits=self.set_bits,
+                    suspend=hooks.suspend,
+                    generators=[hooks.noise(d) for d in devices],
+                    scopes=[f for f in self._table.scopes if f not in regions],
+                    min_numel=self.config.quantize.min_numel,
+                    reduce_max=self.reduce_max,
+                    speaks=self.speaks,
+                    step=step,
+                    max_rounds=max_rounds,
+                    batch_size=batch_size,
+                    pricing=None
+                    if self.config.quantize.budget is None
+                    else self._pricing(trained, kept_modules if eager else {}),
+                )
         finally:
             hooks.stats.restore(kept)
             hooks.stats.modules = kept_modules
@@ -521,45 +564,88 @@ class MemoryOptimizer:
         return self.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
-        """The ``memopt/*`` values for a logger (docs/logging.md).
+        """The ``memopt/*`` values for a logger: a compact set whatever the model's size
+        (docs/logging.md).
 
-        ``memopt/drift/max`` and ``memopt/drift/<fqn>`` (last check, once one ran),
-        ``memopt/bits_mean`` (over the compressed modules, weighted by the bytes each saved
-        uncompressed in the last forward) and ``memopt/bits_modules/<bits>``
-        (modules at each width) every call, ``memopt/bits/<fqn>`` at the first call and then only
-        for modules whose bits changed since the previous one (the whole table: :attr:`bits`,
-        :meth:`state_dict`), ``memopt/escalations`` (so far), ``memopt/saved_bytes`` (compressed
-        bytes the last forward kept for backward), ``memopt/saved_ratio`` (uncompressed ÷ kept),
-        ``memopt/unencodable`` (saved tensors kept as they are since apply because the codec
-        cannot take them -- subclasses such as DTensor, sparse layouts; only once there was one),
-        ``memopt/peak_bytes`` (the most memory held so far: on CUDA the allocator's
-        ``max_memory_allocated``, on the CPU the process's resident high-water mark; read, never
-        reset: those counters are the process's, and other monitors read them too). The root
-        module is named ``<root>``. ``drift=False`` leaves out ``memopt/drift/*``: integrations
-        log drift values only at the step of their check.
+        * ``memopt/bits_mean``: mean bits of the compressed modules, weighted by the bytes each
+          saved uncompressed in the last forward; ``memopt/bits_modules/<bits>``: modules at
+          each width;
+        * ``memopt/kept_bytes``: the bytes the last training forward kept for backward;
+          ``memopt/compression_ratio``: those bytes uncompressed ÷ kept (a forward without
+          gradients, an eval pass, leaves both as the training forward made them);
+        * ``memopt/escalations``, ``memopt/lowerings`` (with ``drift.lower`` or a budget),
+          ``memopt/drift_skipped``: so far; ``memopt/drift_max``: the last check's largest
+          module drift (``drift=False`` leaves it out: integrations log it at a check's step);
+        * ``memopt/peak_bytes``: the last step's peak as memopt measures it
+          (:class:`~.measure.process.StepPeak`: exact on CUDA when the step raised the
+          allocator's high-water mark, else a lower bound; the process's resident memory on the
+          CPU); no process-wide counter is ever reset;
+        * ``memopt/batch_fits_x``: :attr:`batch_fits`;
+        * ``memopt/unencodable``: saved tensors kept as they are since apply because the codec
+          cannot take them (DTensor, sparse layouts), once there was one.
+
+        ``log.per_module`` adds ``memopt/bits/<fqn>`` (at the first call, then for modules whose
+        bits changed; the root module is ``<root>``) and ``memopt/drift/<fqn>``;
+        ``log.legacy_names`` adds the 0.1 names too (:data:`LEGACY_NAMES`).
         """
-        out = self._drift.metrics()
+        logged = self.config.log
+        out = self._drift.metrics(per_module=logged.per_module)
         if not drift:
-            out = {k: v for k, v in out.items() if not k.startswith("memopt/drift/")}
+            out = {
+                k: v
+                for k, v in out.items()
+                if k != "memopt/drift_max" and not k.startswith("memopt/drift/")
+            }
         bits = self._table.compressed
-        for fqn, b in bits.items():  # a module's bits when they changed since the last call
-            if self._logged_bits.get(fqn) != b:
-                out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
-        self._logged_bits = bits
+        if logged.per_module:
+            for fqn, b in bits.items():  # a module's bits when they changed since the last call
+                if self._logged_bits.get(fqn) != b:
+                    out[f"memopt/bits/{fqn or '<root>'}"] = float(b)
+            self._logged_bits = bits
         if bits:
             out["memopt/bits_mean"] = self._bits_mean(bits)
             for width in sorted(set(bits.values())):
                 out[f"memopt/bits_modules/{width}"] = float(sum(b == width for b in bits.values()))
         if self._hooks is not None:
-            out["memopt/saved_bytes"] = float(self._hooks.stats.saved_stored)
-            out["memopt/saved_ratio"] = float(self._hooks.stats.forward_ratio)
-            unencodable = sum(self._hooks.stats.unencodable.values())
+            stats = self._hooks.stats
+            out["memopt/kept_bytes"] = float(stats.saved_stored)
+            out["memopt/compression_ratio"] = float(stats.forward_ratio)
+            unencodable = sum(stats.unencodable.values())
             if unencodable:
                 out["memopt/unencodable"] = float(unencodable)
-        if self._model is not None:
-            device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
-            out["memopt/peak_bytes"] = float(peak_bytes(device))
+            peak = self._hooks.memory.peak if self._hooks.memory is not None else None
+            if peak is not None:
+                out["memopt/peak_bytes"] = float(peak)
+        fits = self.batch_fits
+        if fits is not None:
+            out["memopt/batch_fits_x"] = fits
+        if logged.legacy_names:
+            out.update({old: out[new] for new, old in LEGACY_NAMES.items() if new in out})
         return out
+
+    @property
+    def batch_fits(self) -> float | None:
+        """How many times larger a batch fits in the memory the model's batch takes now.
+
+        A step's memory is what it holds before the batch (parameters, gradients, optimizer
+        state: the same with or without memopt) plus a part that grows with the batch: the saved
+        activations (``O`` bytes uncompressed, ``K`` as memopt keeps them) and what compression
+        leaves, the output, the loss's inputs, workspaces (``T``). Memory freed by memopt takes
+        ``(T + O) / (T + K)`` times the batch. ``T`` is measured once, at the first training
+        forward after apply, as a share of ``O`` (:attr:`.StepPeak.transient_share`: held at
+        the forward's end less held at its start and ``K``); ``O`` and ``K`` are the last
+        training forward's, so the figure follows every change of bits. It leaves out the
+        backward's own peak (gradients in flight), so it reads high where that peak dominates.
+        ``None`` before a training forward was measured.
+        """
+        hooks = self._hooks
+        if hooks is None or hooks.memory is None or hooks.memory.transient_share is None:
+            return None
+        original, kept = hooks.stats.saved_original, hooks.stats.saved_stored
+        if not original or not kept:
+            return None
+        transient = hooks.memory.transient_share * original
+        return (transient + original) / (transient + kept)
 
     @property
     def bits_mean(self) -> float | None:

@@ -205,17 +205,20 @@ class MemOptSession:
 
     def log_memory(self) -> None:
         """Between the first forward and its backward after a patch: one line with what the
-        hooks keep for backward against what the model saves."""
+        hooks keep for backward against what the model saves, and how many times larger a batch
+        fits (:attr:`.MemoryOptimizer.batch_fits`)."""
         hooks = self.memopt.hooks
         if self._told_memory or hooks is None or not self.is_main():
             return
         self._told_memory = True
         stats = hooks.stats
         if stats.saved_original:
+            fits = self.memopt.batch_fits
             log.info(
                 "memopt: first training step kept %.2f MiB for backward where the model saves "
-                "%.2f MiB (%.1fx less)",
+                "%.2f MiB (%.1fx less)%s",
                 stats.saved_stored / _MIB,
                 stats.saved_original / _MIB,
                 stats.forward_ratio,
+                "" if fits is None else f"; a batch about {fits:.1f}x as large fits now",
             )

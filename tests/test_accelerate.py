@@ -76,7 +76,7 @@ def test_plain_loop_escalates_from_2_bits_and_logs_metrics():
     recorder = Recorder()
     accelerator = Accelerator(cpu=True, log_with=[recorder])
     accelerator.init_trackers("memopt-test")
-    plugin = MemOptPlugin(TWO_BITS, log_every=1)
+    plugin = MemOptPlugin({**TWO_BITS, "log": {"per_module": True}}, log_every=1)
     _, reports = _loop(plugin, accelerator, steps=3)
 
     checked = [r.step for r in reports if r is not None]
@@ -91,12 +91,14 @@ def test_plain_loop_escalates_from_2_bits_and_logs_metrics():
     first = recorder.rows[0][1]
     assert first["memopt/escalations"] > 0
     # the logged drift is the step-0 check's (after its last round); its first round was over 5%
-    assert first["memopt/drift/max"] == pytest.approx(reports[0].max) and reports[0].max > 0
+    assert first["memopt/drift_max"] == pytest.approx(reports[0].max) and reports[0].max > 0
     assert reports[0].round_max[0] > 0.05
     assert {f"memopt/bits/{fqn or '<root>'}" for fqn in plugin.bits} <= set(first)
-    assert first["memopt/saved_bytes"] > 0 and first["memopt/saved_ratio"] > 1.0
+    assert first["memopt/kept_bytes"] > 0 and first["memopt/compression_ratio"] > 1.0
     # drift values belong to the step of their check: the step in between has none
-    assert not any(k.startswith("memopt/drift/") for k in recorder.rows[1][1])
+    between = recorder.rows[1][1]
+    assert "memopt/drift_max" not in between
+    assert not any(k.startswith("memopt/drift/") for k in between)
     for fqn, (_, new) in reports[0].escalated.items():
         assert first[f"memopt/bits/{fqn or '<root>'}"] == float(new)
 
@@ -233,5 +235,5 @@ def test_a_model_accelerate_compiles_trains_compressed():
     plugin = MemOptPlugin({"quantize": {"bits": 8, "rounding": "nearest"}})
     model, reports = _loop(plugin, accelerator, steps=2)
     assert type(model).__name__ == "OptimizedModule"  # accelerate compiled it
-    assert plugin.metrics()["memopt/saved_ratio"] > 3.0
+    assert plugin.metrics()["memopt/compression_ratio"] > 3.0
     torch._dynamo.reset()

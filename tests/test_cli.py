@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -11,6 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from memopt_plugins import MemOptConfig
 from memopt_plugins.cli import main
@@ -46,6 +49,14 @@ TOY_FACTORY = textwrap.dedent(
             nn.Linear(64, 8),
         )
         return model, torch.randn(512, 32), lambda m, x: m(x).square().mean()
+
+    def wide():  # parameters, gradients and AdamW's state take 24 MiB
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
+            nn.Linear(1024, 256),
+        )
+        return model, torch.randn(64, 256), lambda m, x: m(x).square().mean()
 
     def pair():
         return nn.Linear(2, 2), None
@@ -89,6 +100,40 @@ def test_profile_held_out_bert_writes_report_and_png(factories, tmp_path, capsys
     assert sum(m["self_saved"] for m in data["modules"]) == saved
 
 
+GPT2_FACTORY = textwrap.dedent(
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build():
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=1, n_head=4)
+        batch = torch.randint(0, 512, (8, 64))
+        return GPT2LMHeadModel(cfg), batch, lambda m, b: m(input_ids=b, labels=b).loss
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "spec, entry, modules",
+    [("toy.py:mlp", "ops: {fuse: [gelu]}", 1), ("gpt2.py:build", "ops: {loss: chunked}", 1)],
+)
+def test_profile_suggests_the_lean_op_where_the_peak_is(
+    factories, tmp_path, capsys, spec, entry, modules
+):
+    """The MLP peaks in the backward of the Linear after its GELU: the gelu chain; GPT-2 in
+    the backward of its loss's log-softmax: the chunked loss. The entry is a valid config."""
+    (factories / "gpt2.py").write_text(GPT2_FACTORY)
+    assert main(["profile", "--model", f"{factories}/{spec}", "--out", str(tmp_path / "r")]) == 0
+    stdout = capsys.readouterr().out
+    suggested = [s.strip() for s in stdout.splitlines() if s.startswith("  ops: ")]
+    assert [s.split("  #")[0] for s in suggested] == [entry]
+    assert f"# {modules} module(s)" in suggested[0]
+    assert MemOptConfig.from_dict(yaml.safe_load(entry)).ops != MemOptConfig().ops
+    if spec.startswith("toy"):
+        assert "peak in the backward of 2.2" in stdout  # the Linear after the GELU (2.1)
+
+
 def test_profile_with_config_top_and_suggest(factories, tmp_path, capsys):
     config = tmp_path / "q8.yaml"
     config.write_text("quantize:\n  bits: 8\n")
@@ -123,15 +168,63 @@ def test_plan_prints_yaml_that_loads(factories, tmp_path, capsys):
 def test_plan_under_a_memory_cap_prints_the_largest_batch_that_fits(factories, capsys):
     assert main(["plan", "--model", f"{factories}/toy.py:mlp", "--memory", "3MiB"]) == 0
     stdout = capsys.readouterr().out
-    found = re.search(r"the largest batch that fits is (\d+) \(measured ([0-9.]+) MiB\)", stdout)
-    assert int(found.group(1)) > 512  # the factory's batch fits with room to spare
-    assert float(found.group(2)) <= 3.0
+    found = re.search(r"measured ([0-9.]+) MiB at batch (\d+)", stdout)
+    assert int(found.group(2)) > 512  # the factory's batch fits with room to spare
+    assert float(found.group(1)) <= 3.0
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", f"{factories}/toy.py:mlp", "--memory", "lots"])
     assert exit_info.value.code == 2
     assert "is not an amount of memory" in capsys.readouterr().err
     assert main(["plan", "--model", f"{factories}/toy.py:mlp"]) == 2
     assert "give --budget" in capsys.readouterr().err
+
+
+def _adamw_step_peak(spec: str, config: str, size: int) -> int:
+    """In this (fresh) process: the most CPU tensor memory held while the factory of ``spec``
+    builds the model and its batch (resized to ``size``) and two AdamW steps run under ``config``
+    (YAML text): the second with the state the first made, as every later step of training
+    does. The allocator's own count, from the profiler's memory events."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    from memopt_plugins import MemoryOptimizer
+    from memopt_plugins.cli import build
+    from memopt_plugins.profiler.fit import resize_batch
+
+    torch.set_num_threads(1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, batch, loss_fn = build(spec)
+        batch = resize_batch(batch, size)
+        MemoryOptimizer(yaml.safe_load(config)).apply(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    events, totals = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            totals.append(event.extra_fields.total_allocated)
+    return max(totals)
+
+
+def test_the_planned_batch_takes_adamw_steps_under_the_cap_in_a_fresh_process(factories, capsys):
+    """``memopt plan --memory 40MiB`` counts AdamW's state (the default; 12 MiB here): the batch
+    it prints, run with its config for AdamW steps in a fresh process, stays under 40 MiB (the
+    batch it planned with no optimizer state took 47 MiB), and is larger than the largest batch
+    it prints without memopt."""
+    spec = f"{factories}/toy.py:wide"
+    assert main(["plan", "--model", spec, "--memory", "40MiB", "--bits", "4"]) == 0
+    stdout = capsys.readouterr().out
+    found = re.search(r"largest batch without memopt (\d+), with this config (\d+)", stdout)
+    baseline, size = int(found.group(1)), int(found.group(2))
+    assert size > baseline and "adamw state counted" in stdout
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        peak = pool.apply(_adamw_step_peak, (spec, stdout, size))
+    assert peak <= 40 << 20, peak / 2**20
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,7 @@ def _compiled_step(config, compile):
 def test_compiled_int8_keeps_what_eager_keeps_and_says_so(mode, caplog):
     """Per block and whole, int8 inside the graphs keeps at least 3.5x less than the same
     compiled model without memopt (measured 3.95x both, as eager's 3.95x), the counters behind
-    ``memopt/saved_ratio`` agree with the allocator within 10% (they count every block's graph
+    ``memopt/compression_ratio`` agree with the allocator within 10% (they count every block's graph
     and what graphs save as they are), and the gradient stays within 2% of the exact one."""
     baseline, _, _ = _compiled_step(None, MODES[mode])
     with caplog.at_level(logging.INFO, logger="memopt"):

@@ -315,7 +315,7 @@ def test_a_graph_kept_across_steps_does_not_grow_the_counts_and_new_weights_stay
         sgd.step()
         sgd.zero_grad()
         opt.count_step()
-        saved.append(opt.metrics()["memopt/saved_bytes"])
+        saved.append(opt.metrics()["memopt/kept_bytes"])
         floats.append(sum(len(m.floats) for m in opt.hooks.stats.modules.values()))
     # step 0 held two forwards; every later step holds one, as many bytes as the last
     assert len(set(saved[1:])) == 1 and len(set(floats[1:])) == 1, (saved, floats)

@@ -49,6 +49,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     "dropout": {"mode": "keep"},
     "batchnorm": {"mode": "batch", "warmup_steps": 0},
     "ops": {"loss": "none", "chunk_size": None, "fuse": []},
+    "log": {"per_module": False, "legacy_names": False},
 }
 
 # A config that differs from the defaults in every section.
@@ -80,6 +81,7 @@ CUSTOM: dict[str, Any] = {
     "dropout": {"mode": "regenerate"},
     "batchnorm": {"mode": "running", "warmup_steps": 10},
     "ops": {"loss": "chunked", "chunk_size": 512, "fuse": ["swiglu", "rmsnorm"]},
+    "log": {"per_module": True, "legacy_names": True},
 }
 
 

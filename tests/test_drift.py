@@ -221,7 +221,7 @@ def test_sgd_metric_on_llama_lets_4_bits_through_and_stops_2_bits():
 
 def test_a_check_meeting_a_nan_moves_no_bits_and_warns(caplog):
     """One NaN in one sample's embeddings: every module's gradient is not finite, so none is
-    judged, no bits move, one WARNING names them and memopt/drift/skipped counts them."""
+    judged, no bits move, one WARNING names them and memopt/drift_skipped counts them."""
     for metric in ("sgd", "cosine", "rel_l2"):
         model, batch, loss_fn = hf_llama(batch_size=4)
         opt = MemoryOptimizer({"quantize": {"bits": 4}, "drift": {"metric": metric}})
@@ -239,7 +239,7 @@ def test_a_check_meeting_a_nan_moves_no_bits_and_warns(caplog):
         assert report.skipped and set(report.skipped) <= set(report.unmeasured)
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "not finite" in warnings[0].getMessage()
-        assert opt.metrics()["memopt/drift/skipped"] == len(report.skipped)
+        assert opt.metrics()["memopt/drift_skipped"] == len(report.skipped)
 
 
 def test_noise_metric_on_llama_lets_4_bits_through_and_stops_2_bits():
@@ -398,7 +398,12 @@ def test_state_dict_round_trips_bits_steps_and_history():
         assert other.bits == opt.bits and other.bits["model.norm"] == 32
         assert other.steps == 1
         assert other.state_dict()["drift"] == opt.state_dict()["drift"]
-        per_step = ("memopt/saved", "memopt/peak_bytes")  # the last forward's, not the state's
+        per_step = (
+            "memopt/kept",
+            "memopt/compression",
+            "memopt/peak",
+            "memopt/batch",
+        )  # the last forward's, not the state's
         drift_keys = {k: v for k, v in opt.metrics().items() if not k.startswith(per_step)}
         theirs = other.metrics()
         assert {k: theirs[k] for k in drift_keys} == drift_keys
@@ -429,23 +434,28 @@ def test_should_check_counts_optimizer_steps():
     assert not nothing.should_check(step=0)
 
 
-def test_metrics_report_drift_bits_escalations_and_saved_bytes():
-    config = {"quantize": {"bits": 4}, "drift": {"metric": "rel_l2"}}  # 4 bits escalate
+def test_metrics_report_drift_bits_escalations_and_kept_bytes():
+    config = {
+        "quantize": {"bits": 4},
+        "drift": {"metric": "rel_l2"},  # 4 bits escalate
+        "log": {"per_module": True},
+    }
     opt, model, loss = patched(hf_llama, config, batch_size=2)
     before = opt.metrics()
-    assert "memopt/drift/max" not in before and before["memopt/escalations"] == 0.0
+    assert "memopt/drift_max" not in before and before["memopt/escalations"] == 0.0
     loss().backward()  # a training step fills the saved-bytes statistics
     report = opt.check_drift(loss, max_rounds=1)
     m = opt.metrics()
-    assert m["memopt/drift/max"] == report.max
+    assert m["memopt/drift_max"] == report.max
     assert m["memopt/drift/lm_head"] == report.per_module["lm_head"]
     changed = {k.removeprefix("memopt/bits/") for k in m if k.startswith("memopt/bits/")}
     assert changed == {f or "<root>" for f in report.escalated}  # the others were in `before`
     assert all(m[f"memopt/bits/{f or '<root>'}"] == new for f, (_, new) in report.escalated.items())
     assert m["memopt/escalations"] == len(report.escalated) > 0
     stats = opt.hooks.stats
-    assert m["memopt/saved_bytes"] == stats.forward_stored > 0
-    assert m["memopt/saved_ratio"] == pytest.approx(stats.forward_ratio) and stats.forward_ratio > 4
+    assert m["memopt/kept_bytes"] == stats.forward_stored > 0
+    ratio = m["memopt/compression_ratio"]
+    assert ratio == pytest.approx(stats.forward_ratio) and stats.forward_ratio > 4
 
 
 def test_loss_fn_must_return_a_scalar():
@@ -509,7 +519,7 @@ def test_lowering_brings_bits_back_down_to_the_start_and_no_further(caplog):
     assert max(first.per_module[f] for f in raised) <= 0.025
     lines = [r.getMessage() for r in caplog.records if "lowered: " in r.getMessage()]
     assert len(lines) == 2 and all(f"{f} 16 -> 8" in lines[0] for f in raised)
-    assert opt.metrics()["memopt/deescalations"] == 4.0
+    assert opt.metrics()["memopt/lowerings"] == 4.0
 
 
 def test_without_lowering_raised_bits_stay_raised():
@@ -518,7 +528,7 @@ def test_without_lowering_raised_bits_stay_raised():
     for _ in range(2):
         assert opt.check_drift(loss).lowered == {}
     assert opt.bits["model.layers.0.mlp.down_proj"] == 16
-    assert "memopt/deescalations" not in opt.metrics()
+    assert "memopt/lowerings" not in opt.metrics()
 
 
 def test_a_failed_lowering_goes_back_up_and_waits_longer():
@@ -589,8 +599,12 @@ def test_a_module_that_keeps_flipping_stops_being_lowered(monkeypatch, lower_cha
 
 def test_metrics_log_a_bits_summary_and_a_modules_bits_only_when_they_change():
     """Every call: the mean bits and the modules per width; a module's own bits at the first
-    call and then only when they changed (one chart per module per change, not per row)."""
-    opt, _, _ = patched(hf_llama, {"quantize": {"bits": 4}}, batch_size=1)
+    call and then only when they changed (one chart per module per change, not per row), with
+    log.per_module; without it, no series per module at all."""
+    compact, _, _ = patched(hf_llama, {"quantize": {"bits": 4}}, batch_size=1)
+    assert not any(k.startswith(("memopt/bits/", "memopt/drift/")) for k in compact.metrics())
+    config = {"quantize": {"bits": 4}, "log": {"per_module": True}}
+    opt, _, _ = patched(hf_llama, config, batch_size=1)
     first = opt.metrics()
     per_module = {k for k in first if k.startswith("memopt/bits/")}
     assert len(per_module) == len(opt.bits) and first["memopt/bits_mean"] == 4.0

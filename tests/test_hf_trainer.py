@@ -20,14 +20,18 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from zoo import hf_gpt2
 
-from memopt_plugins import ConfigError, MemoryOptimizer
+from memopt_plugins import ConfigError, MemOptConfig, MemoryOptimizer
 from memopt_plugins.compress.codec import codec_generator
 from memopt_plugins.engine import patched_by
 from memopt_plugins.transformers import STATE_KEY, MemOptTrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
-TWO_BITS = {"quantize": {"bits": 2}, "drift": {"threshold": 0.05, "check_every": 2}}
+TWO_BITS = {
+    "quantize": {"bits": 2},
+    "drift": {"threshold": 0.05, "check_every": 2},
+    "log": {"per_module": True},  # the tests follow each module's bits
+}
 EIGHT_BITS_NO_ESCALATION = {"quantize": {"bits": 8}, "drift": {"threshold": 1.0, "check_every": 1}}
 
 
@@ -133,11 +137,11 @@ def test_two_bit_run_escalates_and_logs_memopt_metrics(two_bit_run):
     rows = memopt_rows(trainer)
     assert [r["step"] for r in rows] == [1, 2, 3]  # every logging step (logging_steps=1)
     first = rows[0]
-    assert first["memopt/drift/max"] >= 0 and first["memopt/escalations"] > 0
+    assert first["memopt/drift_max"] >= 0 and first["memopt/escalations"] > 0
     assert first["memopt/bits/transformer.h.0.mlp.c_fc"] > 2  # escalated from 2 bits
-    assert first["memopt/saved_ratio"] > 1.0 and first["memopt/saved_bytes"] > 0
+    assert first["memopt/compression_ratio"] > 1.0 and first["memopt/kept_bytes"] > 0
     # drift values belong to the rows of the checks (steps 0 and 2, logged at 1 and 3)
-    assert ["memopt/drift/max" in r for r in rows] == [True, False, True]
+    assert ["memopt/drift_max" in r for r in rows] == [True, False, True]
     logged: dict[str, float] = {}  # a module's bits are logged when they change
     for row in rows:
         logged.update(bits_in(row))
@@ -158,6 +162,20 @@ def test_two_bit_run_escalates_and_logs_memopt_metrics(two_bit_run):
     raised = history[0]["escalated"]
     assert f"{len(raised)} of " in lines[0] and "threshold 0.05" in lines[0]
     assert any(f"{f or '<root>'} {old} -> " in lines[0] for f, (old, _) in raised.items())
+
+
+def test_rows_printed_with_disable_tqdm_hold_the_compact_metric_set(tmp_path, capsys):
+    """``disable_tqdm=True`` prints every logged row: with the int4_drift preset (checks every 2
+    steps) each of memopt's rows holds at most 25 ``memopt/`` keys, not one per module."""
+    preset = Path(__file__).resolve().parents[1] / "configs" / "int4_drift.yaml"
+    config = MemOptConfig.from_yaml(preset).with_changes(drift={"check_every": 2, "sample_size": 2})
+    memopt = MemOptTrainerCallback(config)
+    trainer = make_trainer(tmp_path, [memopt])
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "'memopt/" in line]
+    assert len(printed) == 3 and len(memopt.bits) > 25
+    assert all(line.count("'memopt/") <= 25 for line in printed)
+    assert all("'memopt/batch_fits_x'" in line for line in printed)
 
 
 def test_checkpoint_holds_memopt_state(two_bit_run):
@@ -181,7 +199,7 @@ def test_resumed_trainer_starts_from_the_checkpointed_bits(two_bit_run, tmp_path
     # Step 3 has no check due (every 2): the bits it logs can only come from the checkpoint.
     (row,) = memopt_rows(trainer, after=3)
     assert bits_in(row) == named(first.bits)
-    assert "memopt/drift/max" not in row
+    assert "memopt/drift_max" not in row
     state = resumed.state_dict()
     assert [h["step"] for h in state["drift"]["history"]] == [0, 2] and state["drift"]["steps"] == 4
     # with the flag the Trainer swapped the callback for a copy; the user's instance is back
@@ -309,7 +327,7 @@ def test_the_model_trained_is_patched_when_added_late_or_built_by_model_init(tmp
     trainer = make_trainer(tmp_path, [], max_steps=1)
     trainer.add_callback(late)  # after __init__: patched when training begins
     trainer.train()
-    assert memopt_rows(trainer)[0]["memopt/saved_ratio"] > 4.0
+    assert memopt_rows(trainer)[0]["memopt/compression_ratio"] > 4.0
 
     memopt = MemOptTrainerCallback({"quantize": {"bits": 4}})
     args = TrainingArguments(
@@ -323,7 +341,7 @@ def test_the_model_trained_is_patched_when_added_late_or_built_by_model_init(tmp
     assert patched_by(built_first) is memopt.memopt
     trainer.train()  # model_init builds the model again: the patch moves to that one
     assert trainer.model is not built_first and patched_by(built_first) is None
-    assert memopt_rows(trainer)[0]["memopt/saved_ratio"] > 4.0
+    assert memopt_rows(trainer)[0]["memopt/compression_ratio"] > 4.0
 
 
 def test_trainer_checkpointing_with_a_recompute_config_is_refused(tmp_path):
@@ -338,7 +356,7 @@ def test_trainer_checkpointing_with_a_recompute_config_is_refused(tmp_path):
     assert trainer.model.transformer.gradient_checkpointing is False  # memopt patched first
     trainer.train()
     assert trainer.model.transformer.gradient_checkpointing is True
-    assert memopt_rows(trainer)[0]["memopt/saved_ratio"] > 1.0
+    assert memopt_rows(trainer)[0]["memopt/compression_ratio"] > 1.0
 
 
 def test_a_bad_config_fails_when_the_callback_is_built():
@@ -400,7 +418,11 @@ def test_lora_compresses_activations_only_and_adapter_gradients_stay_within_2_pe
 
 def test_lora_model_trains_under_the_trainer_with_its_adapters_checked(tmp_path):
     # min_numel 0: the rank-8 inputs of the B matrices are compressed (and judged) too
-    config = {"quantize": {"bits": 8, "min_numel": 0}, "drift": {"check_every": 1}}
+    config = {
+        "quantize": {"bits": 8, "min_numel": 0},
+        "drift": {"check_every": 1},
+        "log": {"per_module": True},
+    }
     memopt = MemOptTrainerCallback(config)
     trainer = make_trainer(tmp_path, [memopt], model=lora_gpt2(), max_steps=2)
     trainer.train()

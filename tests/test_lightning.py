@@ -9,6 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -26,7 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
 
-from memopt_plugins import ConfigError
+from memopt_plugins import ConfigError, MemOptConfig
+from memopt_plugins.engine import patched_by
 
 TWO_BITS_YAML = """\
 quantize:
@@ -71,9 +75,10 @@ class GPT2Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def loader(n: int = 32) -> DataLoader:
+def loader(n: int = 32, batch_size: int = 4) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randint(0, 512, (n, 32), generator=generator)), 4)
+    tokens = torch.randint(0, 512, (n, 32), generator=generator)
+    return DataLoader(TensorDataset(tokens), batch_size)
 
 
 def make_trainer(root: Path, callbacks: list[Callback], **kwargs) -> pl.Trainer:
@@ -119,11 +124,10 @@ def test_two_bit_yaml_escalates_logs_csv_and_checkpoints_state(tmp_path, caplog)
     rows = csv_rows(trainer)
     logged = {k for row in rows for k, v in row.items() if v != ""}
     escalations = [float(r["memopt/escalations"]) for r in rows if r["memopt/escalations"]]
-    assert "memopt/drift/max" in logged
+    assert "memopt/drift_max" in logged
     assert max(escalations) > 0
-    bits_columns = {k for k in logged if k.startswith("memopt/bits/")}
-    assert "memopt/bits/model.transformer.h.0.mlp.c_fc" in bits_columns
-    assert {"memopt/saved_bytes", "memopt/saved_ratio"} <= logged
+    assert {"memopt/kept_bytes", "memopt/compression_ratio", "memopt/bits_mean"} <= logged
+    assert not any(k.startswith(("memopt/bits/", "memopt/drift/")) for k in logged)  # opt-in
 
     state = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=False)
     saved = state["callbacks"]["MemOptCallback"]
@@ -214,8 +218,8 @@ def test_metrics_respect_log_every_n_steps_and_checks_log_at_their_step(tmp_path
     trainer = make_trainer(tmp_path, [memopt], max_steps=6, log_every_n_steps=2)
     trainer.fit(GPT2Module(), loader())
     rows = csv_rows(trainer)
-    bits_steps = sorted(int(r["step"]) for r in rows if r["memopt/saved_bytes"])
-    drift_steps = sorted(int(r["step"]) for r in rows if r["memopt/drift/max"])
+    bits_steps = sorted(int(r["step"]) for r in rows if r["memopt/kept_bytes"])
+    drift_steps = sorted(int(r["step"]) for r in rows if r["memopt/drift_max"])
     assert drift_steps == [0, 4]
     assert bits_steps == [0, 1, 3, 4, 5]  # every 2nd step, plus the steps of the checks
 
@@ -262,6 +266,17 @@ def test_profile_callback_measures_the_first_batch_under_the_memopt_callbacks_pl
     assert "compress 4" in table and len(table.splitlines()) == 1 + 2 + 3  # title, header, top 3
     assert (Path(trainer.log_dir) / "memopt_profile.png").read_bytes()[:4] == b"\x89PNG"
     assert probe.bits and set(probe.bits.values()) == {4}
+    # every picture the Markdown links is written beside it
+    folder = Path(trainer.log_dir)
+    linked = re.findall(r"!\[[^]]*\]\(([^)]+)\)", (folder / "memopt_profile.md").read_text())
+    assert linked == ["memopt_profile.png", "memopt_timeline.png"]
+    assert all((folder / name).read_bytes()[:4] == b"\x89PNG" for name in linked)
+    # the training patch's lines once: the profile's own patch and the put-back say nothing
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("compressing saved activations" in m for m in messages) == 1
+    assert sum("by module" in m for m in messages) == 1
+    # the state of the optimizer configure_optimizers returned is counted (SGD: none)
+    assert "optimizer state" in (folder / "memopt_profile.md").read_text()
     with pytest.deprecated_call(match="MemOptProfileCallback"):
         MemOptCallback(profile=True)
 
@@ -609,6 +624,128 @@ def test_blocks_compiled_in_the_module_train_compressed(tmp_path):
     callback = MemOptCallback({"quantize": {"bits": 8, "rounding": "nearest"}})
     trainer = make_trainer(tmp_path, [callback], max_steps=2)
     trainer.fit(CompiledBlocksModule(), loader())
-    ratios = [float(r["memopt/saved_ratio"]) for r in csv_rows(trainer) if r["memopt/saved_ratio"]]
+    rows = csv_rows(trainer)
+    ratios = [float(r["memopt/compression_ratio"]) for r in rows if r["memopt/compression_ratio"]]
     assert ratios and min(ratios) > 3.0  # what the compiled blocks save is compressed
     torch._dynamo.reset()
+
+
+INT4_DRIFT = Path(__file__).resolve().parents[1] / "configs" / "int4_drift.yaml"
+
+
+@pytest.mark.parametrize("per_module", [False, True])
+def test_a_preset_fit_logs_a_compact_metric_set(tmp_path, per_module):
+    """The int4_drift preset (checks every 2 steps): at most 25 ``memopt/`` CSV columns, among
+    them how many times larger a batch fits; ``log.per_module`` adds columns per module."""
+    config = MemOptConfig.from_yaml(INT4_DRIFT).with_changes(
+        drift={"check_every": 2, "sample_size": 2}, log={"per_module": per_module}
+    )
+    memopt = MemOptCallback(config)
+    trainer = make_trainer(tmp_path, [memopt], max_steps=6)
+    trainer.fit(GPT2Module(), loader())
+    rows = [r for r in csv_rows(trainer) if r["memopt/kept_bytes"]]
+    columns = {k for k in rows[0] if k.startswith("memopt/")}
+    per_module_columns = {k for k in columns if k.startswith(("memopt/bits/", "memopt/drift/"))}
+    assert bool(per_module_columns) == per_module
+    if per_module:
+        assert "memopt/bits/model.transformer.h.0.mlp.c_fc" in per_module_columns
+    else:
+        assert len(columns) <= 25, sorted(columns)
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    for row in rows:
+        assert float(row["memopt/compression_ratio"]) > 4.0 and float(row["memopt/kept_bytes"]) > 0
+        assert 1.0 < float(row["memopt/batch_fits_x"]) <= float(row["memopt/compression_ratio"])
+        assert float(row["memopt/peak_bytes"]) > 0
+    assert float(rows[0]["memopt/bits_modules/4"]) == len(memopt.bits)
+    assert [int(r["step"]) for r in rows if r["memopt/drift_max"]] == [0, 2, 4]
+
+
+def test_legacy_metric_names_are_logged_beside_the_new_with_a_future_warning():
+    with pytest.warns(FutureWarning, match="memopt/saved_bytes"):
+        memopt = MemOptCallback({"quantize": {"bits": 4}, "log": {"legacy_names": True}})
+    model = GPT2Module()
+    memopt.memopt.apply(model)
+    model.training_step((torch.randint(0, 512, (4, 32)),), 0).backward()
+    memopt.memopt.count_step()
+    metrics = memopt.memopt.metrics()
+    assert metrics["memopt/saved_bytes"] == metrics["memopt/kept_bytes"] > 0
+    assert metrics["memopt/saved_ratio"] == metrics["memopt/compression_ratio"] > 4.0
+    memopt.memopt.remove()
+
+
+CONSOLE_FIT = """
+import lightning.pytorch as pl, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from memopt_plugins.callbacks import MemOptCallback
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+torch.manual_seed(0)
+data = DataLoader(TensorDataset(torch.randn(32, 16), torch.randn(32, 1)), batch_size=8)
+config = {"quantize": {"bits": 2, "min_numel": 1}, "drift": {"check_every": 2, "sample_size": 2}}
+pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+           enable_model_summary=False, enable_checkpointing=False,
+           callbacks=[MemOptCallback(config)]).fit(Net(), data)
+"""
+
+
+def test_a_fit_without_logging_set_up_shows_memopts_lines_once_each(tmp_path):
+    """A script that configures no logging sees the plan, the memory kept and each drift check
+    on stderr, each line once."""
+    done = subprocess.run(
+        [sys.executable, "-c", CONSOLE_FIT], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("memopt: ")]
+    starts = ("memopt: plan for", "memopt: compressing", "memopt: first training step kept")
+    for start in starts:
+        assert sum(line.startswith(start) for line in lines) == 1, (start, lines)
+    checks = [line for line in lines if line.startswith("memopt: drift check at step")]
+    assert [c.split()[5].rstrip(":") for c in checks] == ["0", "2"]
+    assert len(set(lines)) == len(lines)
+
+
+class SizedGPT2Module(GPT2Module):
+    """GPT2Module whose loader takes ``batch_size`` (which a batch-size finder sets) and which
+    records the size of each training batch and how compressed its forward's saved bytes were
+    (in a module hook: the finder's trials run without callbacks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_size = 2
+        self.seen: list[tuple[int, float]] = []
+
+    def train_dataloader(self):
+        return loader(64, batch_size=self.batch_size)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # a module hook: trials call it
+        memopt = patched_by(self)
+        ratio = memopt.hooks.stats.forward_ratio if memopt is not None else 1.0
+        self.seen.append((batch[0].shape[0], ratio))
+
+
+def test_the_batch_size_finder_tries_its_batches_compressed_and_leaves_the_state(tmp_path):
+    """``BatchSizeFinder`` runs its trials after the callback patched the model, with no
+    callbacks: every trial batch runs at 4 bits (so on a GPU the batch it settles on is the one
+    memopt allows), no drift check runs in a trial, and the fit then starts from the callback's
+    state: its checks at steps 0 and 2 and 3 steps counted."""
+    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"check_every": 2}})
+    finder = BatchSizeFinder(mode="power", init_val=2, max_trials=3, steps_per_trial=1)
+    module = SizedGPT2Module()
+    make_trainer(tmp_path, [finder, memopt], max_steps=3).fit(module)
+    trials = [size for size, _ in module.seen[:3]]
+    assert trials == [2, 4, 8] and finder.optimal_batch_size == 8
+    assert [size for size, _ in module.seen[3:]] == [8, 8, 8]  # the fit, at the batch found
+    assert all(ratio > 4.0 for _, ratio in module.seen)  # trials and training, compressed
+    drift = memopt.state_dict()["drift"]
+    assert [h["step"] for h in drift["history"]] == [0, 2] and drift["steps"] == 3

@@ -31,6 +31,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..buffers import mark_private
 from ..config import HALF_BITS, OFF_BITS
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
+from ..measure.process import StepPeak
 from ..measure.storage import RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
@@ -222,6 +223,7 @@ class CompressionHooks:
         self._release: weakref.finalize | None = None
         self.owner: object = None  # what must live as long as these hooks are on a model
         self.step_ended = False  # the training loop took a step since the last forward began
+        self.memory: StepPeak | None = None  # told of each training forward's start and end
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
@@ -309,12 +311,17 @@ class CompressionHooks:
         no steps, one with nothing held from an earlier forward, starts a new step: restart the
         per-forward counts and refresh the parameters' storages (they may have moved to another
         device or dtype since apply, or been sharded). Forwards in between (micro-batches whose
-        graphs are all alive) add to the step's counts."""
+        graphs are all alive) add to the step's counts. A forward without gradients (an eval
+        pass) saves nothing and leaves the last training forward's counts as they are."""
+        if not torch.is_grad_enabled():
+            return
         if (self.step_ended or self.stats.held_bytes == 0) and self._storages is not None:
             self.step_ended = False
             self._storages.refresh()
             self._running.sync()
             self.stats.start_forward()
+            if self.memory is not None:
+                self.memory.start()
 
     def pair(self, fqn: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         """The (pack, unpack) hooks of scope ``fqn`` at its bits: one pack for eager and traced
@@ -371,6 +378,8 @@ class CompressionHooks:
                         saved.look()
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
                 self.stats.add_compiled(self._compiled.forward_done(output))
+                if self.memory is not None and torch.is_grad_enabled():
+                    self.memory.forward_done(self.stats.saved_stored, self.stats.saved_original)
                 if not self._compiled_noted:
                     self._note_compiled()
 

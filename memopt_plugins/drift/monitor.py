@@ -624,20 +624,22 @@ class DriftMonitor:
         return report
 
     # ----------------------------------------------------------------- metrics and state
-    def metrics(self) -> dict[str, float]:
-        """``memopt/drift/max``, ``memopt/drift/<fqn>`` (last check), ``memopt/escalations``,
-        ``memopt/drift/skipped`` (modules skipped for a gradient that was not finite, so far)
-        and, with ``drift.lower``, ``memopt/deescalations``."""
+    def metrics(self, per_module: bool = False) -> dict[str, float]:
+        """``memopt/escalations`` and ``memopt/drift_skipped`` (modules skipped for a gradient
+        that was not finite) so far, ``memopt/lowerings`` (with ``drift.lower`` or a budget),
+        ``memopt/drift_max`` (the last check's largest module drift) and, with ``per_module``,
+        ``memopt/drift/<fqn>`` (the last check's drift of each module)."""
         out: dict[str, float] = {
             "memopt/escalations": float(self.escalations),
-            "memopt/drift/skipped": float(self.skipped),
+            "memopt/drift_skipped": float(self.skipped),
         }
         if self.config.lower or self.budget:
-            out["memopt/deescalations"] = float(self.deescalations)
+            out["memopt/lowerings"] = float(self.deescalations)
         if self.last is not None:
-            out["memopt/drift/max"] = self.last.max
-            for fqn, drift in self.last.per_module.items():
-                out[f"memopt/drift/{fqn or '<root>'}"] = drift
+            out["memopt/drift_max"] = self.last.max
+            if per_module:
+                for fqn, drift in self.last.per_module.items():
+                    out[f"memopt/drift/{fqn or '<root>'}"] = drift
         return out
 
     def state_dict(self) -> dict[str, Any]:

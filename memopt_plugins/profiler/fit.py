@@ -50,6 +50,8 @@ class PeakPlan:
     largest_batch: int | None = None  # under ``memory``, verified by a step at that size
     largest_batch_total: int | None = None  # held before + peak, measured at that size
     memory: int | None = None
+    baseline_batch: int | None = None  # the largest without memopt, verified the same way
+    optimizer: str | None = None  # the optimizer whose state is counted, as named to the plan
 
     @property
     def met(self) -> bool:
@@ -65,18 +67,38 @@ class PeakPlan:
             f"({self.peak / self.baseline_peak:.0%})"
             + ("" if self.met else " - over the target: no config of these options reaches it"),
         ]
-        if self.memory is not None and self.largest_batch is not None:
-            lines += [
-                f"# under {human_bytes(self.memory)} for the whole step, the largest batch that "
-                f"fits is {self.largest_batch} (measured {human_bytes(self.largest_batch_total)})",
-                f"#   (parameters, gradients, optimizer state and the batch of {self.batch}: "
-                f"{human_bytes(self.held_before)} held before the step)",
-                f"#   at the bits below ({_bits_of(self.suggestion.config)}); drift checks may "
-                "raise bits later: quantize.budget caps them (the guard never goes past it)",
-            ]
-        elif self.memory is not None:
-            lines.append(f"# no batch fits under {human_bytes(self.memory)} with this config")
+        if self.memory is not None:
+            lines += self._batch_lines()
         return "\n".join(lines) + "\n" + self.suggestion.to_yaml()
+
+    def _batch_lines(self) -> list[str]:
+        """The largest batches under ``memory``: without memopt, with this config, and what
+        drift checks can do to the latter."""
+        memory = human_bytes(self.memory)
+        baseline = "none" if self.baseline_batch is None else str(self.baseline_batch)
+        state = f"{self.optimizer} state" if self.optimizer else "no optimizer state"
+        lines = [
+            f"# under {memory} for the whole step ({state} counted): largest batch without "
+            f"memopt {baseline}, with this config "
+            + ("none" if self.largest_batch is None else str(self.largest_batch)),
+        ]
+        if self.largest_batch is None:
+            return lines
+        config = self.suggestion.config
+        lines += [
+            f"#   with this config: measured {human_bytes(self.largest_batch_total)} at batch "
+            f"{self.largest_batch} (parameters, gradients, optimizer state and the batch of "
+            f"{self.batch}: {human_bytes(self.held_before)} held before the step)",
+            f"#   at the bits below ({_bits_of(config)}). Drift checks may raise bits later: "
+            + (
+                "quantize.budget holds them at its bytes, and the batch after the guard is "
+                f"{self.largest_batch} if it holds the starting bits (its expected steady state)"
+                if config.quantize.budget is not None
+                else "without quantize.budget they can climb to 32, down to the batch without "
+                f"memopt ({baseline}); quantize.budget guards the batch"
+            ),
+        ]
+        return lines
 
 
 def _bits_of(config: Any) -> str:
@@ -106,9 +128,12 @@ def plan_peak(
     base: MemOptConfig | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     device: str | torch.device | None = None,
+    optimizer_name: str | None = None,
 ) -> PeakPlan:
     """A config keeping the step's peak within ``budget`` of the baseline's peak, or the whole
-    step within ``memory`` bytes (both given: the tighter), verified by running it."""
+    step within ``memory`` bytes (both given: the tighter), verified by running it. The state of
+    ``optimizer`` (created by one step, then undone) counts as held before the step; under
+    ``memory`` the largest batch that fits is found with the config and without memopt."""
     if budget is None and memory is None:
         raise ValueError("plan_peak needs a budget, a memory cap, or both")
     report = profile_model(model, batch, loss_fn, optimizer=optimizer, device=device)
@@ -144,17 +169,26 @@ def plan_peak(
             best = tried if tried[1].reading.peak < best[1].reading.peak else best
     suggestion, step = best
     plan = PeakPlan(
-        suggestion, baseline_peak, int(target), step.reading.peak, fixed, batch_size(batch)
+        suggestion,
+        baseline_peak,
+        int(target),
+        step.reading.peak,
+        fixed,
+        batch_size(batch),
+        optimizer=optimizer_name or (type(optimizer).__name__ if optimizer else None),
     )
     if memory is None:
         return plan
-    found = largest_batch(
-        model, batch, loss_fn, suggestion.config, memory, step, model_bytes(report), device
+    held = model_bytes(report)
+    found = largest_batch(model, batch, loss_fn, suggestion.config, memory, step, held, device)
+    baseline = largest_batch(model, batch, loss_fn, None, memory, report.step, held, device)
+    plan = dataclasses.replace(
+        plan, memory=memory, baseline_batch=None if baseline is None else baseline[0]
     )
     if found is None:
-        return dataclasses.replace(plan, memory=memory)
+        return plan
     size, total = found
-    return dataclasses.replace(plan, largest_batch=size, largest_batch_total=total, memory=memory)
+    return dataclasses.replace(plan, largest_batch=size, largest_batch_total=total)
 
 
 def resize_batch(batch: Any, n: int) -> Any:
@@ -173,16 +207,17 @@ def largest_batch(
     model: nn.Module,
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    config: MemOptConfig,
+    config: MemOptConfig | None,
     memory: int,
     step: StepMemory,
     fixed: int,
     device: str | torch.device | None = None,
 ) -> tuple[int, int] | None:
     """The largest batch whose whole step (``fixed`` model bytes, the batch, the step's peak)
-    fits in ``memory`` under ``config``, from the per-sample slope of ``step`` (measured under
-    it), verified by a step at that size: ``(size, measured bytes)``, or ``None`` when not even
-    one sample fits."""
+    fits in ``memory`` under ``config`` (``None``: without memopt), from the per-sample slope of
+    ``step`` (measured under it), verified by a step at that size (over: the next size from the
+    slope between ``step``'s batch and that size): ``(size, measured bytes)``, or ``None`` when
+    not even one sample fits."""
     n = batch_size(batch)
     if n is None or step.per_sample is None or step.per_sample.peak <= 0:
         return None
@@ -197,5 +232,9 @@ def largest_batch(
         total = fixed + batch_bytes(bigger) + measured.reading.peak
         if total <= memory:
             return size, total
-        size = min(size - 1, math.floor(size * memory / total))
+        if size > n and total > total_now:  # the slope between the two measured sizes
+            per_sample = (total - total_now) / (size - n)
+            size = min(size - 1, n + math.floor((memory - total_now) / per_sample))
+        else:
+            size = min(size - 1, math.floor(size * memory / total))
     return None

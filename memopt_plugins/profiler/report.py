@@ -222,13 +222,17 @@ class ProfileReport:
     def __str__(self) -> str:
         return f"{self.summary()}\n\n{self.table()}"
 
-    def to_markdown(self, top: int | None = None, image: str | None = None) -> str:
-        """The summary and the table as Markdown (``image``: a PNG to link under the summary)."""
+    def to_markdown(
+        self, top: int | None = None, image: str | None = None, timeline: str | None = None
+    ) -> str:
+        """The summary and the table as Markdown, with links under the summary to the PNGs
+        written beside it: ``image`` (:meth:`plot`) and ``timeline`` (:meth:`plot_timeline`)."""
         header, rows, numeric = self._rows(top)
         out = ["# Memory profile", "", *(f"- {s}" for s in self.summary().splitlines()[1:]), ""]
         if image:
             out += [f"![saved activations by module]({image})", ""]
-            out += ["![the step's memory over time](timeline.png)", ""]
+        if timeline:
+            out += [f"![the step's memory over time]({timeline})", ""]
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join("---:" if num else "---" for num in numeric) + "|")
         out += ["| " + " | ".join([f"`{r[0]}`", *r[1:]]) + " |" for r in rows]

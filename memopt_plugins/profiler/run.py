@@ -23,6 +23,7 @@ from torch import nn
 
 from ..config import MemOptConfig, load_config
 from ..engine import MemoryOptimizer, PackObserver, patched_by
+from ..logs import quiet
 from ..measure import Measurement, SavedStorage, StepRecorder, isolated
 from ..measure.timeline import StepTimeline, record_step
 from ..select import layer_kind, parent_fqns
@@ -144,7 +145,8 @@ def step_memory(
         if config is None:
             return _measured_step(model, batch, loss_fn, device)
         opt = MemoryOptimizer(load_config(config))
-        opt.apply(model)
+        with quiet():
+            opt.apply(model)
         try:
             return _measured_step(model, batch, loss_fn, device, opt)
         finally:
@@ -197,7 +199,8 @@ def profile_model(
         before = _measured_step(model, batch, loss_fn, device)
         if config is not None:
             opt = MemoryOptimizer(cfg)
-            opt.apply(model)
+            with quiet():  # a measurement's patch: its lines would read as the training one's
+                opt.apply(model)
             try:
                 plan = opt.plan
                 after = _measured_step(model, batch, loss_fn, device, opt)
