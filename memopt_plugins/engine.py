@@ -11,6 +11,7 @@ import logging
 import os
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -314,11 +315,7 @@ class MemoryOptimizer:
                 planner.install()
         compressed = self._table.compressed
         if compressed:
-            log.info(
-                "memopt: compressing saved activations of %d modules (%s bits)",
-                len(compressed),
-                "/".join(str(b) for b in sorted(set(compressed.values()))),
-            )
+            log.info("memopt: %s", _scopes_line(model, compressed))
 
     def remove(self) -> None:
         """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers)."""
@@ -723,3 +720,22 @@ class MemoryOptimizer:
         if self._model is None:
             raise RuntimeError("call apply(model) first")
         return self._model
+
+
+def _scopes_line(model: nn.Module, compressed: Mapping[str, int]) -> str:
+    """What the compression scopes cover, in words: every module with a scope compresses what
+    autograd saves while its own code runs, so containers count, and the model's own forward
+    (the loss code outside every submodule, where it is in the model) is ``<root>``."""
+    named = dict(model.named_modules())
+    kinds = Counter(
+        "the model's own code (<root>)" if f == "" else layer_kind(named[f]) for f in compressed
+    )
+    order = ("compute", "activation", "norm", "dropout", "container", "other")
+    parts = [f"{kinds[k]} {k}" for k in order if kinds[k]]
+    parts += [k for k in kinds if k not in order]
+    widths = "/".join(str(b) for b in sorted(set(compressed.values())))
+    return (
+        f"compressing what autograd saves at {widths} bits in {len(compressed)} module scopes ("
+        + ", ".join(parts)
+        + "); a scope covers what its module's own code saves, outside its children"
+    )

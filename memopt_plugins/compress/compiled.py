@@ -198,9 +198,7 @@ class CompiledGraphs:
 
     def kept_text(self) -> str:
         """What the graphs saved as it is in the last forward, per kind, for the log."""
-        if not self.kept:
-            return "nothing else saved as it is"
-        return "saved as they are: " + ", ".join(
+        return "saved uncompressed in this forward: " + ", ".join(
             f"{KEPT[kind]} ({n / 2**20:.2f} MiB)"
             for kind, n in sorted(self.kept.items(), key=lambda kv: -kv[1])
         )

@@ -390,16 +390,17 @@ class CompressionHooks:
             return
         self._compiled_noted = True
         log.info(
-            "memopt: %d compressed modules ran inside torch.compile'd graphs (%s%s); the graphs "
-            "compress what they save at those modules' bits (stochastic rounding, where "
-            "configured, seeded at every run from memopt's generator), NaN/Inf groups decoded "
-            "as NaN; parameters and "
-            "buffers never; %s in this forward; a change of a module's bits recompiles the "
-            "graphs it runs in (docs/compile.md)",
+            "memopt: %d compressed modules run inside torch.compile'd graphs (%s%s), which "
+            "compress what they save at those modules' bits",
             len(traced),
             ", ".join(f or "<root>" for f in traced[:3]),
             ", ..." if len(traced) > 3 else "",
-            self._compiled.kept_text(),
+        )
+        if self._compiled.kept:
+            log.info("memopt: the compiled graphs %s", self._compiled.kept_text())
+        log.info(
+            "memopt: in compiled graphs NaN/Inf groups decode as NaN, and a change of a "
+            "module's bits recompiles the graphs it runs in (docs/compile.md)"
         )
 
     # ----------------------------------------------------------------- pack / unpack
