@@ -633,3 +633,25 @@ def test_a_lowering_undone_reports_the_cost_at_the_bits_kept():
     undone = opt.check_drift(lambda: F.mse_loss(model(x), y), batch_size=64)
     assert undone.rounds == 2 and undone.lowered == {} and undone.escalated == {}
     assert undone.total[0] == undone.total[1] <= 0.05
+
+
+class Wrapper(nn.Module):
+    """Holds the model the loss calls, as a LightningModule does; its own forward never runs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+
+def test_sgd_finds_the_samples_where_the_wrapper_forward_never_runs(caplog):
+    """A LightningModule's training_step calls ``self.model``, never the LightningModule's own
+    forward: the check weights the halves of that call's output and judges by sgd (it fell back
+    to cosine, with a warning, in every Lightning fit of a model held as ``self.model``)."""
+    model, batch, loss_fn = hf_gpt2(batch_size=8, seq=16, dim=32, layers=1)
+    wrapper = Wrapper(model)
+    opt = MemoryOptimizer({"quantize": {"bits": 4}, "drift": {"metric": "sgd"}})
+    opt.apply(wrapper)
+    with caplog.at_level(logging.WARNING, logger="memopt"):
+        report = opt.check_drift(lambda w, b: loss_fn(w.model, b), batch=batch)
+    assert report.metric == "sgd" and report.total[0] is not None
+    assert "judge by cosine instead" not in caplog.text

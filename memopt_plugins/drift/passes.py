@@ -185,8 +185,11 @@ class SignedHalves:
 
     The gradient flowing into the model's output (its first floating tensor with a batch
     dimension of 2 or more, dim 0) is multiplied, row by row, by ``n / (2 |A|)`` in the first
-    half A of the ``n`` samples and ``-n / (2 |B|)`` in the second half B. When the loss is a mean
-    over the samples and the model handles them independently, every gradient of that pass is
+    half A of the ``n`` samples and ``-n / (2 |B|)`` in the second half B. The model's output is
+    that of the outermost module call that ends last: the model itself, or, where its own forward
+    never runs (a LightningModule whose ``training_step`` calls ``self.model``), the last of its
+    submodules called from outside every other. When the loss is a mean over the samples and the
+    model handles them independently, every gradient of that pass is
     then ``(g_A - g_B) / 2``, half the difference of the two halves' mean gradients, whose squared
     norm times :attr:`scale` estimates the variance of the whole sample's mean gradient:
     ``E|g_A - g_B|^2 = tr(Σ) (1/|A| + 1/|B|)`` and ``Var(g) = tr(Σ) / n`` for per-sample gradient
@@ -200,29 +203,43 @@ class SignedHalves:
         self.required = required  # else a model without such an output leaves scale at 0
         self.scale = 0.0
         self.samples = 0  # in the sample (the model output's dim 0)
-        self._handle = None
+        self._handles: list[Any] = []
+        self._depth = 0  # module calls in progress
+        self._weighted: Any = None  # the hook on the output weighted so far
 
     def __enter__(self) -> SignedHalves:
-        self._handle = self.model.register_forward_hook(self._hook)
+        for module in self.model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._handle.remove()
-
-    def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        found = [
-            t
-            for t in tensors_in(output)
-            if t.requires_grad and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2
-        ]
-        if not found and not self.required:
-            return
-        if not found:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if exc[0] is None and self._weighted is None and self.required:
             raise ValueError(
                 "drift.metric noise needs two halves of the sample: the model's output has no "
                 "floating tensor with the samples along dim 0 (2 or more); use sample_size >= 2, "
                 "or metric rel_l2 / cosine"
             )
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self._depth += 1
+
+    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._depth -= 1
+        if self._depth:
+            return  # called inside another module: not the model's output
+        found = [
+            t
+            for t in tensors_in(output)
+            if t.requires_grad and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2
+        ]
+        if not found:
+            return
+        if self._weighted is not None:  # a later outermost call: its output is the model's
+            self._weighted.remove()
         out = found[0]
         n = out.shape[0]
         a, b = (n + 1) // 2, n // 2
@@ -231,7 +248,7 @@ class SignedHalves:
         weights = weights.view(n, *([1] * (out.dim() - 1)))
         self.scale = 4.0 / (n * (1 / a + 1 / b))
         self.samples = n
-        out.register_hook(lambda grad: grad * weights)
+        self._weighted = out.register_hook(lambda grad: grad * weights)
 
 
 @contextmanager
