@@ -47,6 +47,21 @@ class ScopeObserver(Protocol):
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None: ...
 
 
+def _note_traced(hooked: _Hooked) -> None:
+    """Note that ``hooked``'s module was traced into a compiled graph, once, while it is traced.
+
+    Marked as a constant result for dynamo (what ``torch.compiler.assume_constant_result`` sets,
+    without importing the compiler where nothing compiles): dynamo runs it when it traces the
+    hook and leaves it out of the graph. Traced as a ``set.add``, it made the graph guard on the
+    set's contents, so each scope noted afterwards recompiled every graph noted before (the whole
+    model at its second step; compiled per block, each block again after the next one's note).
+    """
+    hooked.traced.add(hooked.fqn)
+
+
+_note_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class _Hooked:
     """A module with memopt's hook pair and the observers watching it."""
 
@@ -71,7 +86,7 @@ class _Hooked:
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
             if not UntracedRegions.depth:  # traced into a compiled graph: scopes act around it only
-                self.traced.add(self.fqn)
+                _note_traced(self)
             return
         for observer in tuple(self.observers):
             observer.enter(self.fqn, module, args, kwargs)
