@@ -273,6 +273,29 @@ def test_a_change_of_bits_recompiles_only_the_graphs_of_that_module():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_compiled_training_compiles_once(mode, caplog):
+    """Per block and whole, int8 compiles its graphs at the first step and never again: the
+    traced scopes are noted from AOTAutograd's trace, so the note adds no guard (as a ``set.add``
+    in the traced pre-hook it recompiled the whole model at the second step, and each block's
+    graph again after every later block's note). The log line still names the traced scopes.
+    Graphs run without inductor's code generation (``NO_CODEGEN``): dynamo's counts are the same."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model, batch, loss_fn = _tiny_gpt2()
+    opt = MemoryOptimizer(INT8)
+    opt.apply(model)
+    MODES[mode](model, backend=NO_CODEGEN)
+    graphs = []
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
+    assert "compressed modules run inside torch.compile'd graphs" in caplog.text
+
+
 class _ConvNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -52,7 +52,7 @@ def _retained(forward):
 
 
 def _compiled_step(config, compile):
-    """Retained bytes of the third forward of the compiled model (the first two compile), the
+    """Retained bytes of the second forward of the compiled model (the first compiles), the
     memopt optimizer (``None`` without ``config``) and the gradients of that step."""
     torch._dynamo.reset()
     model, batch, loss_fn = _large()
@@ -60,9 +60,7 @@ def _compiled_step(config, compile):
     if opt is not None:
         opt.apply(model)
     compile(model)
-    for _ in range(2):  # the first compiles; the second recompiles what the first one's note of
-        model.zero_grad(set_to_none=True)  # the compiled scopes changed
-        loss_fn(model, batch).backward()
+    loss_fn(model, batch).backward()
     model.zero_grad(set_to_none=True)
     retained, loss = _retained(lambda: loss_fn(model, batch))
     loss.backward()
