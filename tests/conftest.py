@@ -79,7 +79,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--store-durations",
         action="store_true",
-        help=f"write every test's measured seconds to tests/{DURATIONS.name} (make durations)",
+        help=f"write the measured seconds of the tests run into tests/{DURATIONS.name} "
+        "(make durations)",
     )
 
 
@@ -126,8 +127,9 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if session.config.getoption("store_durations") and worker is None and _measured:
-        measured = {k: round(v, 2) for k, v in sorted(_measured.items())}
-        DURATIONS.write_text(json.dumps(measured, indent=0) + "\n")
+        # merged into what was measured before: a run of some tests updates theirs only
+        measured = {**_durations(), **{k: round(v, 2) for k, v in _measured.items()}}
+        DURATIONS.write_text(json.dumps(dict(sorted(measured.items())), indent=0) + "\n")
 
 
 try:
