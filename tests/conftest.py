@@ -96,10 +96,16 @@ def _order_by_duration(items: list, durations: dict[str, float]) -> None:
 def pytest_collection_modifyitems(config, items):
     durations = _durations()
     if config.getoption("quick"):
-        slow = [i for i in items if durations.get(i.nodeid, 0.0) > QUICK_SECONDS]
+        # slow on their own, or sharing a costly module fixture (a measured baseline, a
+        # 2-process run: it is charged to whichever of its tests runs first)
+        slow = [
+            i
+            for i in items
+            if durations.get(i.nodeid, 0.0) > QUICK_SECONDS or _shared_group(i.nodeid)
+        ]
         if slow:
             config.hook.pytest_deselected(items=slow)
-            items[:] = [i for i in items if durations.get(i.nodeid, 0.0) <= QUICK_SECONDS]
+            items[:] = [i for i in items if i not in slow]
     if _WORKERS > 1:
         unshared = [
             i.nodeid
