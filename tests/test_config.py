@@ -48,7 +48,13 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     },
     "dropout": {"mode": "keep"},
     "batchnorm": {"mode": "batch", "warmup_steps": 0},
-    "ops": {"loss": "none", "chunk_size": None, "fuse": []},
+    "ops": {
+        "loss": "none",
+        "cross_entropy": "none",
+        "chunk_size": None,
+        "no_cache": True,
+        "fuse": [],
+    },
 }
 
 # A config that differs from the defaults in every section.
@@ -79,7 +85,13 @@ CUSTOM: dict[str, Any] = {
     },
     "dropout": {"mode": "regenerate"},
     "batchnorm": {"mode": "running", "warmup_steps": 10},
-    "ops": {"loss": "chunked", "chunk_size": 512, "fuse": ["swiglu", "rmsnorm"]},
+    "ops": {
+        "loss": "chunked",
+        "cross_entropy": "lean",
+        "chunk_size": 512,
+        "no_cache": False,
+        "fuse": ["swiglu", "rmsnorm"],
+    },
 }
 
 

@@ -3,7 +3,10 @@ removed on third-party models."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import warnings
 
 import pytest
 import torch
@@ -127,6 +130,162 @@ def test_the_chunked_loss_never_holds_the_logits():
     lean = record_step(head, lambda: linear_cross_entropy(h, head.weight, t, chunk_size=32))
     assert plain.peak >= 3 * logits
     assert lean.peak < 0.5 * logits
+
+
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="PyTorch < 2.13")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_linear_cross_entropy_equals_pytorchs_chunked_op(reduction, bias):
+    """PyTorch's own ``F.linear_cross_entropy`` on its chunked path (``options`` given; any
+    fallback to its reference path warns, an error here): the same loss and gradients."""
+    torch.manual_seed(0)
+    h = torch.randn(300, 24, requires_grad=True)
+    w = torch.randn(500, 24, requires_grad=True)
+    b = torch.randn(500, requires_grad=True) if bias else None
+    t = torch.randint(0, 500, (300,))
+    t[::7] = -100
+    inputs = [x for x in (h, w, b) if x is not None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        theirs = F.linear_cross_entropy(
+            h, w, t, linear_bias=b, reduction=reduction,
+            options=torch.nn.LinearCrossEntropyOptions(),
+        )  # fmt: skip
+    mine = linear_cross_entropy(h, w, t, b, reduction=reduction)
+    assert mine.shape == theirs.shape and _relative(mine, theirs) <= 1e-5
+    grad_out = torch.randn_like(theirs)
+    for a, r in zip(
+        torch.autograd.grad(mine, inputs, grad_out),
+        torch.autograd.grad(theirs, inputs, grad_out),
+        strict=True,
+    ):
+        assert _relative(a, r) <= 1e-5
+
+
+# --------------------------------------------------------------------------- routed cross-entropy
+CE_CASES = [
+    dict(),
+    dict(reduction="sum"),
+    dict(reduction="none"),
+    dict(label_smoothing=0.1),
+    dict(ignore_index=-1),
+]
+
+
+def _nodes(loss: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes that made ``loss`` and of their inputs."""
+    nodes = [loss.grad_fn, *(f for f, _ in loss.grad_fn.next_functions)]
+    return {type(f).__name__ for f in nodes if f is not None}
+
+
+class _Head(nn.Module):
+    """A model computing its own loss, on its head's logits or on logits scaled first."""
+
+    def __init__(self, scale: float | None = None, **options):
+        super().__init__()
+        self.body = nn.Linear(16, 24)
+        self.head = nn.Linear(24, 50)
+        self.scale, self.options = scale, options
+
+    def forward(self, x, t):
+        logits = self.head(torch.tanh(self.body(x)))
+        if self.scale is not None:
+            logits = logits * self.scale
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1), **self.options)
+
+
+@pytest.mark.parametrize("scale", [None, 2.0], ids=["head's logits", "scaled logits"])
+@pytest.mark.parametrize("case", CE_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_routed_cross_entropy_equals_torchs(case, scale):
+    """``ops.cross_entropy: lean``: a head's own logits take the chunked loss head, other logits
+    the lean cross-entropy; both give F.cross_entropy's loss and gradients in fp32 (1e-5)."""
+    torch.manual_seed(0)
+    model = _Head(scale, **case)
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 13, 16)
+    t = torch.randint(0, 50, (3, 13))
+    t[0, ::3] = case.get("ignore_index", -100)
+    opt = MemoryOptimizer({"ops": {"cross_entropy": "lean", "chunk_size": 8}})
+    opt.apply(model)
+    mine, ref = model(x, t), plain(x, t)
+    routed = ("_LinearCrossEntropy" if scale is None else "_CrossEntropy") + "Backward"
+    assert routed in _nodes(mine)
+    assert mine.shape == ref.shape and _relative(mine, ref) <= 1e-5
+    grad_out = torch.randn_like(ref)
+    for a, r in zip(
+        torch.autograd.grad(mine, list(model.parameters()), grad_out),
+        torch.autograd.grad(ref, list(plain.parameters()), grad_out),
+        strict=True,
+    ):
+        assert _relative(a, r) <= 1e-5
+    opt.remove()
+    assert routed not in _nodes(model(x, t))
+
+
+def test_routed_cross_entropy_leaves_what_it_does_not_cover_to_torch():
+    """Class weights, probability targets, no gradients, and calls outside the model."""
+    torch.manual_seed(0)
+    model = _Head(weight=torch.rand(50))
+    x, t = torch.randn(2, 5, 16), torch.randint(0, 50, (2, 5))
+    opt = MemoryOptimizer({"ops": {"cross_entropy": "lean"}})
+    opt.apply(model)
+    assert type(model(x, t).grad_fn).__name__ == "NllLossBackward0"
+    model.options = {}
+    with torch.no_grad():
+        assert model(x, t).grad_fn is None
+    logits = torch.randn(4, 50, requires_grad=True)
+    assert type(F.cross_entropy(logits, torch.softmax(logits, -1)).grad_fn).__name__ != (
+        "_CrossEntropyBackward"
+    )
+    assert type(F.cross_entropy(logits, t[0, :4]).grad_fn).__name__ == "NllLossBackward0"
+    opt.remove()
+
+
+def _nanogpt(vocab: int = 4096):
+    from benchmarks.clients.nanogpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(
+        block_size=64, vocab_size=vocab, n_layer=2, n_head=2, n_embd=64, dropout=0.0, bias=False
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # its parameter count
+        model = GPT(config)
+    x, y = torch.randint(0, vocab, (8, 64)), torch.randint(0, vocab, (8, 64))
+    y[0, :5] = -1  # nanoGPT's ignore_index
+    return model, x, y
+
+
+def test_nanogpt_trains_exactly_with_the_routed_loss_and_never_holds_three_logits():
+    """karpathy/nanoGPT's model.py, unmodified (vocabulary 4096): its own F.cross_entropy on
+    lm_head's logits takes the chunked loss head by configuration alone. Unpatched, three
+    logits-sized tensors are alive in the loss's backward; routed, the peak is the logits the
+    forward makes (which nanoGPT returns) and a little."""
+    model, x, y = _nanogpt()
+    plain = copy.deepcopy(model)
+    opt = MemoryOptimizer({"ops": {"cross_entropy": "lean"}})
+    opt.apply(model)
+    _train_side_by_side(model, plain, (x, y), lambda m, b: m(*b)[1], lr=0.05, steps=5)
+    logits = x.numel() * 4096 * 4
+    lean = record_step(model, lambda: model(x, y)[1]).peak
+    opt.remove()
+    assert record_step(model, lambda: model(x, y)[1]).peak >= 3 * logits
+    assert lean < 1.7 * logits  # measured: 3.53 and 1.57 logits
+
+
+def test_lean_cross_entropy_writes_the_gradient_into_the_decoded_logits():
+    """Logits that are no head's output (scaled first) are kept once, compressed at 8 bits, and
+    the gradient is written into their decoded copy: two logits-sized tensors in backward (the
+    gradient and the scaling's), where F.cross_entropy holds three."""
+    torch.manual_seed(0)
+    model = _Head(scale=2.0)
+    model.head = nn.Linear(24, 8192)
+    x, t = torch.randn(4, 64, 16), torch.randint(0, 8192, (4, 64))
+    logits = t.numel() * 8192 * 4
+    assert record_step(model, lambda: model(x, t)).peak >= 3 * logits
+    opt = MemoryOptimizer({"ops": {"cross_entropy": "lean"}, "quantize": {"bits": 8}})
+    opt.apply(model)
+    assert record_step(model, lambda: model(x, t)).peak < 2.4 * logits
+    opt.remove()
 
 
 @pytest.mark.parametrize(
@@ -412,3 +571,43 @@ def test_all_leaves_attention_with_dropout_eager_and_says_so(caplog):
     assert "ops.fuse attention left GPT2LMHeadModel as it is" in caplog.text
     assert {p.lean for p in opt.plan.values() if p.lean} == {"lean gelu"}
     opt.remove()
+
+
+def test_ops_train_without_a_kv_cache_and_remove_turns_it_back_on(caplog):
+    """transformers builds GPT-2 with ``use_cache=True``: its training forward builds a KV cache.
+    With any ``ops`` key acting, none is built while memopt is applied (logged once), and
+    ``remove()`` restores the user's setting; ``no_cache: false`` or no ``ops`` leave it."""
+    model, batch, _ = hf_gpt2(batch_size=2, seq=16)
+    assert model.config.use_cache is True
+    assert model(input_ids=batch, labels=batch).past_key_values is not None
+    opt = MemoryOptimizer({"ops": {"fuse": ["gelu"]}})
+    with caplog.at_level("INFO", logger="memopt"):
+        opt.apply(model)
+    assert model(input_ids=batch, labels=batch).past_key_values is None
+    assert caplog.text.count("use_cache off while applied") == 1
+    opt.remove()
+    assert model.config.use_cache is True
+    for config in ({"quantize": {"bits": 4}}, {"ops": {"fuse": ["gelu"], "no_cache": False}}):
+        opt = MemoryOptimizer(config)
+        opt.apply(model)
+        assert model(input_ids=batch, labels=batch).past_key_values is not None
+        opt.remove()
+    model.config.use_cache = False  # the user's own choice stays
+    opt = MemoryOptimizer({"ops": {"fuse": ["gelu"]}})
+    opt.apply(model)
+    opt.remove()
+    assert model.config.use_cache is False
+
+
+def test_without_the_kv_cache_gpt2_keeps_less_for_backward():
+    """GPT-2 as transformers builds it (SDPA attention): its training forward keeps its KV cache's
+    keys and values beside what backward needs; without them it keeps less per sample (measured
+    here: 2.50 MiB against 2.76)."""
+    model, batch, loss_fn = hf_gpt2()
+    model.set_attn_implementation("sdpa")
+    ops = {"fuse": ["gelu"]}
+    cached = step_memory(model, batch, loss_fn, {"ops": {**ops, "no_cache": False}}).per_sample
+    uncached = step_memory(model, batch, loss_fn, {"ops": ops}).per_sample
+    assert uncached.retained < 0.95 * cached.retained
+    assert uncached.peak < cached.peak
+    assert model.config.use_cache is True

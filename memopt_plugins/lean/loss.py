@@ -35,15 +35,52 @@ def default_chunk_size(tokens: int, vocab: int, hidden: int) -> int:
 
 
 def _logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    y: torch.Tensor | None = None,
 ):
-    """The chunk's logits in fp32 (and, with ``softcap``, ``tanh(y / cap)`` for the chain rule)."""
-    y = F.linear(h, weight, bias)
+    """The chunk's logits in fp32 (and, with ``softcap``, ``tanh(y / cap)`` for the chain rule);
+    ``y``: the head's output for the chunk when it is already at hand."""
+    y = F.linear(h, weight, bias) if y is None else y
     y = y.to(torch.promote_types(y.dtype, torch.float32))
     if softcap is None:
         return y, None
     t = torch.tanh(y / softcap)
     return softcap * t, t
+
+
+def chunk_losses(
+    z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's losses per token (0 where ignored) and log-sum-exps, from its logits ``z``."""
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(1, t.clamp(0, z.shape[-1] - 1)[:, None])[:, 0]
+    loss = lse - (1 - smoothing) * picked
+    if smoothing:
+        loss = loss - smoothing * z.mean(dim=-1)
+    return torch.where(t != ignore_index, loss, 0.0), lse
+
+
+def chunk_gradient(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    t: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+) -> torch.Tensor:
+    """The gradient of one chunk's losses (``scale``: the loss's gradient per token) with respect
+    to its logits ``z``, written into ``z``."""
+    vocab = z.shape[-1]
+    g = z.sub_(lse[:, None]).exp_()  # the softmax, in the logits' memory
+    picked = torch.full((len(t), 1), smoothing - 1, dtype=g.dtype, device=g.device)
+    g.scatter_add_(1, t.clamp(0, vocab - 1)[:, None], picked)
+    if smoothing:
+        g -= smoothing / vocab
+    g *= torch.where(t != ignore_index, scale, 0.0)[:, None]
+    return g
 
 
 def _losses(
@@ -55,23 +92,19 @@ def _losses(
     smoothing: float,
     softcap: float | None,
     chunk: int,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's loss (0 where ignored) and the bits of its log-sum-exp, chunk by chunk."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    """Each token's loss (0 where ignored) and the bits of its log-sum-exp, chunk by chunk (the
+    chunks of ``logits`` where given, else of the head's output)."""
+    n = hidden.shape[0]
     work = torch.promote_types(hidden.dtype, torch.float32)
     losses = torch.empty(n, dtype=work, device=hidden.device)
     lse = torch.empty(n, dtype=work, device=hidden.device)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        z, _ = _logits(hidden[rows], weight, bias, softcap)
-        lse[rows] = torch.logsumexp(z, dim=-1)
-        t = target[rows]
-        valid = t != ignore_index
-        picked = z.gather(1, t.clamp(0, vocab - 1)[:, None])[:, 0]
-        loss = lse[rows] - (1 - smoothing) * picked
-        if smoothing:
-            loss = loss - smoothing * z.mean(dim=-1)
-        losses[rows] = torch.where(valid, loss, 0.0)
+        y = logits[rows] if logits is not None else None
+        z, _ = _logits(hidden[rows], weight, bias, softcap, y)
+        losses[rows], lse[rows] = chunk_losses(z, target[rows], ignore_index, smoothing)
     return losses, lse.view(_BITS_OF[work])
 
 
@@ -82,7 +115,7 @@ _forward_op = torch.library.custom_op(
 
 
 @_forward_op.register_fake
-def _(hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk):
+def _(hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits=None):
     work = torch.promote_types(hidden.dtype, torch.float32)
     n = hidden.shape[0]
     return hidden.new_empty(n, dtype=work), hidden.new_empty(n, dtype=_BITS_OF[work])
@@ -96,9 +129,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor
+        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor, logits
     ):
-        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk)
+        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits)
         if torch.compiler.is_compiling():
             losses, lse_bits = torch.ops.memopt.linear_cross_entropy_forward(*args)
         else:
@@ -129,7 +162,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h if want_h else None,
             grad_w.to(weight.dtype) if want_w else None,
             grad_b.to(bias.dtype) if want_b and bias is not None else None,
-            *[None] * 6,
+            *[None] * 7,
         )
 
 
@@ -161,13 +194,7 @@ def _gradients(
         rows = slice(start, min(start + chunk, n))
         h = hidden[rows]
         z, t_cap = _logits(h, weight, bias, softcap)
-        g = z.sub_(lse[rows, None]).exp_()  # the softmax, in the logits' memory
-        t = target[rows]
-        picked = torch.full((len(t), 1), smoothing - 1, dtype=g.dtype, device=g.device)
-        g.scatter_add_(1, t.clamp(0, vocab - 1)[:, None], picked)
-        if smoothing:
-            g -= smoothing / vocab
-        g *= torch.where(t != ignore_index, scale[rows], 0.0)[:, None]
+        g = chunk_gradient(z, lse[rows], target[rows], scale[rows], ignore_index, smoothing)
         if t_cap is not None:
             g *= 1 - t_cap.square()
         g = g.to(hidden.dtype)
@@ -211,6 +238,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     chunk_size: int | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits.
 
@@ -225,6 +253,9 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk (default: chunks of logits about the hidden states' size).
         num_items_in_batch: the sum is divided by this instead (Hugging Face's normalisation
             for gradient accumulation); with it, ``reduction`` is ignored.
+        logits: ``F.linear(hidden, weight, bias)`` where it was computed already (the forward
+            reads it instead of computing the head again; it is not kept, and no gradient
+            flows through it).
 
     Under autocast the matmuls run in autocast's dtype, as ``F.linear`` would.
     """
@@ -242,6 +273,8 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device)
         h, weight = h.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+    if logits is not None:
+        logits = logits.detach().reshape(-1, weight.shape[0])
     chunk = chunk_size or default_chunk_size(h.shape[0], weight.shape[0], h.shape[-1])
     if num_items_in_batch is not None:
         divisor = num_items_in_batch
@@ -253,6 +286,6 @@ def linear_cross_entropy(
         divisor = None
     with torch.autocast(device, enabled=False):
         out = _LinearCrossEntropy.apply(
-            h, weight, bias, t, ignore_index, label_smoothing, softcap, chunk, divisor
+            h, weight, bias, t, ignore_index, label_smoothing, softcap, chunk, divisor, logits
         )
     return out.view(shape) if divisor is None else out
