@@ -89,9 +89,11 @@ def test_linear_cross_entropy_gradcheck_in_float64_and_tied_weights():
     w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, dtype=torch.float64, requires_grad=True)
     t = torch.tensor([0, 3, -100, 6, 1, 1, 2, -100, 5])
+    # per token: the backward that recomputes the logits (gradcheck runs backward repeatedly;
+    # a mean hands its gradients, made in the forward, over once)
     loss = lambda h, w, b: linear_cross_entropy(  # noqa: E731
-        h, w, t, b, label_smoothing=0.1, softcap=3.0, chunk_size=4
-    )
+        h, w, t, b, label_smoothing=0.1, softcap=3.0, chunk_size=4, reduction="none"
+    ).sum()
     assert torch.autograd.gradcheck(loss, (h, w, b))
     # a head tied to the embedding: both uses reach the one weight
     emb = nn.Embedding(7, 4).double()
@@ -117,10 +119,26 @@ def test_linear_cross_entropy_under_bf16_autocast():
         assert _relative(a, r) <= 2e-2
 
 
+def test_a_mean_loss_hands_its_gradients_over_once():
+    """A mean or sum makes its gradients in the forward (no head matmul in backward); the loss's
+    gradient scales them; a second backward through the same loss is an error, not a wrong
+    gradient."""
+    torch.manual_seed(0)
+    h = torch.randn(20, 8, requires_grad=True)
+    w = torch.randn(30, 8, requires_grad=True)
+    t = torch.randint(0, 30, (20,))
+    loss = linear_cross_entropy(h, w, t, chunk_size=8)
+    (3 * loss).backward(retain_graph=True)
+    (ref_h, ref_w) = torch.autograd.grad(3 * F.cross_entropy(F.linear(h, w), t), (h, w))
+    assert _relative(h.grad, ref_h) <= 1e-5 and _relative(w.grad, ref_w) <= 1e-5
+    with pytest.raises(RuntimeError, match="second backward through the same loss"):
+        loss.backward()
+
+
 def test_the_chunked_loss_never_holds_the_logits():
     """256 tokens x 8192 classes: unfused, three logits-sized fp32 tensors (8 MiB each) are
-    alive in the loss's backward; chunked by 32 tokens, less than half of one (the weight's
-    gradient, 2 MiB, and a chunk's logits, 1 MiB)."""
+    alive in the loss's backward; chunked by 32 tokens, about half of one (the weight's gradient,
+    2 MiB, a chunk's logits and log-sum-exp's temporary, 1 MiB each)."""
     torch.manual_seed(0)
     head = nn.Linear(64, 8192, bias=False)
     h = torch.randn(256, 64, requires_grad=True)
@@ -129,7 +147,7 @@ def test_the_chunked_loss_never_holds_the_logits():
     plain = record_step(head, lambda: F.cross_entropy(head(h), t))
     lean = record_step(head, lambda: linear_cross_entropy(h, head.weight, t, chunk_size=32))
     assert plain.peak >= 3 * logits
-    assert lean.peak < 0.5 * logits
+    assert lean.peak < 0.6 * logits  # measured: 0.51
 
 
 @pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="PyTorch < 2.13")
@@ -208,8 +226,8 @@ def test_routed_cross_entropy_equals_torchs(case, scale):
     opt = MemoryOptimizer({"ops": {"cross_entropy": "lean", "chunk_size": 8}})
     opt.apply(model)
     mine, ref = model(x, t), plain(x, t)
-    routed = ("_LinearCrossEntropy" if scale is None else "_CrossEntropy") + "Backward"
-    assert routed in _nodes(mine)
+    routed = "_LinearCrossEntropy" if scale is None else "_CrossEntropyBackward"
+    assert any(name.startswith(routed) for name in _nodes(mine))
     assert mine.shape == ref.shape and _relative(mine, ref) <= 1e-5
     grad_out = torch.randn_like(ref)
     for a, r in zip(
@@ -219,7 +237,7 @@ def test_routed_cross_entropy_equals_torchs(case, scale):
     ):
         assert _relative(a, r) <= 1e-5
     opt.remove()
-    assert routed not in _nodes(model(x, t))
+    assert not any(name.startswith(routed) for name in _nodes(model(x, t)))
 
 
 def test_routed_cross_entropy_leaves_what_it_does_not_cover_to_torch():
@@ -259,7 +277,7 @@ def test_nanogpt_trains_exactly_with_the_routed_loss_and_never_holds_three_logit
     """karpathy/nanoGPT's model.py, unmodified (vocabulary 4096): its own F.cross_entropy on
     lm_head's logits takes the chunked loss head by configuration alone. Unpatched, three
     logits-sized tensors are alive in the loss's backward; routed, the peak is the logits the
-    forward makes (which nanoGPT returns) and a little."""
+    forward makes (which nanoGPT returns) and the head's gradients."""
     model, x, y = _nanogpt()
     plain = copy.deepcopy(model)
     opt = MemoryOptimizer({"ops": {"cross_entropy": "lean"}})
@@ -269,7 +287,8 @@ def test_nanogpt_trains_exactly_with_the_routed_loss_and_never_holds_three_logit
     lean = record_step(model, lambda: model(x, y)[1]).peak
     opt.remove()
     assert record_step(model, lambda: model(x, y)[1]).peak >= 3 * logits
-    assert lean < 1.7 * logits  # measured: 3.53 and 1.57 logits
+    assert lean < 1.85 * logits  # measured: 3.53 and 1.73 logits (here the head's weight
+    # gradient, made in the forward, is an eighth of the logits)
 
 
 def test_lean_cross_entropy_writes_the_gradient_into_the_decoded_logits():
@@ -339,7 +358,9 @@ _DONORS = {  # op and its inputs' shapes
     ),
     "relu": (relu, [(_ROWS, 512)]),
     "loss": (
-        lambda h, w: linear_cross_entropy(h, w, torch.arange(_ROWS) % 1000, chunk_size=256),
+        lambda h, w: linear_cross_entropy(  # per token: the backward that recomputes
+            h, w, torch.arange(_ROWS) % 1000, chunk_size=256, reduction="none"
+        ),
         [(_ROWS, 512), (1000, 512)],
     ),
 }
@@ -537,7 +558,7 @@ def test_remove_restores_the_model_and_generation_is_unchanged():
     assert torch.equal(model(input_ids=batch).logits, reference)
 
 
-def test_the_hidden_states_the_chunked_loss_saves_are_compressed():
+def test_with_the_chunked_loss_compression_still_shrinks_what_the_step_keeps():
     model, batch, loss_fn = hf_llama()
     lean = step_memory(model, batch, loss_fn, {"ops": {"loss": "chunked"}})
     both = step_memory(model, batch, loss_fn, {"ops": {"loss": "chunked"}, "quantize": {"bits": 4}})

@@ -3,12 +3,18 @@
 ``F.cross_entropy(F.linear(hidden, weight, bias), target)`` keeps the logits (tokens x vocabulary,
 in fp32 for a Hugging Face model) for backward, and its backward holds three tensors of that size
 at once (the saved log-softmax, its gradient, the logits' gradient): the peak of a language
-model's step. :func:`linear_cross_entropy` computes the same loss chunk by chunk, keeping only
-its inputs and one fp32 log-sum-exp per token; its backward recomputes each chunk's logits (one
-more head matmul) and turns them into the gradients of ``hidden``, ``weight`` and ``bias`` at
-once, so a chunk of logits and its gradient is the most it holds. ``hidden`` is saved as autograd
-saves any tensor, so memopt's compression hooks compress it like the rest; the log-sum-exp is
-kept as it is (an error in it would bias every probability).
+model's step. :func:`linear_cross_entropy` computes the same loss chunk by chunk, so a chunk of
+logits and its gradient is the most it holds:
+
+* a mean or a sum, in eager training: each chunk's logits give its losses and, at once, its share
+  of the gradients of ``hidden``, ``weight`` and ``bias``, which the backward only scales by the
+  loss's gradient (so a second backward through one loss is an error). Nothing is saved: the
+  backward needs those gradients at its start anyway, and no head matmul is done twice.
+* per-token losses (``reduction="none"``, whose gradient is known only in backward) and compiled
+  graphs: the forward keeps only its inputs and one fp32 log-sum-exp per token; the backward
+  recomputes each chunk's logits (one more head matmul) and turns them into the gradients.
+  ``hidden`` is saved as autograd saves any tensor, so memopt's compression hooks compress it
+  like the rest; the log-sum-exp is kept as it is (an error in it would bias every probability).
 """
 
 from __future__ import annotations
@@ -195,16 +201,108 @@ def _gradients(
         h = hidden[rows]
         z, t_cap = _logits(h, weight, bias, softcap)
         g = chunk_gradient(z, lse[rows], target[rows], scale[rows], ignore_index, smoothing)
-        if t_cap is not None:
-            g *= 1 - t_cap.square()
-        g = g.to(hidden.dtype)
-        if want_w:  # before grad_h: it may overwrite ``h``
-            grad_w.addmm_(g.t().to(work), h.to(work))
-        grad_h[rows] = g @ weight
-        if bias is not None:
-            grad_b += g.to(work).sum(0)
+        _accumulate(g, t_cap, h, weight, bias, rows, grad_h, grad_w if want_w else None, grad_b)
         del z, g  # before the next chunk's logits: one chunk alive at a time
     return grad_h, grad_w, grad_b
+
+
+def _accumulate(
+    g: torch.Tensor,
+    t_cap: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: slice,
+    grad_h: torch.Tensor,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor,
+) -> None:
+    """Add one chunk's share to the gradients, from ``g``, its logits' gradient (before the
+    softcap's chain rule); ``grad_w`` ``None``: not wanted."""
+    work = grad_b.dtype
+    if t_cap is not None:
+        g *= 1 - t_cap.square()
+    g = g.to(h.dtype)
+    if grad_w is not None:  # before grad_h: it may overwrite ``h``
+        grad_w.addmm_(g.t().to(work), h.to(work))
+    grad_h[rows] = g @ weight
+    if bias is not None:
+        grad_b += g.to(work).sum(0)
+
+
+def _losses_and_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float | None,
+    chunk: int,
+    logits: torch.Tensor | None,
+    divisor: int | torch.Tensor,
+    want_w: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each token's loss and the gradients of ``sum(losses) / divisor`` (as :func:`_gradients`
+    returns them) in one pass over the chunks: the logits are made once, never recomputed."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    scale = (torch.ones((), dtype=work, device=hidden.device) / divisor).expand(n)
+    losses = torch.empty(n, dtype=work, device=hidden.device)
+    grad_h = torch.empty_like(hidden)
+    grad_w = torch.zeros(weight.shape if want_w else (0,), dtype=work, device=weight.device)
+    grad_b = torch.zeros(vocab, dtype=work, device=weight.device)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        h = hidden[rows]
+        y = logits[rows] if logits is not None else None
+        z, t_cap = _logits(h, weight, bias, softcap, y)
+        if y is not None and z.data_ptr() == y.data_ptr():
+            z = z.clone()  # the caller's logits are never written
+        t = target[rows]
+        losses[rows], lse = chunk_losses(z, t, ignore_index, smoothing)
+        g = chunk_gradient(z, lse, t, scale[rows], ignore_index, smoothing)
+        _accumulate(g, t_cap, h, weight, bias, rows, grad_h, grad_w if want_w else None, grad_b)
+        del z, g
+    return losses, (grad_h, grad_w, grad_b)
+
+
+class _LinearCrossEntropyGradientsFirst(torch.autograd.Function):
+    """The mean or sum loss, eager: its gradients are made in the forward from the logits it
+    makes there, and backward only scales them by the loss's gradient. One head matmul fewer
+    than recomputing them, and nothing is saved but the gradients, which the backward needs at
+    its start anyway (the hidden states are not kept, so neither decoded). They are handed over
+    once: a second backward through the same loss is an error."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor, logits
+    ):
+        want_w = ctx.needs_input_grad[1]
+        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits)
+        losses, grads = _losses_and_gradients(*args, divisor, want_w)
+        ctx.grads = grads  # not saved tensors: gradients are never compressed
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return losses.sum() / divisor
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "memopt's chunked loss made its gradients in the forward and handed them to the "
+                "first backward; a second backward through the same loss (retain_graph=True) is "
+                "not supported: compute the loss again"
+            )
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h, grad_w, grad_b = (g.mul_(grad_out.to(g.dtype)) for g in grads)  # ours alone
+        weight_dtype, bias_dtype = ctx.dtypes
+        return (
+            grad_h if want_h else None,
+            grad_w.to(weight_dtype) if want_w else None,
+            grad_b.to(bias_dtype) if want_b and bias_dtype is not None else None,
+            *[None] * 7,
+        )
 
 
 #: :func:`_gradients` as one operator, for compiled graphs (called with ``donate=False``).
@@ -284,8 +382,13 @@ def linear_cross_entropy(
         divisor = 1
     else:
         divisor = None
+    # a mean or sum in eager training makes its gradients in the forward (one matmul fewer)
+    inputs = (h, weight, bias)
+    eager = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    first = divisor is not None and eager and any(x is not None and x.requires_grad for x in inputs)
+    function = _LinearCrossEntropyGradientsFirst if first else _LinearCrossEntropy
     with torch.autocast(device, enabled=False):
-        out = _LinearCrossEntropy.apply(
+        out = function.apply(
             h, weight, bias, t, ignore_index, label_smoothing, softcap, chunk, divisor, logits
         )
     return out.view(shape) if divisor is None else out
