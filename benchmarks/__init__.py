@@ -8,6 +8,8 @@
     python -m benchmarks.batchnorm_digits              running-statistics BatchNorm on digits
     python -m benchmarks.drift_metrics                 which drift metric
     python -m benchmarks.gradient_bias                 bias of the compressed gradient
+    python -m benchmarks.loss_head                     memopt's chunked loss against PyTorch's
+    python -m benchmarks.nanogpt_fits                  karpathy/nanoGPT by configuration alone
     python -m benchmarks.cuda                          codec throughput, memory, time on a GPU
     python -m benchmarks.report [results.json]         redraw pareto.png / merge compiled rows
 

@@ -367,9 +367,28 @@ class OpsConfig(_Section):
             "then); none: the model's own loss."
         ),
     )
+    cross_entropy: Literal["none", "lean"] = Field(
+        "none",
+        description=(
+            "lean: F.cross_entropy called inside the model's forward (nanoGPT-style heads) runs "
+            "lean in training: on the unchanged output of an nn.Linear head, as the chunked "
+            "loss head (no logits kept); on other logits, keeping them once (compressed) with "
+            "the gradient written into them. Class weights and probability targets run "
+            "F.cross_entropy itself. With it, loss: chunked on a model that is no Hugging Face "
+            "causal LM is no error. none: F.cross_entropy as it is."
+        ),
+    )
     chunk_size: Annotated[int | None, Field(ge=1), Allowed("null or an integer >= 1")] = Field(
         None,
         description="Tokens per chunk (null: chunks of logits about the hidden states' size).",
+    )
+    no_cache: bool = Field(
+        True,
+        description=(
+            "true: while another ops key acts (loss, cross_entropy or fuse), a Hugging Face "
+            "model's config.use_cache is False, so training builds no KV cache (as transformers' "
+            "gradient checkpointing does); remove() restores it. false: left as it is."
+        ),
     )
     fuse: Annotated[
         tuple[

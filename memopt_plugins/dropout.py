@@ -10,27 +10,27 @@ it, the mask rebuilt from a private generator; reproducible, but not ``nn.Dropou
 :class:`DropoutPatch` swaps modules whose type is exactly one of torch's dropout modules for a
 subclass of the same type (names, ``isinstance`` and state dict unchanged), and routes functional
 dropout called inside the model (Hugging Face's eager attention) through a ``TorchFunctionMode``
-active while any module of the model runs. Not covered: dropout fused into another kernel (SDPA's
-``dropout_p``, fused RNN dropout), subclasses with their own ``forward``, functional calls outside
-the model's modules. Written for eager execution; docs/architecture.md says more.
+active while any module of the model runs (:mod:`.routing`). Not covered: dropout fused into
+another kernel (SDPA's ``dropout_p``, fused RNN dropout), subclasses with their own ``forward``,
+functional calls outside the model's modules. Written for eager execution; docs/architecture.md
+says more.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .compress.codec import pack_mask, unpack_mask
-from .measure import ScopeTracker, Watch
+from .routing import ModelRouting, RoutingMode
 
 log = logging.getLogger("memopt")
 
@@ -228,20 +228,13 @@ for _name, _feature, _alpha in (
     _ROUTES[getattr(torch, _name + "_")] = _aten_route(_feature, _alpha, inplace=True)
 
 
-class FunctionalDropoutMode(TorchFunctionMode):
+class FunctionalDropoutMode(RoutingMode):
     """Routes PyTorch's dropout functions to their memory-efficient equivalents (see module doc)."""
 
     def __init__(self, mode: str) -> None:
-        super().__init__()
         _check_mode(mode)
+        super().__init__({func: partial(route, mode=mode) for func, route in _ROUTES.items()})
         self.mode = mode
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        route = _ROUTES.get(func)
-        if route is not None:
-            return route(*args, mode=self.mode, **kwargs)
-        return func(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------- modules
@@ -351,8 +344,7 @@ class DropoutPatch:
         self.mode = mode
         # (parent, child name, original, replacement), in the order applied
         self._swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
-        self._watch: Watch | None = None
-        self._local = threading.local()
+        self._routing = ModelRouting(lambda: FunctionalDropoutMode(mode))
 
     @property
     def swapped(self) -> list[nn.Module]:
@@ -372,7 +364,7 @@ class DropoutPatch:
                     setattr(replacement, _SWAPPED_FROM, type(child))
                 parent._modules[name] = replacement
                 self._swaps.append((parent, name, child, replacement))
-        self._watch = ScopeTracker.of(model).watch(self)
+        self._routing.apply(model)
         log.info(
             "memopt: dropout mode %s: %d dropout modules swapped, functional dropout routed",
             self.mode,
@@ -381,9 +373,7 @@ class DropoutPatch:
 
     def remove(self) -> None:
         """Put the original modules back (with the ``p`` and train/eval state they have now)."""
-        if self._watch is not None:
-            self._watch.remove()
-            self._watch = None
+        self._routing.remove()
         for parent, name, original, replacement in reversed(self._swaps):
             if parent._modules.get(name) is not replacement:
                 log.warning(
@@ -398,38 +388,10 @@ class DropoutPatch:
             parent._modules[name] = original
         self._swaps.clear()
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> AbstractContextManager[None]:
         """Route functional dropout inside this block (if not already routed on this thread).
 
         For code that runs parts of the model without calling its modules, e.g. a recompute
         replay that calls a module's ``forward`` directly.
         """
-        self.enter("", None, (), {})
-        try:
-            yield
-        finally:
-            self.exit("", None, (), None)
-
-    # The mode is entered by the outermost module call on this thread and left by the same call.
-    @property
-    def _entered(self) -> list[FunctionalDropoutMode | None]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def enter(self, fqn: str, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
-        stack = self._entered
-        mode = None
-        if not stack:  # the outermost call enters; the calls inside it find the mode active
-            mode = FunctionalDropoutMode(self.mode)
-            mode.__enter__()
-        stack.append(mode)
-
-    def exit(self, fqn: str, module: nn.Module | None, args: tuple, output: object) -> None:
-        stack = self._entered
-        if stack:
-            mode = stack.pop()
-            if mode is not None:
-                mode.__exit__(None, None, None)
+        return self._routing.active()

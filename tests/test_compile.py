@@ -389,7 +389,10 @@ def test_lean_ops_compile_without_graph_breaks_and_keep_the_gradients(mode):
     whole model), gradients exact (within int8's error)."""
     from torch._dynamo.utils import counters
 
-    config = {"ops": {"loss": "chunked", "fuse": ["gelu", "attention"], "chunk_size": 32}}
+    # no_cache false: with use_cache off the compiled int8 step below gives NaN gradients (the
+    # xfail test after this one), a fault of compiled compression, not of these ops
+    ops = {"loss": "chunked", "fuse": ["gelu", "attention"], "chunk_size": 32, "no_cache": False}
+    config = {"ops": ops}
     model, batch, loss_fn = _tiny_gpt2()
     exact = gradients(model, batch, loss_fn)
     torch._dynamo.reset()
@@ -416,3 +419,20 @@ def test_lean_ops_compile_without_graph_breaks_and_keep_the_gradients(mode):
         saved.append(opt.hooks.stats.saved_original)
         opt.remove()
     assert saved[0] < saved[1]
+
+
+@pytest.mark.xfail(strict=True, reason="compiled int8 on SDPA GPT-2 without a KV cache: NaN")
+def test_compiled_int8_gpt2_without_its_kv_cache_keeps_finite_gradients():
+    """GPT-2 as transformers builds it (SDPA attention) with ``use_cache=False`` (what
+    ``ops.no_cache``, transformers' gradient checkpointing and the Trainer with it set), the whole
+    model compiled (no code generation), int8: the gradients are NaN, where with ``use_cache``
+    on, or eager, they are within int8's error. Not found yet: what the compiled graph saves
+    differently without the cache."""
+    model, batch, loss_fn = _tiny_gpt2()
+    model.set_attn_implementation("sdpa")
+    exact = gradients(model, batch, loss_fn)
+    model.config.use_cache = False
+    torch._dynamo.reset()
+    int8 = {"quantize": {"bits": 8, "rounding": "nearest"}}
+    got = gradients(model, batch, loss_fn, int8, compile=lambda m: m.compile(backend=NO_CODEGEN))
+    assert rel_error(got, exact) <= 0.01

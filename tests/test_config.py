@@ -48,7 +48,13 @@ DESIGN_DEFAULTS: dict[str, Any] = {
     },
     "dropout": {"mode": "keep"},
     "batchnorm": {"mode": "batch", "warmup_steps": 0},
-    "ops": {"loss": "none", "chunk_size": None, "fuse": []},
+    "ops": {
+        "loss": "none",
+        "cross_entropy": "none",
+        "chunk_size": None,
+        "no_cache": True,
+        "fuse": [],
+    },
     "log": {"per_module": False, "legacy_names": False},
 }
 
@@ -80,7 +86,13 @@ CUSTOM: dict[str, Any] = {
     },
     "dropout": {"mode": "regenerate"},
     "batchnorm": {"mode": "running", "warmup_steps": 10},
-    "ops": {"loss": "chunked", "chunk_size": 512, "fuse": ["swiglu", "rmsnorm"]},
+    "ops": {
+        "loss": "chunked",
+        "cross_entropy": "lean",
+        "chunk_size": 512,
+        "no_cache": False,
+        "fuse": ["swiglu", "rmsnorm"],
+    },
     "log": {"per_module": True, "legacy_names": True},
 }
 

@@ -3,12 +3,18 @@
 ``F.cross_entropy(F.linear(hidden, weight, bias), target)`` keeps the logits (tokens x vocabulary,
 in fp32 for a Hugging Face model) for backward, and its backward holds three tensors of that size
 at once (the saved log-softmax, its gradient, the logits' gradient): the peak of a language
-model's step. :func:`linear_cross_entropy` computes the same loss chunk by chunk, keeping only
-its inputs and one fp32 log-sum-exp per token; its backward recomputes each chunk's logits (one
-more head matmul) and turns them into the gradients of ``hidden``, ``weight`` and ``bias`` at
-once, so a chunk of logits and its gradient is the most it holds. ``hidden`` is saved as autograd
-saves any tensor, so memopt's compression hooks compress it like the rest; the log-sum-exp is
-kept as it is (an error in it would bias every probability).
+model's step. :func:`linear_cross_entropy` computes the same loss chunk by chunk, so a chunk of
+logits and its gradient is the most it holds:
+
+* a mean or a sum, in eager training: each chunk's logits give its losses and, at once, its share
+  of the gradients of ``hidden``, ``weight`` and ``bias``, which the backward only scales by the
+  loss's gradient (so a second backward through one loss is an error). Nothing is saved: the
+  backward needs those gradients at its start anyway, and no head matmul is done twice.
+* per-token losses (``reduction="none"``, whose gradient is known only in backward) and compiled
+  graphs: the forward keeps only its inputs and one fp32 log-sum-exp per token; the backward
+  recomputes each chunk's logits (one more head matmul) and turns them into the gradients.
+  ``hidden`` is saved as autograd saves any tensor, so memopt's compression hooks compress it
+  like the rest; the log-sum-exp is kept as it is (an error in it would bias every probability).
 """
 
 from __future__ import annotations
@@ -35,15 +41,52 @@ def default_chunk_size(tokens: int, vocab: int, hidden: int) -> int:
 
 
 def _logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    y: torch.Tensor | None = None,
 ):
-    """The chunk's logits in fp32 (and, with ``softcap``, ``tanh(y / cap)`` for the chain rule)."""
-    y = F.linear(h, weight, bias)
+    """The chunk's logits in fp32 (and, with ``softcap``, ``tanh(y / cap)`` for the chain rule);
+    ``y``: the head's output for the chunk when it is already at hand."""
+    y = F.linear(h, weight, bias) if y is None else y
     y = y.to(torch.promote_types(y.dtype, torch.float32))
     if softcap is None:
         return y, None
     t = torch.tanh(y / softcap)
     return softcap * t, t
+
+
+def chunk_losses(
+    z: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's losses per token (0 where ignored) and log-sum-exps, from its logits ``z``."""
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(1, t.clamp(0, z.shape[-1] - 1)[:, None])[:, 0]
+    loss = lse - (1 - smoothing) * picked
+    if smoothing:
+        loss = loss - smoothing * z.mean(dim=-1)
+    return torch.where(t != ignore_index, loss, 0.0), lse
+
+
+def chunk_gradient(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    t: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+) -> torch.Tensor:
+    """The gradient of one chunk's losses (``scale``: the loss's gradient per token) with respect
+    to its logits ``z``, written into ``z``."""
+    vocab = z.shape[-1]
+    g = z.sub_(lse[:, None]).exp_()  # the softmax, in the logits' memory
+    picked = torch.full((len(t), 1), smoothing - 1, dtype=g.dtype, device=g.device)
+    g.scatter_add_(1, t.clamp(0, vocab - 1)[:, None], picked)
+    if smoothing:
+        g -= smoothing / vocab
+    g *= torch.where(t != ignore_index, scale, 0.0)[:, None]
+    return g
 
 
 def _losses(
@@ -55,23 +98,19 @@ def _losses(
     smoothing: float,
     softcap: float | None,
     chunk: int,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's loss (0 where ignored) and the bits of its log-sum-exp, chunk by chunk."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    """Each token's loss (0 where ignored) and the bits of its log-sum-exp, chunk by chunk (the
+    chunks of ``logits`` where given, else of the head's output)."""
+    n = hidden.shape[0]
     work = torch.promote_types(hidden.dtype, torch.float32)
     losses = torch.empty(n, dtype=work, device=hidden.device)
     lse = torch.empty(n, dtype=work, device=hidden.device)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        z, _ = _logits(hidden[rows], weight, bias, softcap)
-        lse[rows] = torch.logsumexp(z, dim=-1)
-        t = target[rows]
-        valid = t != ignore_index
-        picked = z.gather(1, t.clamp(0, vocab - 1)[:, None])[:, 0]
-        loss = lse[rows] - (1 - smoothing) * picked
-        if smoothing:
-            loss = loss - smoothing * z.mean(dim=-1)
-        losses[rows] = torch.where(valid, loss, 0.0)
+        y = logits[rows] if logits is not None else None
+        z, _ = _logits(hidden[rows], weight, bias, softcap, y)
+        losses[rows], lse[rows] = chunk_losses(z, target[rows], ignore_index, smoothing)
     return losses, lse.view(_BITS_OF[work])
 
 
@@ -82,7 +121,7 @@ _forward_op = torch.library.custom_op(
 
 
 @_forward_op.register_fake
-def _(hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk):
+def _(hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits=None):
     work = torch.promote_types(hidden.dtype, torch.float32)
     n = hidden.shape[0]
     return hidden.new_empty(n, dtype=work), hidden.new_empty(n, dtype=_BITS_OF[work])
@@ -96,9 +135,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor
+        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor, logits
     ):
-        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk)
+        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits)
         if torch.compiler.is_compiling():
             losses, lse_bits = torch.ops.memopt.linear_cross_entropy_forward(*args)
         else:
@@ -129,7 +168,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h if want_h else None,
             grad_w.to(weight.dtype) if want_w else None,
             grad_b.to(bias.dtype) if want_b and bias is not None else None,
-            *[None] * 6,
+            *[None] * 7,
         )
 
 
@@ -161,23 +200,109 @@ def _gradients(
         rows = slice(start, min(start + chunk, n))
         h = hidden[rows]
         z, t_cap = _logits(h, weight, bias, softcap)
-        g = z.sub_(lse[rows, None]).exp_()  # the softmax, in the logits' memory
-        t = target[rows]
-        picked = torch.full((len(t), 1), smoothing - 1, dtype=g.dtype, device=g.device)
-        g.scatter_add_(1, t.clamp(0, vocab - 1)[:, None], picked)
-        if smoothing:
-            g -= smoothing / vocab
-        g *= torch.where(t != ignore_index, scale[rows], 0.0)[:, None]
-        if t_cap is not None:
-            g *= 1 - t_cap.square()
-        g = g.to(hidden.dtype)
-        if want_w:  # before grad_h: it may overwrite ``h``
-            grad_w.addmm_(g.t().to(work), h.to(work))
-        grad_h[rows] = g @ weight
-        if bias is not None:
-            grad_b += g.to(work).sum(0)
+        g = chunk_gradient(z, lse[rows], target[rows], scale[rows], ignore_index, smoothing)
+        _accumulate(g, t_cap, h, weight, bias, rows, grad_h, grad_w if want_w else None, grad_b)
         del z, g  # before the next chunk's logits: one chunk alive at a time
     return grad_h, grad_w, grad_b
+
+
+def _accumulate(
+    g: torch.Tensor,
+    t_cap: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: slice,
+    grad_h: torch.Tensor,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor,
+) -> None:
+    """Add one chunk's share to the gradients, from ``g``, its logits' gradient (before the
+    softcap's chain rule); ``grad_w`` ``None``: not wanted."""
+    work = grad_b.dtype
+    if t_cap is not None:
+        g *= 1 - t_cap.square()
+    g = g.to(h.dtype)
+    if grad_w is not None:  # before grad_h: it may overwrite ``h``
+        grad_w.addmm_(g.t().to(work), h.to(work))
+    grad_h[rows] = g @ weight
+    if bias is not None:
+        grad_b += g.to(work).sum(0)
+
+
+def _losses_and_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float | None,
+    chunk: int,
+    logits: torch.Tensor | None,
+    divisor: int | torch.Tensor,
+    want_w: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each token's loss and the gradients of ``sum(losses) / divisor`` (as :func:`_gradients`
+    returns them) in one pass over the chunks: the logits are made once, never recomputed."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    scale = (torch.ones((), dtype=work, device=hidden.device) / divisor).expand(n)
+    losses = torch.empty(n, dtype=work, device=hidden.device)
+    grad_h = torch.empty_like(hidden)
+    grad_w = torch.zeros(weight.shape if want_w else (0,), dtype=work, device=weight.device)
+    grad_b = torch.zeros(vocab, dtype=work, device=weight.device)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        h = hidden[rows]
+        y = logits[rows] if logits is not None else None
+        z, t_cap = _logits(h, weight, bias, softcap, y)
+        if y is not None and z.data_ptr() == y.data_ptr():
+            z = z.clone()  # the caller's logits are never written
+        t = target[rows]
+        losses[rows], lse = chunk_losses(z, t, ignore_index, smoothing)
+        g = chunk_gradient(z, lse, t, scale[rows], ignore_index, smoothing)
+        _accumulate(g, t_cap, h, weight, bias, rows, grad_h, grad_w if want_w else None, grad_b)
+        del z, g
+    return losses, (grad_h, grad_w, grad_b)
+
+
+class _LinearCrossEntropyGradientsFirst(torch.autograd.Function):
+    """The mean or sum loss, eager: its gradients are made in the forward from the logits it
+    makes there, and backward only scales them by the loss's gradient. One head matmul fewer
+    than recomputing them, and nothing is saved but the gradients, which the backward needs at
+    its start anyway (the hidden states are not kept, so neither decoded). They are handed over
+    once: a second backward through the same loss is an error."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor, logits
+    ):
+        want_w = ctx.needs_input_grad[1]
+        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits)
+        losses, grads = _losses_and_gradients(*args, divisor, want_w)
+        ctx.grads = grads  # not saved tensors: gradients are never compressed
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return losses.sum() / divisor
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "memopt's chunked loss made its gradients in the forward and handed them to the "
+                "first backward; a second backward through the same loss (retain_graph=True) is "
+                "not supported: compute the loss again"
+            )
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h, grad_w, grad_b = (g.mul_(grad_out.to(g.dtype)) for g in grads)  # ours alone
+        weight_dtype, bias_dtype = ctx.dtypes
+        return (
+            grad_h if want_h else None,
+            grad_w.to(weight_dtype) if want_w else None,
+            grad_b.to(bias_dtype) if want_b and bias_dtype is not None else None,
+            *[None] * 7,
+        )
 
 
 #: :func:`_gradients` as one operator, for compiled graphs (called with ``donate=False``).
@@ -211,6 +336,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     chunk_size: int | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits.
 
@@ -225,6 +351,9 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk (default: chunks of logits about the hidden states' size).
         num_items_in_batch: the sum is divided by this instead (Hugging Face's normalisation
             for gradient accumulation); with it, ``reduction`` is ignored.
+        logits: ``F.linear(hidden, weight, bias)`` where it was computed already (the forward
+            reads it instead of computing the head again; it is not kept, and no gradient
+            flows through it).
 
     Under autocast the matmuls run in autocast's dtype, as ``F.linear`` would.
     """
@@ -242,6 +371,8 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device)
         h, weight = h.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+    if logits is not None:
+        logits = logits.detach().reshape(-1, weight.shape[0])
     chunk = chunk_size or default_chunk_size(h.shape[0], weight.shape[0], h.shape[-1])
     if num_items_in_batch is not None:
         divisor = num_items_in_batch
@@ -251,8 +382,13 @@ def linear_cross_entropy(
         divisor = 1
     else:
         divisor = None
+    # a mean or sum in eager training makes its gradients in the forward (one matmul fewer)
+    inputs = (h, weight, bias)
+    eager = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    first = divisor is not None and eager and any(x is not None and x.requires_grad for x in inputs)
+    function = _LinearCrossEntropyGradientsFirst if first else _LinearCrossEntropy
     with torch.autocast(device, enabled=False):
-        out = _LinearCrossEntropy.apply(
-            h, weight, bias, t, ignore_index, label_smoothing, softcap, chunk, divisor
+        out = function.apply(
+            h, weight, bias, t, ignore_index, label_smoothing, softcap, chunk, divisor, logits
         )
     return out.view(shape) if divisor is None else out

@@ -7,11 +7,14 @@ modules, gated MLPs (SwiGLU / GeGLU), Llama-style RMSNorm, a Hugging Face model'
 as SDPA (not with attention dropout: SDPA draws its own mask), and a CNN's batch norms,
 convolutions, ReLUs and max-pools (:mod:`.conv`). ``loss: chunked`` makes a Hugging Face causal LM
 compute its training loss with :func:`~.loss.linear_cross_entropy` (``logits`` is then ``None``);
-in eval, without labels or without gradients its own forward runs. A ``fuse`` name matching no
-module, or a model ``loss: chunked`` cannot patch, is a
-:class:`~memopt_plugins.config.ConfigError` (checked before anything is patched); a preset's
-``loss: chunked`` on a model whose head it cannot reach (a plain PyTorch LM, a classifier) leaves
-the loss as it is, in one logged line. :meth:`LeanOps.remove` puts every ``forward`` back.
+in eval, without labels or without gradients its own forward runs. ``cross_entropy: lean``
+routes ``F.cross_entropy`` called inside the model (:mod:`.entropy`). While any of these acts,
+``no_cache`` turns a Hugging Face model's ``use_cache`` off (training needs no KV cache). A
+``fuse`` name matching no module, or a model ``loss: chunked`` cannot patch (unless
+``cross_entropy: lean`` routes its loss), is a :class:`~memopt_plugins.config.ConfigError`
+(checked before anything is patched); a preset's ``loss: chunked`` on a model whose head it
+cannot reach (a plain PyTorch LM, a classifier) leaves the loss as it is, in one logged line.
+:meth:`LeanOps.remove` undoes it all.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from torch import nn
 
 from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
+from ..routing import ModelRouting
 from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
 from .conv import conv, max_pool, relu
+from .entropy import CrossEntropyMode
 from .loss import linear_cross_entropy
 
 log = logging.getLogger("memopt")
@@ -296,10 +301,13 @@ class LeanOps:
         self.actions: dict[str, str] = {}  # fqn -> "lean swiglu", "lean loss", ...
         self._patched: list[_LeanForward] = []
         self._attention: list[tuple[nn.Module, str]] = []  # (model, its own implementation)
+        self._routing: ModelRouting | None = None
+        self._caches: list[Any] = []  # Hugging Face configs whose use_cache was turned off
 
     @property
     def active(self) -> bool:
-        return self.config.loss != "none" or bool(self.config.fuse)
+        c = self.config
+        return c.loss != "none" or c.cross_entropy != "none" or bool(c.fuse)
 
     def apply(self, model: nn.Module) -> dict[str, str]:
         """Patch ``model``; returns ``{fqn: action}`` for every patched module."""
@@ -315,12 +323,23 @@ class LeanOps:
                     self._fuse(model, chain, required=not every)
             for fqn, lm in heads:
                 self._chunk_loss(lm, fqn)
+            if self.config.cross_entropy == "lean":
+                self._route_cross_entropy(model)
+            if self.active and self.config.no_cache:
+                self._turn_off_cache(model)
         except BaseException:
             self.remove()
             raise
         return dict(self.actions)
 
     def remove(self) -> None:
+        if self._routing is not None:
+            self._routing.remove()
+            self._routing = None
+        for config in self._caches:
+            if config.use_cache is False:  # a value set since is the user's
+                config.use_cache = True
+        self._caches.clear()
         for patched in reversed(self._patched):
             patched.restore()
         self._patched.clear()
@@ -328,6 +347,33 @@ class LeanOps:
             model.set_attn_implementation(implementation)
         self._attention.clear()
         self.actions.clear()
+
+    def _route_cross_entropy(self, model: nn.Module) -> None:
+        chunk = self.config.chunk_size
+        self._routing = ModelRouting(lambda: CrossEntropyMode(chunk))
+        self._routing.apply(model)
+        log.info(
+            "memopt: ops.cross_entropy lean: F.cross_entropy inside %s runs lean in training",
+            type(model).__name__,
+        )
+
+    def _turn_off_cache(self, model: nn.Module) -> None:
+        """``use_cache`` False on every Hugging Face config of ``model`` that has it True."""
+        seen: set[int] = set()
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if id(config) in seen or getattr(config, "use_cache", None) is not True:
+                continue
+            seen.add(id(config))
+            config.use_cache = False
+            self._caches.append(config)
+        if self._caches:
+            log.info(
+                "memopt: ops: use_cache off while applied (%s): training builds no KV cache, "
+                "as with transformers' gradient checkpointing; remove() turns it back on "
+                "(ops.no_cache: false leaves it)",
+                type(model).__name__,
+            )
 
     def _attend(self, model: nn.Module, prefix: str, required: bool) -> None:
         config = getattr(model, "config", None)
@@ -392,6 +438,14 @@ class LeanOps:
         if not failed:
             return found
         name, why = failed[0]
+        if self.config.cross_entropy == "lean":
+            log.info(
+                "memopt: ops.loss chunked left the loss of %s as it is: %s; ops.cross_entropy "
+                "lean routes the F.cross_entropy it calls instead",
+                name,
+                why,
+            )
+            return [(f, lm) for (f, lm), (_, w) in zip(found, whys, strict=True) if w is None]
         if not self.loss_from_preset:
             raise ConfigError(
                 f"ops.loss: chunked cannot act on {name}: {why}. It computes the loss of a "
