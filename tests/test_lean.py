@@ -30,6 +30,18 @@ from memopt_plugins.measure.timeline import record_step
 from memopt_plugins.profiler.run import step_memory
 
 
+def _assert_same_loss_and_gradients(mine, ref, inputs) -> None:
+    """Same shape and values (1e-5 relative), and the same gradients for a random upstream."""
+    assert mine.shape == ref.shape and _relative(mine, ref) <= 1e-5
+    grad_out = torch.randn_like(ref)
+    for a, r in zip(
+        torch.autograd.grad(mine, inputs, grad_out),
+        torch.autograd.grad(ref, inputs, grad_out),
+        strict=True,
+    ):
+        assert _relative(a, r) <= 1e-5
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
@@ -73,14 +85,7 @@ def test_linear_cross_entropy_equals_the_unfused_loss_and_gradients(case):
         h, w, t, b, softcap=case.get("softcap"), num_items_in_batch=case.get("items"), chunk_size=8,
         **args,
     )  # fmt: skip
-    assert mine.shape == ref.shape and _relative(mine, ref) <= 1e-5
-    grad_out = torch.randn_like(ref)
-    for a, r in zip(
-        torch.autograd.grad(mine, inputs, grad_out),
-        torch.autograd.grad(ref, inputs, grad_out),
-        strict=True,
-    ):
-        assert _relative(a, r) <= 1e-5
+    _assert_same_loss_and_gradients(mine, ref, inputs)
 
 
 def test_linear_cross_entropy_gradcheck_in_float64_and_tied_weights():
@@ -170,14 +175,7 @@ def test_linear_cross_entropy_equals_pytorchs_chunked_op(reduction, bias):
             options=torch.nn.LinearCrossEntropyOptions(),
         )  # fmt: skip
     mine = linear_cross_entropy(h, w, t, b, reduction=reduction)
-    assert mine.shape == theirs.shape and _relative(mine, theirs) <= 1e-5
-    grad_out = torch.randn_like(theirs)
-    for a, r in zip(
-        torch.autograd.grad(mine, inputs, grad_out),
-        torch.autograd.grad(theirs, inputs, grad_out),
-        strict=True,
-    ):
-        assert _relative(a, r) <= 1e-5
+    _assert_same_loss_and_gradients(mine, theirs, inputs)
 
 
 # --------------------------------------------------------------------------- routed cross-entropy
