@@ -14,6 +14,7 @@ module selection, so both compression and measurement can ask it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container, Iterable
 from typing import Protocol
 
@@ -29,6 +30,7 @@ KEPT = {
     "integer": "integer and bool tensors (eager narrows them losslessly)",
     "gapped": "slices with gaps (not dense)",
     "input view": "views of the graph's inputs (they may alias parameters)",
+    "masking": "masks of -inf or near-overflow values (the in-graph codec cannot keep them)",
 }
 
 
@@ -228,11 +230,64 @@ def kept_in_graph(
     bits: a :data:`KEPT` kind, or ``None``. The graph's parameters and buffers never reach the
     hooks (AOTAutograd's filter, :class:`~memopt_plugins.compress.compiled.SavedFilter`); views of
     its inputs may alias them. Besides these, the traced codec takes dense tensors only
-    (``"gapped"``)."""
+    (``"gapped"``) and decodes as NaN a group eager would keep exactly, on the side: masks of
+    ``-inf`` or ``finfo.min`` (``"masking"``, :func:`holds_masking_constant`)."""
     if t.numel() < max(min_numel, 1):
         return "small"
     if not t.is_floating_point():
         return "integer"
     if views_an_input(node, graph):
         return "input view"
+    if holds_masking_constant(node, t.dtype):
+        return "masking"
     return None
+
+
+#: Operations whose output may hold a value of their tensor inputs unchanged: selections, views,
+#: copies, concatenation and the arithmetic that carries -inf through (a mask added to scores).
+_PASS_THROUGH = frozenset(
+    {
+        "where", "masked_fill", "add", "sub", "rsub", "mul", "neg", "maximum", "minimum",
+        "expand", "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "unsqueeze",
+        "squeeze", "slice", "select", "alias", "as_strided", "index", "gather", "repeat", "cat",
+        "stack", "clone", "contiguous", "copy", "convert_element_type", "_to_copy",
+    }
+)  # fmt: skip
+
+
+def masking_constant(value: object, dtype: torch.dtype) -> bool:
+    """Whether ``value`` is a number no group of a ``dtype`` tensor holding it can be coded in a
+    compiled graph: infinite, NaN, or beyond half of ``dtype``'s largest value (``finfo.min``,
+    ``-1e38``: the range of a group holding it and 0 overflows the codec's scale). The eager codec
+    keeps such groups exactly, on the side; the in-graph one decodes them as NaN."""
+    if not isinstance(value, float):  # integers are sizes, dims and indices
+        return False
+    return not math.isfinite(value) or abs(value) > torch.finfo(dtype).max / 2
+
+
+def holds_masking_constant(node: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """Whether traced tensor ``node`` may hold a :func:`masking_constant` (an attention mask of
+    ``-inf`` or ``finfo.min``, however the graph builds it): one is an argument of ``node``, or of
+    a node whose values reach ``node`` through :data:`_PASS_THROUGH` operations."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        leaves = torch.utils._pytree.tree_leaves((current.args, current.kwargs))
+        if any(masking_constant(v, dtype) for v in leaves):
+            return True
+        if _op_name(current) in _PASS_THROUGH:
+            stack.extend(v for v in leaves if isinstance(v, torch.fx.Node))
+    return False
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    """The name of the operation ``node`` calls without its overload (``"where"`` for
+    ``aten.where.self``), or ``None`` for placeholders and other non-call nodes."""
+    if node.op != "call_function":
+        return None
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet if packet is not None else node.target, "__name__", None)
