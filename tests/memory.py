@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import multiprocessing
-
 import torch
+from fresh import context
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading
@@ -13,15 +12,14 @@ from memopt_plugins.profiler.meter import MemoryMeter, MemoryReading
 def measure(build, config=None, repeats: int = 2, compile=None) -> MemoryReading:
     """Retained/peak memory of one step of a freshly built model (minimum over ``repeats``).
 
-    Measured in a fresh process (spawned, with this process's thread count), as DESIGN.md
-    prescribes for the CPU: in a process that has run other tests, what its heap went through
+    Measured in a fresh process (:mod:`fresh`, with this process's thread count), as the CPU
+    needs: in a process that has run other tests, what its heap went through
     moved a compressed step's peak by ~5 MB from one run of the suite to the next. ``build``
     must be importable (a module-level function), as must ``compile`` (``compile(model)`` compiles
     the model or its blocks after memopt is applied). A warm-up step allocates the gradients (and
     compiles) first, so the reading covers activations only.
     """
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
+    with context().Pool(1) as pool:
         args = (build, config, repeats, torch.get_num_threads(), compile)
         return pool.apply(_measure_here, args)
 

@@ -1,6 +1,6 @@
 """Helpers shared by the FSDP2 tests: sharding as torchtitan does, a short training loop, and one
-spawned 2-process gloo run per test module whose workers run every case and hand their results
-to the tests."""
+2-process gloo run (:mod:`fresh`) per test module whose workers run every case and hand their
+results to the tests."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from fresh import start_processes
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -101,11 +101,9 @@ def _worker(rank: int, out: str, cases: Cases) -> None:
 
 
 def run_two_ranks(cases: Cases, out: Path, seconds: int = 300) -> list[dict]:
-    """One spawned 2-process gloo run of ``cases(out)`` (name -> ``run(rank)``, a module-level
-    function so that the spawned processes can import it); each rank's results by name."""
-    ctx = mp.start_processes(
-        _worker, args=(str(out), cases), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    """One 2-process gloo run (:mod:`fresh`) of ``cases(out)`` (name -> ``run(rank)``, a
+    module-level function so that the processes can import it); each rank's results by name."""
+    ctx = start_processes(_worker, (str(out), cases), WORLD)
     deadline = time.monotonic() + seconds
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from fresh import context
 
 from memopt_plugins import MemOptConfig
 from memopt_plugins.cli import main
@@ -221,8 +221,7 @@ def test_the_planned_batch_takes_adamw_steps_under_the_cap_in_a_fresh_process(fa
     found = re.search(r"largest batch without memopt (\d+), with this config (\d+)", stdout)
     baseline, size = int(found.group(1)), int(found.group(2))
     assert size > baseline and "adamw state counted" in stdout
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
+    with context().Pool(1) as pool:
         peak = pool.apply(_adamw_step_peak, (spec, stdout, size))
     assert peak <= 40 << 20, peak / 2**20
 

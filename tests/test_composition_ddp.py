@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from fresh import start_processes
 from torch.nn.parallel import DistributedDataParallel
 from zoo import hf_gpt2
 
@@ -68,9 +68,7 @@ def _worker(rank: int, out: str) -> None:
 
 
 def test_ranks_with_different_shapes_agree_on_plan_and_bits(tmp_path):
-    ctx = mp.start_processes(
-        _worker, args=(str(tmp_path),), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    ctx = start_processes(_worker, (str(tmp_path),), WORLD)
     deadline = time.monotonic() + 300
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from fresh import start_processes
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -60,10 +60,8 @@ def _leave() -> None:
 
 
 def _spawn(worker: Callable[[int, str], None], tmp_path: Path) -> list[dict]:
-    """Run ``worker(rank, out)`` on WORLD spawned processes; what each saved, by rank."""
-    ctx = mp.start_processes(
-        worker, args=(str(tmp_path),), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    """Run ``worker(rank, out)`` on WORLD fresh processes (:mod:`fresh`); what each saved."""
+    ctx = start_processes(worker, (str(tmp_path),), WORLD)
     deadline = time.monotonic() + 300  # a hung collective fails sooner: the 30 s group timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
