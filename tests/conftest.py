@@ -22,12 +22,18 @@ if _WORKERS > 1:
 # here fails the run under xdist (pytest_collection_modifyitems below).
 SHARED = {
     "test_bench.py": "bench",
-    "test_compile.py::test_int8_inside_compiled_training[per-block": "compile per-block",
-    "test_compile.py::test_recompute_of_every_block_inside_compiled_training[per-block": (
+    "test_compile_large.py::test_compiled_int8_keeps_what_eager_keeps_and_says_so[per-block": (
         "compile per-block"
     ),
-    "test_compile.py::test_int8_inside_compiled_training[whole-model": "compile whole-model",
-    "test_compile.py::test_recompute_of_every_block_inside_compiled_training[whole-model": (
+    "test_compile_large.py::test_int8_inside_compiled_training[per-block": "compile per-block",
+    "test_compile_large.py::test_recompute_of_every_block_inside_compiled_training[per-block": (
+        "compile per-block"
+    ),
+    "test_compile_large.py::test_compiled_int8_keeps_what_eager_keeps_and_says_so[whole-model": (
+        "compile whole-model"
+    ),
+    "test_compile_large.py::test_int8_inside_compiled_training[whole-model": "compile whole-model",
+    "test_compile_large.py::test_recompute_of_every_block_inside_compiled_training[whole-model": (
         "compile whole-model"
     ),
     "test_compile_fsdp.py": "compile_fsdp",
