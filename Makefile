@@ -51,6 +51,7 @@ cc:
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run --out benchmarks
 	$(BIN)/python -m benchmarks.fits --out benchmarks
+	$(BIN)/python -m benchmarks.depth --out benchmarks
 	$(BIN)/python -m benchmarks.bits_both_ways --out benchmarks
 	$(BIN)/python -m benchmarks.plot_fits
 

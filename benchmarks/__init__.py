@@ -2,6 +2,7 @@
 
     python -m benchmarks.run [--quick] [--out DIR]     memopt next to PyTorch's memory tools
     python -m benchmarks.fits                          the batch that fits (fits.md/json)
+    python -m benchmarks.depth                         the batch that fits at 4, 12, 24 layers
     python -m benchmarks.bits_both_ways                bits raised and lowered (bits.md/json)
     python -m benchmarks.compiled_gap                  what compiled compression keeps
     python -m benchmarks.recompute_bench               the planner against checkpointing

@@ -1,8 +1,9 @@
 """What fits: the step's peak per sample, and how much larger a batch fits, per method.
 
 The peak of a training step decides the batch that fits. For third-party models built from
-configs (Hugging Face GPT-2 and Llama, a ResNet-50-style CNN; no dropout) every method patches a
-fresh copy of the same model, and one step is read on the allocator's timeline
+configs (Hugging Face GPT-2 and Llama, a ResNet-50-style CNN; no dropout), each as its library
+builds it by default (transformers: SDPA attention, ``use_cache`` on, what a user trains), every
+method patches a fresh copy of the same model, and one step is read on the allocator's timeline
 (:func:`memopt_plugins.profiler.run.step_memory`: after a warm-up step, at the batch and at its
 first half: 16 and 8 for the language models, 64 and 32 for the CNN) so that weights, gradients
 and workspaces cancel in the slope: the peak per sample.
@@ -10,10 +11,10 @@ and workspaces cancel in the slope: the peak per sample.
 in the memory the baseline's step needs. ``samples/s`` is measured at that batch (the median of a
 few steps after a warm-up, no profiler), so the price of the larger batch shows too.
 
-Beside memopt: PyTorch's checkpoint around every block (non-reentrant). The lean-ops rows chunk
-the language models' loss head, fuse their chains and run their (eager-built) attention as SDPA,
-and swap the CNN's batch norms, convolutions, ReLUs and max-pool for the lean ones (``ops`` of
-the config). Beside them, for GPT-2: torch.compile with and without its
+Beside memopt: PyTorch's checkpoint around every block (non-reentrant). The lean-ops rows take
+``configs/lean.yaml``'s ``ops`` section for the language models (the loss head in chunks, every
+exact chain fused, no KV cache in training) and swap the CNN's batch norms, convolutions, ReLUs
+and max-pool for the lean ones. Beside them, for GPT-2: torch.compile with and without its
 ``activation_memory_budget``, each (method, batch) read in a fresh process (``COMPILED_NOTE``
 says how and why). Writes ``fits.md`` and ``fits.json`` to ``--out``; ``--compiled-only`` runs
 only the compiled rows and merges them into the fits.json there.
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers is imported
 
@@ -56,7 +58,7 @@ from memopt_plugins.profiler.fit import resize_batch  # noqa: E402
 from memopt_plugins.profiler.meter import MemoryMeter  # noqa: E402
 from memopt_plugins.profiler.run import step_memory  # noqa: E402
 
-from . import RESULTS  # noqa: E402
+from . import RESULTS, ROOT  # noqa: E402
 from .harness.memory import in_fresh_process  # noqa: E402
 from .harness.methods import checkpoint_blocks, inductor  # noqa: E402
 
@@ -85,9 +87,8 @@ def gpt2(quick: bool):
     seq, dim, layers = (64, 128, 2) if quick else (256, 256, 4)
     cfg = GPT2Config(
         vocab_size=2048, n_positions=seq, n_embd=dim, n_layer=layers, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    cfg._attn_implementation = "eager"
     return GPT2LMHeadModel(cfg), torch.randint(0, 2048, (16, seq)), _lm_loss
 
 
@@ -96,9 +97,8 @@ def llama(quick: bool):
     seq, dim, layers = (64, 128, 2) if quick else (256, 256, 3)
     cfg = LlamaConfig(
         vocab_size=4096, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq, use_cache=False,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq,
     )  # fmt: skip
-    cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg), torch.randint(0, 4096, (16, seq)), _lm_loss
 
 
@@ -118,16 +118,12 @@ def resnet(quick: bool):
     return ResNetForImageClassification(cfg), batch, _image_loss
 
 
+#: configs/lean.yaml's ``ops`` section: what a user of the lean preset gets on a causal LM.
+LEAN_OPS: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "lean.yaml").read_text())["ops"]
+
 MODELS = {
-    "gpt2": Model(
-        "HF GPT-2", gpt2, "GPT2Block", {"loss": "chunked", "fuse": ["gelu", "attention"]}
-    ),
-    "llama": Model(
-        "HF Llama",
-        llama,
-        "LlamaDecoderLayer",
-        {"loss": "chunked", "fuse": ["swiglu", "rmsnorm", "attention"]},
-    ),
+    "gpt2": Model("HF GPT-2", gpt2, "GPT2Block", LEAN_OPS),
+    "llama": Model("HF Llama", llama, "LlamaDecoderLayer", LEAN_OPS),
     "resnet": Model(
         "ResNet-50-style",
         resnet,

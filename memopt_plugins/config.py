@@ -352,7 +352,8 @@ class BatchNormConfig(_Section):
 
 
 FUSED_CHAINS = (
-    "gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm", "conv", "relu", "maxpool",
+    "mlp", "gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm", "conv", "relu",
+    "maxpool",
 )  # fmt: skip
 
 
@@ -394,6 +395,7 @@ class OpsConfig(_Section):
         tuple[
             Literal[
                 "all",
+                "mlp",
                 "gelu",
                 "swiglu",
                 "geglu",
@@ -411,7 +413,9 @@ class OpsConfig(_Section):
     ] = Field(
         (),
         description=(
-            "Activation and norm chains swapped for one node that saves its inputs: gelu "
+            "Activation and norm chains swapped for one node that saves its inputs: mlp (an MLP "
+            "block, gated or GPT-2's, over chunks of as many tokens as its width: its wide "
+            "tensors exist one chunk at a time; a gated one with the lean product), gelu "
             "(tanh-GELU written in Python, as GPT-2's), swiglu and geglu (Llama/Gemma-style "
             "gated MLPs), rmsnorm (Llama-style RMSNorm), attention (a Hugging Face model's eager "
             "attention as scaled_dot_product_attention; not with attention dropout), batchnorm "

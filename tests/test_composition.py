@@ -449,7 +449,7 @@ def test_a_meta_device_model_takes_the_lean_ops_and_trains_exactly_once_material
     opt = MemoryOptimizer({"ops": {"loss": "chunked", "fuse": ["all"]}})
     opt.apply(lean)
     actions = set(opt._lean.actions.values())
-    assert {"lean swiglu", "lean rmsnorm", "lean loss"} <= actions, actions
+    assert {"lean mlp", "lean rmsnorm", "lean loss"} <= actions, actions
     lean.to_empty(device="cpu")
     lean.load_state_dict(plain.state_dict())
     with torch.no_grad():  # and the buffers outside the state dict (rotary frequencies)

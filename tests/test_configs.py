@@ -82,10 +82,11 @@ def _hook_count(model: nn.Module) -> int:
 
 
 def test_the_lean_preset_fuses_what_each_causal_lm_has():
-    """``fuse: [all]``: GPT-2 gets its tanh-GELU, Llama its SwiGLU and RMSNorm, both the
-    chunked loss and SDPA attention; what a model lacks is no error."""
+    """``fuse: [all]``: both get their MLPs run over chunks of tokens, GPT-2 its tanh-GELU,
+    Llama its RMSNorm (its MLPs' SwiGLU is the lean one), both the chunked loss and SDPA
+    attention; what a model lacks is no error."""
     for build, expected in (
-        (_small_hf_gpt2, {"lean gelu", "lean loss", "lean attention"}),
+        (_small_hf_gpt2, {"lean mlp", "lean gelu", "lean loss", "lean attention"}),
         (lambda: hf_llama(batch_size=2, seq=16, dim=32, layers=1), LLAMA_LEAN),
     ):
         model, batch, loss_fn = build()
@@ -99,7 +100,7 @@ def test_the_lean_preset_fuses_what_each_causal_lm_has():
         assert all("forward" not in m.__dict__ for m in model.modules())
 
 
-LLAMA_LEAN = {"lean loss", "lean rmsnorm", "lean swiglu", "lean attention"}
+LLAMA_LEAN = {"lean loss", "lean rmsnorm", "lean mlp", "lean attention"}
 
 
 # Which models each preset is written for: ours and a third-party one of the same family.

@@ -489,7 +489,7 @@ def test_lean_ops_train_as_the_unpatched_model_under_fsdp2_and_ddp(two_ranks):
         lean = r["lean"]
         for engine in ("fsdp2", "ddp"):
             assert lean[f"{engine} lean ops"] == [
-                "lean attention", "lean loss", "lean rmsnorm", "lean swiglu"
+                "lean attention", "lean loss", "lean mlp", "lean rmsnorm"
             ]  # fmt: skip
             assert rel(lean[f"{engine} lean"], lean[f"{engine} baseline"]) < 1e-5
             assert rel(lean[f"{engine} lean int8"], lean[f"{engine} baseline"]) < 0.02

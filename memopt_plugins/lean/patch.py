@@ -38,6 +38,7 @@ from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
 from .conv import conv, max_pool, relu
 from .entropy import CrossEntropyMode
 from .loss import linear_cross_entropy
+from .tiled import tiled
 
 log = logging.getLogger("memopt")
 
@@ -99,11 +100,33 @@ def _gated_mlp(module: nn.Module) -> str | None:
     return "geglu" if _gelu_kind(act) == "tanh" else None
 
 
+def _plain_mlp(module: nn.Module) -> bool:
+    """A GPT-2-style MLP: ``c_fc``, ``act``, ``c_proj`` and an ``nn.Dropout`` after them."""
+    parts = [getattr(module, n, None) for n in ("c_fc", "act", "c_proj")]
+    dropout = getattr(module, "dropout", None)
+    return all(isinstance(p, nn.Module) for p in parts) and isinstance(dropout, nn.Dropout)
+
+
+def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """An MLP block's forward over chunks of tokens (:func:`~.tiled.tiled`); a gated MLP's
+    product is the lean one."""
+    m: Any = module
+    gated = _gated_mlp(module)
+    if gated is not None:
+        product = swiglu if gated == "swiglu" else geglu
+        return lambda x: tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
+    if _plain_mlp(module):
+        return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(m.act(m.c_fc(t)))))
+    return None
+
+
 def _lean_forward(chain: str, module: nn.Module) -> Callable[..., Any] | None:
     """The lean ``forward`` of ``module`` for ``chain``, or ``None`` when it is not one."""
     approximate = _gelu_kind(module) if chain == "gelu" else None
     if approximate is not None:
         return lambda x: gelu(x, approximate)
+    if chain == "mlp":
+        return _mlp_forward(module)
     if chain in ("swiglu", "geglu") and _gated_mlp(module) == chain:
         product = swiglu if chain == "swiglu" else geglu
         m: Any = module
@@ -227,9 +250,11 @@ def _pair(value: Any, dims: int) -> tuple[int, ...]:
 
 
 def _width(module: nn.Module) -> int:
-    gate = getattr(module, "gate_proj", None)
-    if isinstance(gate, nn.Linear):
-        return gate.in_features
+    first = getattr(module, "gate_proj", None) or getattr(module, "c_fc", None)
+    if isinstance(first, nn.Linear):
+        return first.in_features
+    if isinstance(getattr(first, "nx", None), int):  # transformers' Conv1D (GPT-2's)
+        return first.nx
     weight = getattr(module, "weight", None)
     return weight.shape[-1] if isinstance(weight, torch.Tensor) else 64
 
@@ -249,11 +274,13 @@ def _exact(module: nn.Module, chain: str) -> bool:
     buffers = {n: b.clone() for n, b in module.named_buffers()}  # batch norm's running statistics
     training = module.training
     module.training = True  # the lean ops act in training, where gradients are on
+    randomness = _rng_state(device)  # both forwards draw the same dropout masks
     with torch.enable_grad():
         mine = _first(forward(probe.clone())).detach()  # clones: an in-place ReLU writes
         after = [b.clone() for b in module.buffers()]
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
+        _set_rng_state(device, randomness)
         theirs = _first(module(probe.clone())).detach()
         same = [torch.equal(a, b) for a, b in zip(after, module.buffers(), strict=True)]
         for name, b in module.named_buffers():
@@ -265,6 +292,17 @@ def _exact(module: nn.Module, chain: str) -> bool:
         and mine.shape == theirs.shape
         and torch.allclose(mine, theirs, rtol=tolerance, atol=tolerance)
     )
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _cpu_twin(module: nn.Module) -> nn.Module:
@@ -314,7 +352,8 @@ class LeanOps:
         heads = self._loss_heads(model) if self.config.loss == "chunked" else []
         try:
             every = "all" in self.config.fuse
-            chains = _WHAT if every else self.config.fuse
+            # in _WHAT's order: mlp takes a gated MLP before swiglu / geglu would
+            chains = [c for c in _WHAT if every or c in self.config.fuse]
             for chain in chains:
                 if chain == "attention":
                     for fqn, lm in _outermost(model, _switches_attention):
@@ -403,10 +442,12 @@ class LeanOps:
     def _fuse(self, model: nn.Module, chain: str, required: bool) -> None:
         found, inexact = [], []
         for fqn, module in model.named_modules():
-            if fqn in self.actions:
-                continue
             forward = _lean_forward(chain, module)
             if forward is None:
+                continue
+            if fqn in self.actions:  # a tiled gated MLP runs the lean product too
+                if self.actions[fqn] == "lean mlp":
+                    found.append(fqn)
                 continue
             if not _exact(module, chain):
                 inexact.append(fqn)
@@ -506,6 +547,8 @@ class LeanOps:
 
 
 _WHAT = {
+    "mlp": "MLP blocks: gated (gate_proj, up_proj, down_proj, act_fn) or GPT-2's (c_fc, act, "
+    "c_proj, dropout)",
     "gelu": "GELU modules: nn.GELU, transformers' GELUActivation and NewGELUActivation",
     "swiglu": "gated MLPs with gate_proj, up_proj, down_proj and a SiLU act_fn",
     "geglu": "gated MLPs with gate_proj, up_proj, down_proj and a tanh-GELU act_fn",

@@ -1,0 +1,186 @@
+"""Depth: the batch that fits at 4, 12 and 24 layers, with the bytes kept for backward beside it.
+
+Compression shrinks what every layer keeps for backward, so the kept bytes fall with depth by
+about the codec's ratio; the step's peak also holds one layer's working set (its forward
+temporaries before packing, the backward's decoded inputs and gradients in flight), which does
+not grow with depth. How far apart the two ratios are says where the peak is left. Two models
+from Hugging Face configs, as transformers builds them by default (SDPA attention, no dropout):
+GPT-2-style (width 256, 4 heads) and Llama-style (width 256, intermediate 1024, 4 heads), both on
+256 tokens with a vocabulary of 2048, at each depth. Methods: the baseline, and
+``configs/lean.yaml``'s ``ops`` section with int4 and with int2.
+
+Each (model, depth, method) runs in a fresh process on one thread and is read on the allocator's
+timeline (:func:`memopt_plugins.profiler.run.step_memory`: after a warm-up step, at batch 8 and
+at 4, so that weights, gradients and workspaces cancel in the slope). ``fits``: the baseline's
+peak per sample over the method's; ``kept``: the baseline's retained bytes per sample over the
+method's. ``peaks in``: where the step peaks at batch 8. Writes ``depth.md`` and ``depth.json``
+to ``--out``.
+
+    python -m benchmarks.depth [--quick] [--out DIR] [--only gpt2,llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers is imported
+
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from memopt_plugins.profiler.run import step_memory  # noqa: E402
+
+from . import RESULTS  # noqa: E402
+from .fits import LEAN_OPS  # noqa: E402
+from .harness.memory import in_fresh_process  # noqa: E402
+
+MIB = 1 << 20
+DEPTHS, QUICK_DEPTHS = (4, 12, 24), (1, 2)
+BATCH, QUICK_BATCH = 8, 4
+#: (width, tokens, vocabulary): the full run's, and --quick's
+SIZES = {False: (256, 256, 2048), True: (32, 16, 128)}
+MODEL_NAMES = {"gpt2": "GPT-2-style", "llama": "Llama-style"}
+#: (name, memopt config or None)
+METHODS: list[tuple[str, dict[str, Any] | None]] = [
+    ("baseline", None),
+    ("lean ops + int4", {"ops": LEAN_OPS, "quantize": {"bits": 4}, "drift": {"enabled": False}}),
+    ("lean ops + int2", {"ops": LEAN_OPS, "quantize": {"bits": 2}, "drift": {"enabled": False}}),
+]
+
+
+def build(key: str, layers: int, quick: bool) -> torch.nn.Module:
+    """``key``'s model (``gpt2`` or ``llama``) at ``layers`` layers, seeded."""
+    width, tokens, vocab = SIZES[quick]
+    torch.manual_seed(0)
+    if key == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=vocab, n_positions=tokens, n_embd=width, n_layer=layers, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return GPT2LMHeadModel(cfg)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=tokens,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+@dataclass
+class Row:
+    model: str
+    layers: int
+    method: str
+    peak_per_sample: float
+    retained_per_sample: float
+    peak_site: str
+    alive_at_peak: dict[str, int]  # at the larger batch, by kind (the timeline's)
+    fits: float = 1.0
+    kept: float = 1.0  # the baseline's retained per sample over this row's
+
+
+def cell(key: str, layers: int, method: str, quick: bool) -> dict[str, Any]:
+    """One (model, depth, method), in this process: its :class:`Row` as a dict."""
+    config = dict(METHODS)[method]
+    model = build(key, layers, quick)
+    _, tokens, vocab = SIZES[quick]
+    batch = torch.randint(0, vocab, (QUICK_BATCH if quick else BATCH, tokens))
+    step = step_memory(model, batch, _lm_loss, config)
+    per = step.per_sample
+    timeline = step.timeline
+    row = Row(MODEL_NAMES[key], layers, method, per.peak, per.retained, str(timeline.site),
+              dict(timeline.alive_at_peak))  # fmt: skip
+    return asdict(row)
+
+
+def _in_child(key: str, layers: int, method: str, quick: bool) -> Row:
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "row.json"
+        child = {"key": key, "layers": layers, "method": method, "quick": quick}
+        in_fresh_process("benchmarks.depth", ["--child", json.dumps(child), "--out", str(target)])
+        return Row(**json.loads(target.read_text()))
+
+
+def run(keys: list[str], quick: bool) -> list[Row]:
+    rows: list[Row] = []
+    for key in keys:
+        for layers in QUICK_DEPTHS if quick else DEPTHS:
+            baseline: Row | None = None
+            for method, _ in METHODS:
+                row = _in_child(key, layers, method, quick)
+                baseline = baseline or row
+                row.fits = baseline.peak_per_sample / row.peak_per_sample
+                row.kept = baseline.retained_per_sample / row.retained_per_sample
+                rows.append(row)
+                print(
+                    f"{row.model:12s} {layers:3d} layers {method:16s} peak/sample "
+                    f"{row.peak_per_sample / MIB:7.3f} MiB  fits {row.fits:5.2f}x  kept "
+                    f"{row.retained_per_sample / MIB:7.3f} MiB ({row.kept:5.2f}x)  {row.peak_site}",
+                    flush=True,
+                )
+    return rows
+
+
+def markdown(rows: list[Row], quick: bool) -> str:
+    width, tokens, vocab = SIZES[quick]
+    batch = QUICK_BATCH if quick else BATCH
+    out = [
+        "# Depth: the batch that fits, and the bytes kept for backward",
+        "",
+        "Generated by `python -m benchmarks.depth" + (" --quick" if quick else "") + "` (the "
+        f"module docstring says how): width {width}, {tokens} tokens, vocabulary {vocab}, SDPA "
+        "attention, one thread, each row in a fresh process. Per sample: the slope between "
+        f"batches {batch // 2} and {batch} on the allocator's timeline. `fits`: the baseline's "
+        "peak per sample over the method's (how many times larger a batch fits in the same "
+        "peak); `kept`: the baseline's retained bytes per sample over the method's. "
+        f"`peaks in`: where the step peaks at batch {batch}.",
+        "",
+        "| model | layers | method | peak / sample | fits | retained / sample | kept | peaks in |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.model} | {r.layers} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
+            f"{r.fits:.2f}x | {r.retained_per_sample / MIB:.3f} MiB | {r.kept:.2f}x | "
+            f"{r.peak_site} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, for a smoke run")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for depth.md and depth.json")
+    parser.add_argument("--only", default=",".join(MODEL_NAMES), help="models, comma-separated")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # cell's JSON arguments
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.child is not None:  # one row, written to --out (a file)
+        Path(args.out).write_text(json.dumps(cell(**json.loads(args.child))))
+        return 0
+    keys = [k for k in args.only.split(",") if k]
+    unknown = [k for k in keys if k not in MODEL_NAMES]
+    if unknown:
+        parser.error(f"--only: unknown model(s) {unknown}; choose from {sorted(MODEL_NAMES)}")
+    rows = run(keys, args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "depth.md").write_text(markdown(rows, args.quick))
+    (out / "depth.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    print(f"wrote {out / 'depth.md'}, {out / 'depth.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
