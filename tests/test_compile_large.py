@@ -163,13 +163,13 @@ def test_compiled_int8_keeps_what_eager_keeps_and_says_so(steps, exact, mode):
 
 @pytest.mark.parametrize(
     "mode, floor",
-    [("per-block", 3.0), ("whole-model", 2.5)],  # measured: 3.46x per block, 3.00x whole
+    [("per-block", 3.0), ("whole-model", 2.5)],  # measured: 3.94x per block, 3.95x whole
 )
 def test_int8_inside_compiled_training(steps, exact, mode, floor):
-    """The graphs compress what they save inside, and the step's peak falls too (hooks outside
-    a whole graph raised it 1.15x)."""
+    """The graphs compress what they save inside, and the step's peak falls too (measured 2.51x
+    per block, 2.24x whole; hooks outside a whole graph had raised it 1.15x)."""
     baseline, int8 = steps("baseline", mode), steps("int8", mode)
-    assert rel_error(int8.grads, exact) <= 0.02  # measured 0.56% / 0.51% (the issue's bar: 2%)
+    assert rel_error(int8.grads, exact) <= 0.02  # measured 0.55% both (the issue's bar: 2%)
     ratio = baseline.retained / int8.retained
     assert ratio >= floor, (mode, ratio, baseline.retained, int8.retained)
     assert baseline.peak / int8.peak >= 1.4, (mode, baseline.peak, int8.peak)
@@ -177,7 +177,9 @@ def test_int8_inside_compiled_training(steps, exact, mode, floor):
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_recompute_of_every_block_inside_compiled_training(steps, exact, mode):
+    """torch's checkpoint of every block inside the graphs: exact gradients (measured 5.7e-7,
+    inductor's rounding), a fraction of what the compiled baseline keeps."""
     baseline, recomputed = steps("baseline", mode), steps("recompute", mode)
     assert rel_error(recomputed.grads, exact) <= 1e-5
-    ratio = baseline.retained / recomputed.retained
+    ratio = baseline.retained / recomputed.retained  # measured 9.3x per block, 11.8x whole
     assert ratio >= 2.0, (mode, ratio, baseline.retained, recomputed.retained)
