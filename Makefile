@@ -8,10 +8,15 @@ STAMP := $(VENV)/.memopt-installed
 
 .PHONY: demo test check durations lint bench bench-quick clean
 
+# pip compiles every file it installs to bytecode one at a time; compileall does it on all cores
+# (where PYTHONDONTWRITEBYTECODE is set, an uncompiled module is compiled again at every import;
+# a file a package ships that is not valid Python fails only itself, hence || true).
+# torch brings the setuptools the editable build needs, so no isolated build environment.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet --no-compile "$(TORCH)"
+	$(BIN)/pip install --quiet --no-compile --no-build-isolation -e ".[dev]"
+	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
 	touch $(STAMP)
 
 # The demo's output and picture are the ones docs/ shows: each run rewrites them.
