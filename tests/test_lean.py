@@ -395,18 +395,22 @@ def test_gradients_take_the_decoded_inputs_memory_and_stay_the_same(name):
 
 
 def _mlps(width: int = 32):
-    """A GPT-2 MLP (transformers' Conv1D, tanh-GELU, dropout) and a Llama one, 4x wide."""
+    """A GPT-2 MLP (transformers' Conv1D, tanh-GELU, dropout), karpathy/nanoGPT's (its activation
+    named ``gelu``) and a Llama one, 4x wide."""
     from transformers import GPT2Config, LlamaConfig
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
     from transformers.models.llama.modeling_llama import LlamaMLP
 
+    from benchmarks.clients.nanogpt_model import MLP, GPTConfig
+
     torch.manual_seed(0)
     gpt2 = GPT2MLP(4 * width, GPT2Config(n_embd=width, resid_pdrop=0.0))
+    nanogpt = MLP(GPTConfig(n_embd=width, dropout=0.0, bias=False))
     llama = LlamaMLP(LlamaConfig(hidden_size=width, intermediate_size=4 * width))
-    return {"gpt2": gpt2, "llama": llama}
+    return {"gpt2": gpt2, "nanogpt": nanogpt, "llama": llama}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "nanogpt", "llama"])
 def test_a_tiled_mlp_gives_the_mlps_outputs_and_gradients(name):
     """``fuse: [mlp]`` runs the block over chunks of 32 tokens (its width): 150 tokens are four
     chunks and a part one; outputs and gradients as the module's own within float rounding."""
@@ -425,7 +429,7 @@ def test_a_tiled_mlp_gives_the_mlps_outputs_and_gradients(name):
         assert _relative(a, b) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "nanogpt", "llama"])
 def test_a_tiled_mlp_never_holds_its_wide_tensor_whole(name):
     """With compression the step of a whole MLP peaks on its wide tensors: at least two of them
     (GPT-2: the decoded GELU output and the gradient beside it; Llama: the decoded gate and up).
@@ -435,7 +439,7 @@ def test_a_tiled_mlp_never_holds_its_wide_tensor_whole(name):
     x = torch.randn(4, 512, 64)
     wide = x.numel() * 4 * 4  # bytes of one widened float32 tensor
     peaks = {}
-    chain = ["gelu"] if name == "gpt2" else ["swiglu"]
+    chain = ["swiglu"] if name == "llama" else ["gelu"]
     for tiled in (True, False):
         opt = MemoryOptimizer({"ops": {"fuse": ["mlp"] * tiled + chain}, "quantize": {"bits": 4}})
         opt.apply(mlp)

@@ -100,11 +100,18 @@ def _gated_mlp(module: nn.Module) -> str | None:
     return "geglu" if _gelu_kind(act) == "tanh" else None
 
 
-def _plain_mlp(module: nn.Module) -> bool:
-    """A GPT-2-style MLP: ``c_fc``, ``act``, ``c_proj`` and an ``nn.Dropout`` after them."""
-    parts = [getattr(module, n, None) for n in ("c_fc", "act", "c_proj")]
+#: What a GPT-2-style MLP names its activation: transformers' GPT-2, karpathy's nanoGPT.
+_PLAIN_MLP_ACTIVATIONS = ("act", "gelu")
+
+
+def _plain_mlp(module: nn.Module) -> nn.Module | None:
+    """The activation of a GPT-2-style MLP (``c_fc``, an activation, ``c_proj`` and an
+    ``nn.Dropout`` after them), else ``None``."""
+    act = next((getattr(module, n) for n in _PLAIN_MLP_ACTIVATIONS if hasattr(module, n)), None)
+    parts = [getattr(module, n, None) for n in ("c_fc", "c_proj")] + [act]
     dropout = getattr(module, "dropout", None)
-    return all(isinstance(p, nn.Module) for p in parts) and isinstance(dropout, nn.Dropout)
+    plain = all(isinstance(p, nn.Module) for p in parts) and isinstance(dropout, nn.Dropout)
+    return act if plain else None
 
 
 def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
@@ -115,8 +122,9 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
     if gated is not None:
         product = swiglu if gated == "swiglu" else geglu
         return lambda x: tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
-    if _plain_mlp(module):
-        return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(m.act(m.c_fc(t)))))
+    act = _plain_mlp(module)
+    if act is not None:
+        return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(act(m.c_fc(t)))))
     return None
 
 
@@ -547,8 +555,8 @@ class LeanOps:
 
 
 _WHAT = {
-    "mlp": "MLP blocks: gated (gate_proj, up_proj, down_proj, act_fn) or GPT-2's (c_fc, act, "
-    "c_proj, dropout)",
+    "mlp": "MLP blocks: gated (gate_proj, up_proj, down_proj, act_fn) or GPT-2's (c_fc, act or "
+    "gelu, c_proj, dropout)",
     "gelu": "GELU modules: nn.GELU, transformers' GELUActivation and NewGELUActivation",
     "swiglu": "gated MLPs with gate_proj, up_proj, down_proj and a SiLU act_fn",
     "geglu": "gated MLPs with gate_proj, up_proj, down_proj and a tanh-GELU act_fn",
