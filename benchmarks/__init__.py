@@ -20,9 +20,20 @@ they fill (``records.py``) and the tables and plot (``tables*.py``, ``plot.py``,
 Results are committed beside this file (:data:`RESULTS`).
 """
 
+import argparse
+from collections.abc import Collection
 from pathlib import Path
 
 #: The folder the results are committed in (``results.md``, ``fits.md``, ...).
 RESULTS = Path(__file__).resolve().parent
 #: The repository root: the working directory of the child processes (``python -m``).
 ROOT = RESULTS.parent
+
+
+def chosen(parser: argparse.ArgumentParser, only: str, names: Collection[str]) -> list[str]:
+    """The comma-separated names of ``--only``, each one of ``names`` (else a usage error)."""
+    keys = [k for k in only.split(",") if k]
+    unknown = [k for k in keys if k not in names]
+    if unknown:
+        parser.error(f"--only: unknown name(s) {unknown}; choose from {sorted(names)}")
+    return keys

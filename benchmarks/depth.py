@@ -38,7 +38,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from memopt_plugins.profiler.run import step_memory  # noqa: E402
 
-from . import RESULTS  # noqa: E402
+from . import RESULTS, chosen  # noqa: E402
 from .fits import LEAN_OPS  # noqa: E402
 from .harness.memory import in_fresh_process  # noqa: E402
 
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:  # one row, written to --out (a file)
         Path(args.out).write_text(json.dumps(cell(**json.loads(args.child))))
         return 0
-    keys = [k for k in args.only.split(",") if k]
-    unknown = [k for k in keys if k not in MODEL_NAMES]
-    if unknown:
-        parser.error(f"--only: unknown model(s) {unknown}; choose from {sorted(MODEL_NAMES)}")
+    keys = chosen(parser, args.only, MODEL_NAMES)
     rows = run(keys, args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ from memopt_plugins.profiler.fit import resize_batch  # noqa: E402
 from memopt_plugins.profiler.meter import MemoryMeter  # noqa: E402
 from memopt_plugins.profiler.run import step_memory  # noqa: E402
 
-from . import RESULTS, ROOT  # noqa: E402
+from . import RESULTS, ROOT, chosen  # noqa: E402
 from .harness.memory import in_fresh_process  # noqa: E402
 from .harness.methods import checkpoint_blocks, inductor  # noqa: E402
 
@@ -373,10 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:  # one compiled reading, written to --out (a file)
         Path(args.out).write_text(json.dumps(compiled_child(**json.loads(args.child))))
         return 0
-    names = [n for n in args.only.split(",") if n]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        parser.error(f"--only: unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    names = chosen(parser, args.only, MODELS)
     start = time.perf_counter()
     out = Path(args.out)
     source = None
