@@ -5,6 +5,7 @@
     python -m benchmarks.depth                         the batch that fits at 4, 12, 24 layers
     python -m benchmarks.bits_both_ways                bits raised and lowered (bits.md/json)
     python -m benchmarks.compiled_gap                  what compiled compression keeps
+    python -m benchmarks.compile_time                  compile time against the baseline's
     python -m benchmarks.recompute_bench               the planner against checkpointing
     python -m benchmarks.batchnorm_digits              running-statistics BatchNorm on digits
     python -m benchmarks.drift_metrics                 which drift metric

@@ -27,7 +27,7 @@ from .select import FromPreset, check_globs, fqn_matches, parent_fqns
 #: Why a compiled graph saves a tensor as it is, for the log and docs/compile.md.
 KEPT = {
     "small": "tensors under quantize.min_numel",
-    "integer": "integer and bool tensors (eager narrows them losslessly)",
+    "integer": "integer tensors (eager narrows them losslessly)",
     "gapped": "slices with gaps (not dense)",
     "input view": "views of the graph's inputs (they may alias parameters)",
     "masking": "masks of -inf or near-overflow values (the in-graph codec cannot keep them)",
@@ -231,13 +231,16 @@ def kept_in_graph(
     hooks (AOTAutograd's filter, :class:`~memopt_plugins.compress.compiled.SavedFilter`); views of
     its inputs may alias them. Besides these, the traced codec takes dense tensors only
     (``"gapped"``) and decodes as NaN a group eager would keep exactly, on the side: masks of
-    ``-inf`` or ``finfo.min`` (``"masking"``, :func:`holds_masking_constant`)."""
+    ``-inf`` or ``finfo.min`` (``"masking"``, :func:`holds_masking_constant`). Bool tensors the
+    graph computes (dropout's masks) go in as bits."""
     if t.numel() < max(min_numel, 1):
         return "small"
-    if not t.is_floating_point():
+    if not t.is_floating_point() and t.dtype != torch.bool:
         return "integer"
     if views_an_input(node, graph):
         return "input view"
+    if t.dtype == torch.bool:
+        return None
     if holds_masking_constant(node, t.dtype):
         return "masking"
     return None

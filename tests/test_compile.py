@@ -434,3 +434,55 @@ def test_masks_of_infinite_or_overflowing_values_survive_compiled_int8(mask):
         model, (x, keep), loss_fn, INT8, compile=lambda m: m.compile(backend=NO_CODEGEN)
     )
     assert rel_error(got, exact) <= 0.01
+
+
+class _Dropout(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(256, width)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) * 3
+
+
+def _compiled_saved(loss: torch.Tensor) -> list[torch.Tensor]:
+    """What the compiled regions' autograd nodes of ``loss``'s graph keep for backward."""
+    saved, stack, seen = [], [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+        if "CompiledFunction" in type(node).__name__:
+            saved += list(node.saved_tensors)
+    return saved
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (63, 255)])
+def test_compiled_graphs_keep_dropout_masks_as_bits(shape):
+    """Inductor's dropout saves a bool mask, a byte an element (eager's CPU dropout saves a float
+    noise tensor, which int8 codes): int8 keeps it as bits, 8 elements a byte, and the input's
+    gradient, which only the mask sets, is the exact one at the same seed. (Kept as it was, the
+    masks cost compiled HF GPT-2 with dropout 0.1 3.41x against the compiled baseline where eager
+    keeps 3.95x.) Graphs run without inductor's code generation (``NO_CODEGEN``)."""
+    grads, kept = [], []
+    for config in (None, INT8):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = _Dropout(shape[1]), torch.randn(shape[0], 256, requires_grad=True)
+        if config is not None:
+            MemoryOptimizer(config).apply(model)
+        model.compile(backend=NO_CODEGEN)
+        torch.manual_seed(1)
+        loss = model(x).sum()
+        kept.append(_compiled_saved(loss))
+        loss.backward()
+        grads.append(x.grad)
+    torch._dynamo.reset()
+    numel = shape[0] * shape[1]
+    assert [t.numel() for t in kept[0] if t.dtype == torch.bool] == [numel]
+    assert not [t for t in kept[1] if t.dtype == torch.bool]
+    assert [t for t in kept[1] if t.dtype == torch.uint8 and t.numel() == -(-numel // 8)]
+    assert torch.equal(grads[1], grads[0])

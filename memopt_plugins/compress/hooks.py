@@ -39,7 +39,17 @@ from ..policy import encodable, in_foreign_region, kept_as_is, kept_in_graph
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
-from .codec.traced import CODED, HALVED, Coded, decode, encode, memory_order
+from .codec.traced import (
+    BITS,
+    CODED,
+    HALVED,
+    Coded,
+    decode,
+    encode,
+    memory_order,
+    pack_bools,
+    unpack_bools,
+)
 from .compiled import CompiledGraphs, SavedFilter, hook_module, nbytes, traced_context
 from .stats import ModuleSaved, SavedStats
 
@@ -531,7 +541,7 @@ class CompressionHooks:
         if bits >= OFF_BITS:
             return t, None
         self._compiled.note_bits(fqn, bits)
-        if bits == HALF_BITS:
+        if bits == HALF_BITS and t.dtype != torch.bool:
             return (t if t.element_size() <= 2 else (HALVED, t.to(torch.bfloat16), t.dtype)), None
         if t.is_contiguous():
             # Its memory as one flat run: inductor indexes that directly, where a reshape of
@@ -544,6 +554,8 @@ class CompressionHooks:
             flat, stride = t.reshape(-1), t.stride()
         else:
             return t, "gapped"
+        if t.dtype == torch.bool:  # lossless at any bits: a byte an element became a bit
+            return (BITS, pack_bools(flat), t.numel(), tuple(t.shape), stride), None
         codes, scale, zero_point = encode(flat, bits, self.group_size, seed_source=self._seeds)
         coded = Coded(
             codes, scale, zero_point, bits, self.group_size, t.numel(), t.dtype,
@@ -566,15 +578,21 @@ class CompressionHooks:
         tag = saved[0] if isinstance(saved, tuple) else None
         if tag == CODED:
             coded = Coded(*saved[1:])
-            out = decode(coded)
-            if coded.stride is None:
-                return out
-            return torch.empty_strided(
-                coded.shape, coded.stride, dtype=out.dtype, device=out.device
-            ).copy_(out)
+            return _strided(decode(coded), coded.stride)
+        if tag == BITS:
+            packed, numel, shape, stride = saved[1:]
+            return _strided(unpack_bools(packed, numel).view(shape), stride)
         if tag == HALVED:
             return saved[1].to(saved[2])
         return saved
+
+
+def _strided(out: torch.Tensor, stride: tuple | None) -> torch.Tensor:
+    """``out`` (contiguous) with the strides of the tensor it was decoded for (``None``: as it
+    is)."""
+    if stride is None:
+        return out
+    return torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
 
 
 def _release_process_state(seeds: int | None) -> None:

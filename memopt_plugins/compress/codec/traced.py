@@ -17,7 +17,7 @@ from .ops import graph_params_op, graph_seed_op, native_params
 from .reference import FIRST_LEVEL, graph_params, work_dtype
 
 #: Tags of what a compiled graph saves for a compressed tensor (the first item of the tuple).
-CODED, HALVED = "memopt-coded", "memopt-bfloat16"
+CODED, HALVED, BITS = "memopt-coded", "memopt-bfloat16", "memopt-bits"
 
 
 class Coded(NamedTuple):
@@ -168,6 +168,20 @@ def _unpack_planes(packed: torch.Tensor, bits: int, n_groups: int) -> torch.Tens
     shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8)[:, None] * bits
     planes = (packed.view(n_groups, 1, -1) >> shifts) & (2**bits - 1)
     return planes.view(n_groups, -1)
+
+
+def pack_bools(flat: torch.Tensor) -> torch.Tensor:
+    """A flat bool tensor (a dropout mask) as ``uint8``, 8 elements a byte, in traceable ops
+    (:func:`_pack_planes`' order at 1 bit, padded with ``False``): lossless."""
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat((flat, flat.new_zeros(pad)))
+    return _pack_planes(flat.view(1, -1).to(torch.uint8), 1).view(-1)
+
+
+def unpack_bools(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements :func:`pack_bools` packed, flat."""
+    return _unpack_planes(packed, 1, 1).reshape(-1)[:numel].bool()
 
 
 def decode(c: Coded) -> torch.Tensor:
