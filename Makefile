@@ -30,15 +30,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Without a C compiler the CPU codec's tests would skip: fail instead (CC may carry arguments).
-# JOBS pytest-xdist workers (default 3, one more than CI's 2 cores: on 2 workers a core sat idle
-# 40% of the run, while a worker waited on a child, the disk or its last long test), each with
-# its share of the cores' threads (tests/conftest.py); most of the time is torch.compile.
+# JOBS pytest-xdist workers (default 2: CI's cores; 3 took longer, 13 min 14 s against 12 min 35 s
+# from a clean clone), each with its share of the cores' threads (tests/conftest.py); most of the
+# time is torch.compile.
 # loadgroup: the tests of a module that share a fixture (a 2-process run, a measured baseline)
 # run on one worker; the longest start first (measured: tests/durations.json), hence
 # --no-loadscope-reorder. JOBS=0: one process. make check: lint and the tests measured at 3 s or less that share no costly module
 # fixture (no compiling, no spawned processes), for the edit loop; make durations measures the
 # whole suite again into durations.json.
-JOBS ?= 3
+JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 test: lint cc
 	$(PYTEST)
