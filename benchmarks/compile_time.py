@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import ROOT
-from .compiled_gap import build, compile_model
+from .compiled_gap import build, compile_model, model_arguments
 
 METHODS = {
     "baseline": None,
@@ -92,15 +92,7 @@ def report(args: argparse.Namespace, rows: list[dict], load: tuple[float, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
-    parser.add_argument("--modes", default=",".join(MODES))
+    model_arguments(parser, MODES)
     parser.add_argument("--out", type=Path, help="folder for compile_time.md (else stdout)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=sorted(METHODS), help=argparse.SUPPRESS)

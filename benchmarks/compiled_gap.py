@@ -197,19 +197,25 @@ def detail(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...] = MODES) -> None:
+    """The options :func:`build` reads (the model, its batch, the threads), and ``--modes``
+    (default: all of ``modes``)."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--bits", type=int, default=8)
-    parser.add_argument("--rounding", default="nearest")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(modes))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(parser)
+    parser.add_argument("--bits", type=int, default=8)
+    parser.add_argument("--rounding", default="nearest")
     parser.add_argument("--detail", action="store_true")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--case-bits", type=int, help=argparse.SUPPRESS)
