@@ -35,9 +35,9 @@ lint: $(STAMP)
 # time is torch.compile.
 # loadgroup: the tests of a module that share a fixture (a 2-process run, a measured baseline)
 # run on one worker; the longest start first (measured: tests/durations.json), hence
-# --no-loadscope-reorder. JOBS=0: one process. make check: lint and the tests measured at 3 s or less that share no costly module
-# fixture (no compiling, no spawned processes), for the edit loop; make durations measures the
-# whole suite again into durations.json.
+# --no-loadscope-reorder. JOBS=0: one process. make check: lint and the tests measured at 3 s or
+# less that share no costly module fixture (no compiling, no spawned processes), for the edit loop;
+# make durations measures the whole suite again into durations.json.
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 test: lint cc
