@@ -8,15 +8,12 @@ import torch
 # Under pytest-xdist (``make test`` runs ``-n 2``) the workers share the machine's cores: each gets
 # its share of intra-op threads (one each on 2 cores), as do the processes it starts (the spawned
 # memory measurements take this process's count; subprocesses read OMP_NUM_THREADS). Compiling,
-# most of the suite's time, is single-threaded Python either way, and inductor compiles its kernels
-# in the compiling process: a pool of compile workers, started in every process that compiles,
-# would only take cores the other worker uses.
+# most of the suite's time, is single-threaded Python either way.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
     torch.set_num_threads(_THREADS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 # Tests that share a module-scoped fixture (a spawned 2-process run, a measured baseline, the
 # benchmark's quick run) run on one worker, so that it is computed once: node id prefix -> group.
