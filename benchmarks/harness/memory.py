@@ -11,6 +11,7 @@ every method (:func:`measure_memory`) and writes JSON, which the parent folds in
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -97,6 +98,11 @@ def measure_memory(
     ``{index: seconds}`` go into the readings as ``first_step``. ``plans`` are the recompute
     planners' choices, for the parent to adopt.
     """
+    # what is alive before the models are made (the imported libraries) becomes permanent to
+    # the garbage collector: the meter collects before each figure, and a full collection over
+    # the imports cost a fifth of a second, most of the phase's time
+    gc.collect()
+    gc.freeze()
     measured = Measured(workload, methods, device)
     first = warm_up(measured, workload)
     best = read_memory(measured, workload, device, repeats)
