@@ -21,6 +21,7 @@ from memopt_plugins.lean import (
     conv,
     geglu,
     gelu,
+    gelu_mlp,
     linear_cross_entropy,
     relu,
     rms_norm,
@@ -335,6 +336,50 @@ def test_gelu_equals_torchs(approximate):
     assert torch.autograd.gradcheck(lambda x: gelu(x, approximate), (x64,))
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("private", [False, True])
+def test_gelu_mlp_equals_the_chain(approximate, bias, private):
+    """A GPT-2 MLP as one node: the chain's outputs and gradients, whether its saved input comes
+    back as the caller's tensor or a decoded one; the caller's tensors are left as they were."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    w_in, w_out = torch.randn(96, 24, requires_grad=True), torch.randn(24, 96, requires_grad=True)
+    b_in, b_out = (torch.randn(n, requires_grad=True) if bias else None for n in (96, 24))
+    inputs = [t for t in (x, w_in, b_in, w_out, b_out) if t is not None]
+    kept = [t.detach().clone() for t in inputs]
+    ref = F.linear(F.gelu(F.linear(x, w_in, b_in), approximate=approximate), w_out, b_out)
+    with _decoded(private):
+        mine = gelu_mlp(x, w_in, b_in, w_out, b_out, approximate)
+    assert _relative(mine, ref) <= 1e-6
+    grad = torch.randn_like(ref)
+    for a, r in zip(
+        torch.autograd.grad(mine, inputs, grad), torch.autograd.grad(ref, inputs, grad), strict=True
+    ):
+        assert _relative(a, r) <= 1e-5
+    assert all(torch.equal(t, k) for t, k in zip(inputs, kept, strict=True))
+    parts = (x[:1, :3], w_in[:8], b_in[:8] if bias else None, w_out[:, :8], b_out)
+    small = [t.detach().double().requires_grad_() if t is not None else None for t in parts]
+    assert torch.autograd.gradcheck(lambda *t: gelu_mlp(*t, approximate), tuple(small))
+
+
+def test_gelu_mlp_under_autocast_runs_in_autocasts_dtype():
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, requires_grad=True)
+    params = [
+        torch.randn(*shape, requires_grad=True) for shape in ((64, 16), (64,), (16, 64), (16,))
+    ]
+    outs, grads = [], []
+    for fn in (gelu_mlp, lambda x, a, b, c, d: F.linear(F.gelu(F.linear(x, a, b)), c, d)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x, *params)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.float().sum(), (x, *params)))
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16 and torch.equal(*outs)
+    for a, r in zip(*grads, strict=True):
+        assert a.dtype == r.dtype and _relative(a.float(), r.float()) <= 1e-2
+
+
 def _decoded(private: bool):
     """Saved-tensor hooks that hand each node a fresh copy, marked private (as memopt's decoded
     tensors are) or not."""
@@ -427,6 +472,29 @@ def test_a_tiled_mlp_gives_the_mlps_outputs_and_gradients(name):
     assert _relative(mine(x), mlp(x)) <= 1e-6
     for a, b in zip(*grads, strict=True):
         assert _relative(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt2", "nanogpt"])
+def test_a_tiled_gelu_mlp_saves_its_input_only(name):
+    """Each chunk of a GPT-2 MLP is one node saving the chunk: a token's block saves its input,
+    one width, where its three ops save nine (the input, the widened tensor, the GELU's
+    output)."""
+    mlp = _mlps()[name]
+    opt = MemoryOptimizer({"ops": {"fuse": ["mlp"]}})
+    opt.apply(mlp)
+    weights = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.is_floating_point() and t.untyped_storage().data_ptr() not in weights:
+            saved.append(t.numel())
+        return t
+
+    x = torch.randn(3, 50, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x)
+    opt.remove()
+    assert sum(saved) == x.numel()
 
 
 @pytest.mark.parametrize("name", ["gpt2", "nanogpt", "llama"])

@@ -132,18 +132,30 @@ class _Saved:
 
 
 def _alias_key(t: torch.Tensor) -> tuple | None:
-    """Identity of the saved data: contiguous views of the same elements share one key."""
+    """Identity of the saved data: dense views of the same memory share one key, whatever their
+    shape or dim order (attention's output as SDPA saves it, heads apart, and as the output
+    projection saves it, heads side by side)."""
     storage = storage_key(t)
     if storage is None:
         return None
     where = (storage, t.storage_offset(), t.dtype, t._version)
-    if t.is_contiguous():
+    if t.is_contiguous() or memory_order(t) is not None:
         return (*where, t.numel())
     return (*where, tuple(t.shape), t.stride())
 
 
-def _reshaped(shape: torch.Size) -> Callable[[object], torch.Tensor]:
-    return lambda saved: saved.decode(saved.payload).view(shape)
+def _relaid(t: torch.Tensor, first: tuple[int, ...]) -> Callable[[object], torch.Tensor]:
+    """Decodes what was saved for another dense view of ``t``'s memory, whose strides were
+    ``first``, into ``t``'s shape and strides: laid out as that view was (the memory they
+    share), then viewed as ``t``."""
+    shape, stride = t.shape, t.stride()
+
+    def decode(saved: _Saved) -> torch.Tensor:
+        out = saved.decode(saved.payload)
+        out = _with_strides(out, out.shape, first)
+        return out.as_strided(shape, stride, out.storage_offset())
+
+    return decode
 
 
 def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
@@ -217,7 +229,7 @@ class CompressionHooks:
         self.stats = SavedStats()
         self.observer: PackObserver | None = None
         self._local = threading.local()
-        self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._cache: dict[tuple, tuple[weakref.ref, weakref.ref, tuple[int, ...]]] = {}
         self._storages: ModelStorages | None = None
         self._running: RunningParameters | None = None
         self._watch: Watch | None = None
@@ -382,7 +394,7 @@ class CompressionHooks:
                 scope.__exit__(None, None, None)
                 self._counting.pop()
             if not scopes:
-                for _, saved in self._cache.values():  # in-place changes in this forward
+                for _, saved, _ in self._cache.values():  # in-place changes in this forward
                     saved = saved()
                     if saved is not None:
                         saved.look()
@@ -436,8 +448,8 @@ class CompressionHooks:
         if hit is not None and hit[0]() is not None:
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
-                if saved.shape != t.shape:
-                    saved = _Saved(saved, _reshaped(t.shape), t.shape).watch(t)
+                if (saved.shape, hit[2]) != (t.shape, t.stride()):
+                    saved = _Saved(saved, _relaid(t, hit[2]), t.shape).watch(t)
                 return saved, 0
         saved = self._compress(t, bits)
         if saved is not t:
@@ -458,7 +470,7 @@ class CompressionHooks:
             # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its
             # base lives as long as the storage does, and so proves the address is not reused.
             base = t._base if t._base is not None else t
-            self._cache[key] = (weakref.ref(base), weakref.ref(saved))
+            self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
         return saved, nbytes
 
     def _keep_unencodable(self, t: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..buffers import private
 
@@ -86,6 +87,63 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``F.gelu(x, approximate=approximate)`` as one node saving ``x`` (the same values and
     gradients; in backward the gradient takes a decoded ``x``'s memory)."""
     return _Gelu.apply(x, approximate)
+
+
+class _GeluMlp(torch.autograd.Function):
+    """``F.linear(F.gelu(F.linear(x, w_in, b_in), approximate), w_out, b_out)`` saving ``x`` and
+    the weights: the widened tensor and its activation, each four times as wide as ``x`` in a
+    GPT-2 MLP, are recomputed in backward (the up projection once more) instead of saved. The
+    matmuls run in the output gradient's dtype (autocast's)."""
+
+    @staticmethod
+    def forward(ctx, x, w_in, b_in, w_out, b_out, approximate: str):
+        ctx.save_for_backward(x, w_in, b_in, w_out)
+        ctx.approximate = approximate
+        ctx.out_bias_dtype = b_out.dtype if b_out is not None else None
+        h = F.gelu(F.linear(x, w_in, b_in), approximate=approximate)
+        return F.linear(h, w_out, b_out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_in, b_in, w_out = ctx.saved_tensors
+        want_x, want_w_in, want_b_in, want_w_out, want_b_out = ctx.needs_input_grad[:5]
+        dtype = grad.dtype
+        g = grad.reshape(-1, grad.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        bias = b_in.to(dtype) if b_in is not None else None
+        h = F.linear(rows, w_in.to(dtype), bias)  # the up projection, again
+        grads: list[torch.Tensor | None] = [None] * 6
+        if want_w_out:
+            grads[3] = (g.t() @ F.gelu(h, approximate=ctx.approximate)).to(w_out.dtype)
+        if want_b_out:
+            grads[4] = g.sum(0).to(ctx.out_bias_dtype)
+        if want_x or want_w_in or want_b_in:
+            grad_h = g @ w_out.to(dtype)
+            # elementwise: each element of h is read before its gradient takes its place
+            torch.ops.aten.gelu_backward.grad_input(
+                grad_h, h, approximate=ctx.approximate, grad_input=h
+            )
+            if want_w_in:
+                grads[1] = (h.t() @ rows).to(w_in.dtype)
+            if want_b_in:
+                grads[2] = h.sum(0).to(b_in.dtype)
+            if want_x:
+                grads[0] = (h @ w_in.to(dtype)).view(x.shape).to(x.dtype)
+        return tuple(grads)
+
+
+def gelu_mlp(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    approximate: str = "none",
+) -> torch.Tensor:
+    """A GPT-2 MLP, ``F.linear(F.gelu(F.linear(x, w_in, b_in), approximate), w_out, b_out)``, as
+    one node saving ``x`` (and the weights): the same values and gradients, with the up
+    projection done again in backward instead of its widened output and the GELU's kept."""
+    return _GeluMlp.apply(x, w_in, b_in, w_out, b_out, approximate)
 
 
 class _GatedProduct(torch.autograd.Function):

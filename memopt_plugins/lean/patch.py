@@ -34,7 +34,7 @@ from torch import nn
 from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
 from ..routing import ModelRouting
-from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
+from .chains import batch_norm, geglu, gelu, gelu_mlp, rms_norm, swiglu
 from .conv import conv, max_pool, relu
 from .entropy import CrossEntropyMode
 from .loss import linear_cross_entropy
@@ -123,8 +123,29 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
         product = swiglu if gated == "swiglu" else geglu
         return lambda x: tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
     act = _plain_mlp(module)
-    if act is not None:
-        return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(act(m.c_fc(t)))))
+    if act is None:
+        return None
+    approximate, up, down = _gelu_kind(act), _linear_of(m.c_fc), _linear_of(m.c_proj)
+    if approximate is not None and up is not None and down is not None:
+        # one node per chunk saving the chunk only (gelu_mlp)
+        def block(t: torch.Tensor) -> torch.Tensor:
+            return gelu_mlp(t, *up(), *down(), approximate)
+
+        return lambda x: m.dropout(tiled(x, block))
+    return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(act(m.c_fc(t)))))
+
+
+def _linear_of(module: nn.Module) -> Callable[[], tuple[torch.Tensor, Any]] | None:
+    """For an ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's, its weight transposed) that
+    runs its class's own forward: a function giving its ``F.linear`` weight and bias, read at
+    each call (a sharded model swaps its parameters in and out)."""
+    m: Any = module
+    if "forward" in m.__dict__:  # patched by someone: its own forward is not what runs
+        return None
+    if _plain(module, (nn.Linear,)):
+        return lambda: (m.weight, m.bias)
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(m, "nf", None), int):
+        return lambda: (m.weight.t(), m.bias)
     return None
 
 
