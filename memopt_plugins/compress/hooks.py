@@ -30,6 +30,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..buffers import mark_private
 from ..config import HALF_BITS, OFF_BITS
+from ..derived import derivation, note_packed
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.process import StepPeak
 from ..measure.storage import RunningParameters
@@ -451,9 +452,16 @@ class CompressionHooks:
                 if (saved.shape, hit[2]) != (t.shape, t.stride()):
                     saved = _Saved(saved, _relaid(t, hit[2]), t.shape).watch(t)
                 return saved, 0
+        derived = self._derived(t)
+        if derived is not None:
+            if key is not None:
+                self._cache[key] = (weakref.ref(t._base if t._base is not None else t),
+                                    weakref.ref(derived), t.stride())  # fmt: skip
+            return derived, 0
         saved = self._compress(t, bits)
         if saved is not t:
             saved.watch(t)
+            note_packed(t, saved)
         stats = self.stats
         original = tensor_nbytes(t)
         stats.forward_original += original
@@ -472,6 +480,16 @@ class CompressionHooks:
             base = t._base if t._base is not None else t
             self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
         return saved, nbytes
+
+    def _derived(self, t: torch.Tensor) -> _Saved | None:
+        """For an output a lean op can make again from its input (:mod:`..derived`), whose input
+        was compressed: a recipe over that copy, adding no bytes."""
+        found = derivation(t)
+        if found is None:
+            return None
+        packed, remake = found
+        shape = t.shape
+        return _Saved(packed, lambda p: remake(p.decode(p.payload)).view(shape), shape).watch(t)
 
     def _keep_unencodable(self, t: torch.Tensor) -> None:
         """Count a saved tensor the codec cannot take (policy.encodable); say so once per kind."""

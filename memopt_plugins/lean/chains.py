@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..buffers import private
+from ..derived import derive
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -181,6 +182,55 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.gelu(gate, approximate="tanh") * up`` (Gemma's MLP) as one node saving its inputs."""
     return _GatedProduct.apply(gate, up, True)
+
+
+class _LayerNorm(torch.autograd.Function):
+    """``F.layer_norm`` (PyTorch's kernels both ways) saving its input, weight and bias, with
+    one mean and one inverse deviation per row kept as they are. Its output is marked as made
+    again from the input (:func:`~memopt_plugins.derived.derive`), so a projection that saves
+    it beside the compressed input adds no second copy."""
+
+    @staticmethod
+    def forward(ctx, x, shape: tuple[int, ...], weight, bias, eps: float):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.stats, ctx.shape = (mean, rstd), shape
+        derive(out, x, lambda decoded: _layer_norm_from(decoded, mean, rstd, weight, bias))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        mean, rstd = ctx.stats
+        wanted = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+                  bias is not None and ctx.needs_input_grad[3]]  # fmt: skip
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad, x, ctx.shape, mean, rstd, weight, bias, wanted
+        )
+        return grad_x, None, grad_w, grad_b, None
+
+
+def _layer_norm_from(x, mean, rstd, weight, bias) -> torch.Tensor:
+    """A layer norm's output from its (decoded) input and the forward's statistics."""
+    out = (_work(x) - mean).mul_(rstd)
+    if weight is not None:
+        out.mul_(weight)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    shape: tuple[int, ...],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.layer_norm(x, shape, weight, bias, eps)`` as one node saving ``x`` (and the weight
+    and bias): the same values and gradients; a later save of its output by memopt's hooks is a
+    recipe over ``x``'s compressed copy."""
+    return _LayerNorm.apply(x, tuple(shape), weight, bias, eps)
 
 
 class _RMSNorm(torch.autograd.Function):
