@@ -825,15 +825,16 @@ def test_what_cannot_be_patched_is_a_config_error():
 
 def test_all_leaves_attention_with_dropout_eager_and_says_so(caplog):
     """``fuse: [all]`` on GPT-2 with attention dropout: the MLPs run over chunks of tokens (their
-    dropout draws the same masks) and the GELUs are swapped, attention stays eager (SDPA would
-    draw other masks) and the log says why."""
+    dropout draws the same masks), the GELUs are swapped and the layer norms routed, attention
+    stays eager (SDPA would draw other masks) and the log says why."""
     model, _, _ = hf_gpt2(dropout=0.1)
     opt = MemoryOptimizer({"ops": {"fuse": ["all"]}})
     with caplog.at_level("INFO", logger="memopt"):
         opt.apply(model)
     assert model.config._attn_implementation == "eager"
     assert "ops.fuse attention left GPT2LMHeadModel as it is" in caplog.text
-    assert {p.lean for p in opt.plan.values() if p.lean} == {"lean mlp", "lean gelu"}
+    leans = {p.lean for p in opt.plan.values() if p.lean}
+    assert leans == {"lean mlp", "lean gelu", "lean layernorm"}
     opt.remove()
 
 
