@@ -20,13 +20,15 @@ _OUTPUT, _SOURCE = "_memopt_derived", "_memopt_derived_source"
 
 
 class Source:
-    """An input outputs are made from: its layout, and its compressed copy once made."""
+    """An input outputs are made from: its layout, and its compressed copy once made (and at
+    how many bits)."""
 
-    __slots__ = ("shape", "stride", "version", "packed")
+    __slots__ = ("shape", "stride", "version", "packed", "bits")
 
     def __init__(self, t: torch.Tensor):
         self.shape, self.stride, self.version = t.shape, t.stride(), t._version
         self.packed: weakref.ref | None = None
+        self.bits = 0
 
 
 def derive(out: torch.Tensor, source: torch.Tensor, remake: Callable[[torch.Tensor], torch.Tensor]):
@@ -38,26 +40,29 @@ def derive(out: torch.Tensor, source: torch.Tensor, remake: Callable[[torch.Tens
     setattr(out.untyped_storage(), _OUTPUT, (cell, remake, out._version, out.numel()))
 
 
-def note_packed(t: torch.Tensor, packed: object) -> None:
-    """The hooks compressed ``t`` into ``packed``: where ``t`` is a marked source as it was
-    marked (the same view, unchanged), outputs made from it may refer to ``packed``."""
+def note_packed(t: torch.Tensor, packed: object, bits: int) -> None:
+    """The hooks compressed ``t`` into ``packed`` at ``bits``: where ``t`` is a marked source as
+    it was marked (the same view, unchanged), outputs made from it may refer to ``packed``."""
     cell = getattr(t.untyped_storage(), _SOURCE, None)
     if cell is None or torch.compiler.is_compiling():
         return
     if (t.shape, t.stride(), t._version) == (cell.shape, cell.stride, cell.version):
-        cell.packed = weakref.ref(packed)
+        cell.packed, cell.bits = weakref.ref(packed), bits
 
 
-def derivation(t: torch.Tensor) -> tuple[object, Callable[[torch.Tensor], torch.Tensor]] | None:
+def derivation(
+    t: torch.Tensor, bits: int
+) -> tuple[object, Callable[[torch.Tensor], torch.Tensor]] | None:
     """``(packed, remake)`` where ``t`` is a whole, unchanged, contiguous view of a marked
-    output whose source was compressed into ``packed`` (``remake`` of the decoded source gives
-    the output, contiguous), else ``None``."""
+    output whose source was compressed into ``packed`` at ``bits`` or more (``remake`` of the
+    decoded source gives the output, contiguous), else ``None``: an output saved at more bits
+    than its source is not made from a coarser copy."""
     mark = getattr(t.untyped_storage(), _OUTPUT, None)
     if mark is None or torch.compiler.is_compiling():
         return None
     cell, remake, version, numel = mark
     packed = cell.packed() if cell.packed is not None else None
     whole = t.is_contiguous() and t.storage_offset() == 0 and t.numel() == numel
-    if packed is None or not whole or t._version != version:
+    if packed is None or not whole or t._version != version or cell.bits < bits:
         return None
     return packed, remake

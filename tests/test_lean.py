@@ -610,7 +610,8 @@ def test_a_projection_keeps_no_copy_of_a_layer_norms_output():
     """With fuse: [layernorm] the projection after a norm saves the norm's output as a recipe
     over the norm's compressed input (made again from it in backward): nothing is packed in
     the projection's scope, though the norm's input was dropped in the forward, and the
-    gradients are those of compressing the input alone."""
+    gradients are those of compressing the input alone. A projection at more bits than the
+    norm's input keeps its own copy."""
     torch.manual_seed(0)
     model = _NormedHead()
     x = torch.randn(8, 32, 64)
@@ -624,6 +625,15 @@ def test_a_projection_keeps_no_copy_of_a_layer_norms_output():
     assert "head" not in modules and modules["norm"].stored > 0
     for name, p in model.named_parameters():
         assert _relative(p.grad, exact[name]) < 0.05, name
+    opt.remove()
+    # a projection kept at more bits than the norm's input is not made from the coarser copy
+    opt = MemoryOptimizer(
+        {"ops": {"fuse": ["layernorm"]}, "quantize": {"bits": 8, "overrides": {"head": 32}}}
+    )
+    opt.apply(model)
+    model(x).square().sum().backward()
+    head = opt.hooks.stats.modules["head"]
+    assert head.stored == head.original > 0
     opt.remove()
     with pytest.raises(ConfigError, match="layernorm"):
         MemoryOptimizer({"ops": {"fuse": ["layernorm"]}}).apply(nn.Sequential(nn.Linear(4, 4)))

@@ -452,7 +452,7 @@ class CompressionHooks:
                 if (saved.shape, hit[2]) != (t.shape, t.stride()):
                     saved = _Saved(saved, _relaid(t, hit[2]), t.shape).watch(t)
                 return saved, 0
-        derived = self._derived(t)
+        derived = self._derived(t, bits)
         if derived is not None:
             if key is not None:
                 self._cache[key] = (weakref.ref(t._base if t._base is not None else t),
@@ -461,7 +461,7 @@ class CompressionHooks:
         saved = self._compress(t, bits)
         if saved is not t:
             saved.watch(t)
-            note_packed(t, saved)
+            note_packed(t, saved, bits)
         stats = self.stats
         original = tensor_nbytes(t)
         stats.forward_original += original
@@ -481,10 +481,10 @@ class CompressionHooks:
             self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
         return saved, nbytes
 
-    def _derived(self, t: torch.Tensor) -> _Saved | None:
+    def _derived(self, t: torch.Tensor, bits: int) -> _Saved | None:
         """For an output a lean op can make again from its input (:mod:`..derived`), whose input
         was compressed: a recipe over that copy, adding no bytes."""
-        found = derivation(t)
+        found = derivation(t, bits)
         if found is None:
             return None
         packed, remake = found
