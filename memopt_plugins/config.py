@@ -352,8 +352,8 @@ class BatchNormConfig(_Section):
 
 
 FUSED_CHAINS = (
-    "mlp", "gelu", "swiglu", "geglu", "rmsnorm", "attention", "batchnorm", "conv", "relu",
-    "maxpool",
+    "mlp", "gelu", "swiglu", "geglu", "rmsnorm", "layernorm", "attention", "batchnorm", "conv",
+    "relu", "maxpool",
 )  # fmt: skip
 
 
@@ -400,6 +400,7 @@ class OpsConfig(_Section):
                 "swiglu",
                 "geglu",
                 "rmsnorm",
+                "layernorm",
                 "attention",
                 "batchnorm",
                 "conv",
@@ -417,7 +418,9 @@ class OpsConfig(_Section):
             "block, gated or GPT-2's, over chunks of as many tokens as its width: its wide "
             "tensors exist one chunk at a time; a gated one with the lean product), gelu "
             "(tanh-GELU written in Python, as GPT-2's), swiglu and geglu (Llama/Gemma-style "
-            "gated MLPs), rmsnorm (Llama-style RMSNorm), attention (a Hugging Face model's eager "
+            "gated MLPs), rmsnorm (Llama-style RMSNorm), layernorm (F.layer_norm inside the "
+            "model: a projection that saves its output keeps a recipe over the norm's compressed "
+            "input), attention (a Hugging Face model's eager "
             "attention as scaled_dot_product_attention; not with attention dropout), batchnorm "
             "(BatchNorm1d/2d/3d in training: its backward writes into the decoded input), conv "
             "(zero-padded Conv1d/2d/3d: backward in pieces of the batch, the input's gradient "

@@ -31,6 +31,7 @@ PRELOAD = [
     "zoo",
     "memory",
     "ranks",
+    "frozen_imports",  # last
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from fresh import context
 
@@ -67,6 +69,16 @@ def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     num = sum(((a[k] - b[k]).double() ** 2).sum() for k in b)
     den = sum((b[k].double() ** 2).sum() for k in b)
     return float((num / den).sqrt())
+
+
+@contextmanager
+def vectorized_kernels():
+    """Inductor's kernels as it compiles them on the machine by default (vectorized where the CPU
+    can), not the suite's scalar ones (tests/conftest.py)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.simdlen": None}):
+        yield
 
 
 def compile_blocks(model, backend: str = "inductor") -> None:

@@ -68,6 +68,7 @@ def test_the_in_graph_codec_writes_the_reference_codes(bits, dtype):
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.usefixtures("vectorized")  # the kernels a user compiles
 def test_the_in_graph_codec_compiles_to_the_same_bytes(bits):
     """Under inductor the codec writes exactly its eager bytes: the bfloat16 step is rounded up
     by integer arithmetic (inductor drops a bfloat16 round trip, which made half the steps
@@ -87,6 +88,7 @@ def test_the_in_graph_codec_compiles_to_the_same_bytes(bits):
     ops.codec_for(torch.device("cpu")) != "native", reason="the C kernels are not built here"
 )
 @pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.usefixtures("vectorized")  # the kernels a user compiles
 def test_stochastic_rounding_in_graphs_writes_the_c_kernels_codes_at_the_same_seed(bits):
     """Inside graphs the noise is the C kernel's hash of each element's index and the seed (an
     int64 tensor the running graph holds): eagerly and compiled, the codes are those of the

@@ -393,10 +393,28 @@ def test_unpack_returns_the_size_and_strides_that_were_saved(layout, bits):
         assert (out - t).abs().max() <= (step if bits == 8 else 0.01 * t.abs().max())
 
 
+def test_attention_output_saved_heads_apart_and_side_by_side_is_packed_once():
+    """SDPA returns its output as a transposed view of a (batch, tokens, heads, head size)
+    buffer and saves it; the output projection saves the same memory as (tokens, width). One
+    copy is kept, and each unpacks in its own shape and strides."""
+    hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1)
+    memory = torch.randn(2, 64, 4, 32)
+    heads = memory.transpose(1, 2)  # (batch, heads, tokens, head size), as SDPA returns it
+    side_by_side = heads.transpose(1, 2).view(2 * 64, 4 * 32)
+    first = hooks.pack(heads, 4)
+    second = hooks.pack(side_by_side, 4)
+    assert hooks.stats.forward_tensors == 1 and second.payload is first
+    a, b = hooks.unpack(first), hooks.unpack(second)
+    assert a.shape == heads.shape and a.stride() == heads.stride()
+    assert b.shape == side_by_side.shape and b.is_contiguous()
+    assert torch.equal(b, a.transpose(1, 2).reshape(2 * 64, 4 * 32))
+    assert (b - side_by_side).abs().max() <= (memory.max() - memory.min()) / 15
+
+
 def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
     """The README's "never compressed" list: bool tensors and tensors under ``min_numel`` are
-    kept as they are; a tensor saved as several contiguous views is stored once, a view with
-    other strides (a transpose) a second time."""
+    kept as they are; a tensor saved as several dense views of its memory (reshaped, transposed)
+    is stored once, a view with gaps (a slice) a second time."""
     hooks = CompressionHooks(BitTable(), group_size=256, stochastic=False, min_numel=1000)
     small, mask = torch.rand(999), torch.rand(64, 256) > 0.5
     assert hooks.unpack(hooks.pack(small, 8)) is small
@@ -408,6 +426,10 @@ def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
     assert flat.payload is plain  # the one compressed copy, reshaped on unpack
     out = hooks.unpack(flat)
     assert out.shape == (64 * 256,) and (out - a.view(-1)).abs().max() <= a.max() / 255
-    transposed = hooks.pack(a.t(), 8)
-    assert transposed is not plain and getattr(transposed, "payload", None) is not plain
-    assert hooks.unpack(transposed).stride() == a.t().stride()
+    transposed = hooks.pack(a.t(), 8)  # the same memory in another dim order
+    assert transposed.payload is plain
+    out = hooks.unpack(transposed)
+    assert out.stride() == a.t().stride() and torch.equal(out, hooks.unpack(plain).t())
+    sliced = hooks.pack(a[:, :128], 8)
+    assert getattr(sliced, "payload", None) is not plain
+    assert hooks.unpack(sliced).shape == (64, 128)

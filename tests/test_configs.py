@@ -82,11 +82,12 @@ def _hook_count(model: nn.Module) -> int:
 
 
 def test_the_lean_preset_fuses_what_each_causal_lm_has():
-    """``fuse: [all]``: both get their MLPs run over chunks of tokens, GPT-2 its tanh-GELU,
-    Llama its RMSNorm (its MLPs' SwiGLU is the lean one), both the chunked loss and SDPA
-    attention; what a model lacks is no error."""
+    """``fuse: [all]``: both get their MLPs run over chunks of tokens, GPT-2 its tanh-GELU and
+    LayerNorms, Llama its RMSNorm (its MLPs' SwiGLU is the lean one), both the chunked loss and
+    SDPA attention; what a model lacks is no error."""
+    gpt2 = {"lean mlp", "lean gelu", "lean layernorm", "lean loss", "lean attention"}
     for build, expected in (
-        (_small_hf_gpt2, {"lean mlp", "lean gelu", "lean loss", "lean attention"}),
+        (_small_hf_gpt2, gpt2),
         (lambda: hf_llama(batch_size=2, seq=16, dim=32, layers=1), LLAMA_LEAN),
     ):
         model, batch, loss_fn = build()

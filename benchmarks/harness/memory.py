@@ -12,6 +12,7 @@ takes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -109,6 +110,11 @@ def measure_memory(
     ``{index: seconds}`` go into the readings as ``first_step``. ``plans`` are the recompute
     planners' choices, for the parent to adopt.
     """
+    # what is alive before the models are made (the imported libraries) becomes permanent to
+    # the garbage collector: the meter collects before each figure, and a full collection over
+    # the imports cost a fifth of a second, most of the phase's time
+    gc.collect()
+    gc.freeze()
     measured = Measured(workload, methods, device)
     first = warm_up(measured, workload)
     best = read_memory(measured, workload, device, repeats)

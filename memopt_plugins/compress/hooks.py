@@ -30,6 +30,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..buffers import mark_private
 from ..config import HALF_BITS, OFF_BITS
+from ..derived import derivation, note_packed
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.process import StepPeak
 from ..measure.storage import RunningParameters
@@ -132,18 +133,30 @@ class _Saved:
 
 
 def _alias_key(t: torch.Tensor) -> tuple | None:
-    """Identity of the saved data: contiguous views of the same elements share one key."""
+    """Identity of the saved data: dense views of the same memory share one key, whatever their
+    shape or dim order (attention's output as SDPA saves it, heads apart, and as the output
+    projection saves it, heads side by side)."""
     storage = storage_key(t)
     if storage is None:
         return None
     where = (storage, t.storage_offset(), t.dtype, t._version)
-    if t.is_contiguous():
+    if t.is_contiguous() or memory_order(t) is not None:
         return (*where, t.numel())
     return (*where, tuple(t.shape), t.stride())
 
 
-def _reshaped(shape: torch.Size) -> Callable[[object], torch.Tensor]:
-    return lambda saved: saved.decode(saved.payload).view(shape)
+def _relaid(t: torch.Tensor, first: tuple[int, ...]) -> Callable[[object], torch.Tensor]:
+    """Decodes what was saved for another dense view of ``t``'s memory, whose strides were
+    ``first``, into ``t``'s shape and strides: laid out as that view was (the memory they
+    share), then viewed as ``t``."""
+    shape, stride = t.shape, t.stride()
+
+    def decode(saved: _Saved) -> torch.Tensor:
+        out = saved.decode(saved.payload)
+        out = _with_strides(out, out.shape, first)
+        return out.as_strided(shape, stride, out.storage_offset())
+
+    return decode
 
 
 def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
@@ -217,7 +230,7 @@ class CompressionHooks:
         self.stats = SavedStats()
         self.observer: PackObserver | None = None
         self._local = threading.local()
-        self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._cache: dict[tuple, tuple[weakref.ref, weakref.ref, tuple[int, ...]]] = {}
         self._storages: ModelStorages | None = None
         self._running: RunningParameters | None = None
         self._watch: Watch | None = None
@@ -382,7 +395,7 @@ class CompressionHooks:
                 scope.__exit__(None, None, None)
                 self._counting.pop()
             if not scopes:
-                for _, saved in self._cache.values():  # in-place changes in this forward
+                for _, saved, _ in self._cache.values():  # in-place changes in this forward
                     saved = saved()
                     if saved is not None:
                         saved.look()
@@ -436,12 +449,19 @@ class CompressionHooks:
         if hit is not None and hit[0]() is not None:
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
-                if saved.shape != t.shape:
-                    saved = _Saved(saved, _reshaped(t.shape), t.shape).watch(t)
+                if (saved.shape, hit[2]) != (t.shape, t.stride()):
+                    saved = _Saved(saved, _relaid(t, hit[2]), t.shape).watch(t)
                 return saved, 0
+        derived = self._derived(t, bits)
+        if derived is not None:
+            if key is not None:
+                self._cache[key] = (weakref.ref(t._base if t._base is not None else t),
+                                    weakref.ref(derived), t.stride())  # fmt: skip
+            return derived, 0
         saved = self._compress(t, bits)
         if saved is not t:
             saved.watch(t)
+            note_packed(t, saved, bits)
         stats = self.stats
         original = tensor_nbytes(t)
         stats.forward_original += original
@@ -458,8 +478,18 @@ class CompressionHooks:
             # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its
             # base lives as long as the storage does, and so proves the address is not reused.
             base = t._base if t._base is not None else t
-            self._cache[key] = (weakref.ref(base), weakref.ref(saved))
+            self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
         return saved, nbytes
+
+    def _derived(self, t: torch.Tensor, bits: int) -> _Saved | None:
+        """For an output a lean op can make again from its input (:mod:`..derived`), whose input
+        was compressed: a recipe over that copy, adding no bytes."""
+        found = derivation(t, bits)
+        if found is None:
+            return None
+        packed, remake = found
+        shape = t.shape
+        return _Saved(packed, lambda p: remake(p.decode(p.payload)).view(shape), shape).watch(t)
 
     def _keep_unencodable(self, t: torch.Tensor) -> None:
         """Count a saved tensor the codec cannot take (policy.encodable); say so once per kind."""

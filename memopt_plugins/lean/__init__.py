@@ -2,14 +2,16 @@
 recomputing its cheap internals in backward, so that what they save is what memopt compresses.
 
 * :func:`linear_cross_entropy` -- the loss head and the cross-entropy in chunks of tokens;
-* :func:`gelu`, :func:`swiglu`, :func:`geglu`, :func:`rms_norm`, :func:`batch_norm` -- activation
-  and norm chains;
+* :func:`gelu`, :func:`gelu_mlp` (a GPT-2 MLP saving its input only: backward does its up
+  projection again), :func:`swiglu`,
+  :func:`geglu`, :func:`rms_norm`, :func:`layer_norm`, :func:`batch_norm` -- activation and
+  norm chains;
 * :func:`conv`, :func:`relu`, :func:`max_pool` -- a CNN's ops with leaner backwards;
 * :class:`LeanOps` -- the ``ops`` section of the config: swaps a model's modules for these where
   the swap is exact, and a Hugging Face causal LM's loss for the chunked one.
 """
 
-from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
+from .chains import batch_norm, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu
 from .conv import conv, max_pool, relu
 from .loss import linear_cross_entropy
 from .patch import LeanOps
@@ -20,6 +22,8 @@ __all__ = [
     "conv",
     "geglu",
     "gelu",
+    "gelu_mlp",
+    "layer_norm",
     "linear_cross_entropy",
     "max_pool",
     "relu",

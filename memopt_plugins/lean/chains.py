@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..buffers import private
+from ..derived import derive
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -88,6 +90,63 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return _Gelu.apply(x, approximate)
 
 
+class _GeluMlp(torch.autograd.Function):
+    """``F.linear(F.gelu(F.linear(x, w_in, b_in), approximate), w_out, b_out)`` saving ``x`` and
+    the weights: the widened tensor and its activation, each four times as wide as ``x`` in a
+    GPT-2 MLP, are recomputed in backward (the up projection once more) instead of saved. The
+    matmuls run in the output gradient's dtype (autocast's)."""
+
+    @staticmethod
+    def forward(ctx, x, w_in, b_in, w_out, b_out, approximate: str):
+        ctx.save_for_backward(x, w_in, b_in, w_out)
+        ctx.approximate = approximate
+        ctx.out_bias_dtype = b_out.dtype if b_out is not None else None
+        h = F.gelu(F.linear(x, w_in, b_in), approximate=approximate)
+        return F.linear(h, w_out, b_out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_in, b_in, w_out = ctx.saved_tensors
+        want_x, want_w_in, want_b_in, want_w_out, want_b_out = ctx.needs_input_grad[:5]
+        dtype = grad.dtype
+        g = grad.reshape(-1, grad.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        bias = b_in.to(dtype) if b_in is not None else None
+        h = F.linear(rows, w_in.to(dtype), bias)  # the up projection, again
+        grads: list[torch.Tensor | None] = [None] * 6
+        if want_w_out:
+            grads[3] = (g.t() @ F.gelu(h, approximate=ctx.approximate)).to(w_out.dtype)
+        if want_b_out:
+            grads[4] = g.sum(0).to(ctx.out_bias_dtype)
+        if want_x or want_w_in or want_b_in:
+            grad_h = g @ w_out.to(dtype)
+            # elementwise: each element of h is read before its gradient takes its place
+            torch.ops.aten.gelu_backward.grad_input(
+                grad_h, h, approximate=ctx.approximate, grad_input=h
+            )
+            if want_w_in:
+                grads[1] = (h.t() @ rows).to(w_in.dtype)
+            if want_b_in:
+                grads[2] = h.sum(0).to(b_in.dtype)
+            if want_x:
+                grads[0] = (h @ w_in.to(dtype)).view(x.shape).to(x.dtype)
+        return tuple(grads)
+
+
+def gelu_mlp(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    approximate: str = "none",
+) -> torch.Tensor:
+    """A GPT-2 MLP, ``F.linear(F.gelu(F.linear(x, w_in, b_in), approximate), w_out, b_out)``, as
+    one node saving ``x`` (and the weights): the same values and gradients, with the up
+    projection done again in backward instead of its widened output and the GELU's kept."""
+    return _GeluMlp.apply(x, w_in, b_in, w_out, b_out, approximate)
+
+
 class _GatedProduct(torch.autograd.Function):
     """``act(gate) * up`` saving ``gate`` and ``up``."""
 
@@ -123,6 +182,55 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.gelu(gate, approximate="tanh") * up`` (Gemma's MLP) as one node saving its inputs."""
     return _GatedProduct.apply(gate, up, True)
+
+
+class _LayerNorm(torch.autograd.Function):
+    """``F.layer_norm`` (PyTorch's kernels both ways) saving its input, weight and bias, with
+    one mean and one inverse deviation per row kept as they are. Its output is marked as made
+    again from the input (:func:`~memopt_plugins.derived.derive`), so a projection that saves
+    it beside the compressed input adds no second copy."""
+
+    @staticmethod
+    def forward(ctx, x, shape: tuple[int, ...], weight, bias, eps: float):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.stats, ctx.shape = (mean, rstd), shape
+        derive(out, x, lambda decoded: _layer_norm_from(decoded, mean, rstd, weight, bias))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        mean, rstd = ctx.stats
+        wanted = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+                  bias is not None and ctx.needs_input_grad[3]]  # fmt: skip
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad, x, ctx.shape, mean, rstd, weight, bias, wanted
+        )
+        return grad_x, None, grad_w, grad_b, None
+
+
+def _layer_norm_from(x, mean, rstd, weight, bias) -> torch.Tensor:
+    """A layer norm's output from its (decoded) input and the forward's statistics."""
+    out = (_work(x) - mean).mul_(rstd)
+    if weight is not None:
+        out.mul_(weight)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    shape: tuple[int, ...],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.layer_norm(x, shape, weight, bias, eps)`` as one node saving ``x`` (and the weight
+    and bias): the same values and gradients; a later save of its output by memopt's hooks is a
+    recipe over ``x``'s compressed copy."""
+    return _LayerNorm.apply(x, tuple(shape), weight, bias, eps)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -257,10 +257,11 @@ def _losses_and_gradients(
         h = hidden[rows]
         y = logits[rows] if logits is not None else None
         z, t_cap = _logits(h, weight, bias, softcap, y)
-        if y is not None and z.data_ptr() == y.data_ptr():
-            z = z.clone()  # the caller's logits are never written
         t = target[rows]
         losses[rows], lse = chunk_losses(z, t, ignore_index, smoothing)
+        if y is not None and z.data_ptr() == y.data_ptr():
+            # the caller's logits are never written: copied once the losses' temporaries are gone
+            z = z.clone()
         g = chunk_gradient(z, lse, t, scale[rows], ignore_index, smoothing)
         _accumulate(g, t_cap, h, weight, bias, rows, grad_h, grad_w if want_w else None, grad_b)
         del z, g

@@ -33,8 +33,8 @@ from torch import nn
 
 from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
-from ..routing import ModelRouting
-from .chains import batch_norm, geglu, gelu, rms_norm, swiglu
+from ..routing import ModelRouting, RoutingMode
+from .chains import batch_norm, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu
 from .conv import conv, max_pool, relu
 from .entropy import CrossEntropyMode
 from .loss import linear_cross_entropy
@@ -123,8 +123,29 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
         product = swiglu if gated == "swiglu" else geglu
         return lambda x: tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
     act = _plain_mlp(module)
-    if act is not None:
-        return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(act(m.c_fc(t)))))
+    if act is None:
+        return None
+    approximate, up, down = _gelu_kind(act), _linear_of(m.c_fc), _linear_of(m.c_proj)
+    if approximate is not None and up is not None and down is not None:
+        # one node per chunk saving the chunk only (gelu_mlp)
+        def block(t: torch.Tensor) -> torch.Tensor:
+            return gelu_mlp(t, *up(), *down(), approximate)
+
+        return lambda x: m.dropout(tiled(x, block))
+    return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(act(m.c_fc(t)))))
+
+
+def _linear_of(module: nn.Module) -> Callable[[], tuple[torch.Tensor, Any]] | None:
+    """For an ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2's, its weight transposed) that
+    runs its class's own forward: a function giving its ``F.linear`` weight and bias, read at
+    each call (a sharded model swaps its parameters in and out)."""
+    m: Any = module
+    if "forward" in m.__dict__:  # patched by someone: its own forward is not what runs
+        return None
+    if _plain(module, (nn.Linear,)):
+        return lambda: (m.weight, m.bias)
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(m, "nf", None), int):
+        return lambda: (m.weight.t(), m.bias)
     return None
 
 
@@ -348,6 +369,7 @@ class LeanOps:
         self._patched: list[_LeanForward] = []
         self._attention: list[tuple[nn.Module, str]] = []  # (model, its own implementation)
         self._routing: ModelRouting | None = None
+        self._norms: ModelRouting | None = None  # F.layer_norm routed to the lean one
         self._caches: list[Any] = []  # Hugging Face configs whose use_cache was turned off
 
     @property
@@ -363,7 +385,9 @@ class LeanOps:
             # in _WHAT's order: mlp takes a gated MLP before swiglu / geglu would
             chains = [c for c in _WHAT if every or c in self.config.fuse]
             for chain in chains:
-                if chain == "attention":
+                if chain == "layernorm":
+                    self._route_layer_norm(model, required=not every)
+                elif chain == "attention":
                     for fqn, lm in _outermost(model, _switches_attention):
                         self._attend(lm, fqn, required=not every)
                 else:
@@ -380,9 +404,10 @@ class LeanOps:
         return dict(self.actions)
 
     def remove(self) -> None:
-        if self._routing is not None:
-            self._routing.remove()
-            self._routing = None
+        for routing in (self._routing, self._norms):
+            if routing is not None:
+                routing.remove()
+        self._routing = self._norms = None
         for config in self._caches:
             if config.use_cache is False:  # a value set since is the user's
                 config.use_cache = True
@@ -403,6 +428,20 @@ class LeanOps:
             "memopt: ops.cross_entropy lean: F.cross_entropy inside %s runs lean in training",
             type(model).__name__,
         )
+
+    def _route_layer_norm(self, model: nn.Module, required: bool) -> None:
+        norms = [fqn for fqn, m in model.named_modules() if _is_layer_norm(m)]
+        if not norms:
+            if required:
+                raise ConfigError(
+                    f"ops.fuse: 'layernorm' matches no module of {type(model).__name__} "
+                    f"({_WHAT['layernorm']})"
+                )
+            return
+        self._norms = ModelRouting(lambda: RoutingMode({F.layer_norm: _lean_layer_norm}))
+        self._norms.apply(model)
+        for fqn in norms:
+            self.actions.setdefault(fqn, "lean layernorm")
 
     def _turn_off_cache(self, model: nn.Module) -> None:
         """``use_cache`` False on every Hugging Face config of ``model`` that has it True."""
@@ -561,12 +600,27 @@ _WHAT = {
     "swiglu": "gated MLPs with gate_proj, up_proj, down_proj and a SiLU act_fn",
     "geglu": "gated MLPs with gate_proj, up_proj, down_proj and a tanh-GELU act_fn",
     "rmsnorm": "Llama-style RMSNorm modules with weight and variance_epsilon",
+    "layernorm": "nn.LayerNorm modules, or modules of a model's own named LayerNorm",
     "attention": "Hugging Face models built with eager attention",
     "batchnorm": "BatchNorm1d/2d/3d modules (not SyncBatchNorm)",
     "conv": "Conv1d/2d/3d modules with zero padding (not padding='same')",
     "relu": "nn.ReLU modules",
     "maxpool": "MaxPool1d/2d/3d modules",
 }
+
+
+def _is_layer_norm(module: nn.Module) -> bool:
+    """An ``nn.LayerNorm``, or a module of its own named so (karpathy's nanoGPT's)."""
+    return isinstance(module, nn.LayerNorm) or type(module).__name__ == "LayerNorm"
+
+
+def _lean_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """``F.layer_norm`` as :func:`~.chains.layer_norm` where it trains (eagerly)."""
+    tensors = [t for t in (input, weight, bias) if t is not None]
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if any(t.requires_grad for t in tensors):
+            return layer_norm(input, tuple(normalized_shape), weight, bias, eps)
+    return F.layer_norm(input, normalized_shape, weight, bias, eps)
 
 
 def _unreachable(model: nn.Module) -> str | None:
@@ -609,6 +663,8 @@ def _outermost(model: nn.Module, test: Callable[[nn.Module], bool]) -> list[tupl
 
 
 def _any(model: nn.Module, chain: str) -> bool:
+    if chain == "layernorm":
+        return any(_is_layer_norm(m) for m in model.modules())
     if chain == "attention":
         return any(
             getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"
