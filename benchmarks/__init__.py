@@ -31,10 +31,12 @@ RESULTS = Path(__file__).resolve().parent
 ROOT = RESULTS.parent
 
 
-def chosen(parser: argparse.ArgumentParser, only: str, names: Collection[str]) -> list[str]:
-    """The comma-separated names of ``--only``, each one of ``names`` (else a usage error)."""
+def chosen(
+    parser: argparse.ArgumentParser, only: str, names: Collection[str], flag: str = "--only"
+) -> list[str]:
+    """The comma-separated names of ``flag``, each one of ``names`` (else a usage error)."""
     keys = [k for k in only.split(",") if k]
     unknown = [k for k in keys if k not in names]
     if unknown:
-        parser.error(f"--only: unknown name(s) {unknown}; choose from {sorted(names)}")
+        parser.error(f"{flag}: unknown name(s) {unknown}; choose from {sorted(names)}")
     return keys

@@ -1,4 +1,4 @@
-"""What fits: the step's peak per sample, and how much larger a batch fits, per method.
+"""What fits: the step's peak per sample, how much larger a batch fits, and its samples/s.
 
 The peak of a training step decides the batch that fits. For third-party models built from
 configs (Hugging Face GPT-2 and Llama, a ResNet-50-style CNN; no dropout), each as its library
@@ -8,33 +8,34 @@ method patches a fresh copy of the same model, and one step is read on the alloc
 first half: 16 and 8 for the language models, 64 and 32 for the CNN) so that weights, gradients
 and workspaces cancel in the slope: the peak per sample.
 ``fits`` is the baseline's peak per sample over the method's: how many times larger a batch fits
-in the memory the baseline's step needs. ``samples/s`` is measured at that batch (the median of a
-few steps after a warm-up, no profiler), so the price of the larger batch shows too.
+in the memory the baseline's step needs. ``samples/s`` is read at that batch in fresh processes of
+its own (``speed_note`` says how), so the price of the larger batch shows too.
 
 Beside memopt: PyTorch's checkpoint around every block (non-reentrant). The lean-ops rows take
 ``configs/lean.yaml``'s ``ops`` section for the language models (the loss head in chunks, every
 exact chain fused, no KV cache in training) and swap the CNN's batch norms, convolutions, ReLUs
-and max-pool for the lean ones. Beside them, for GPT-2: torch.compile with and without its
-``activation_memory_budget``, each (method, batch) read in a fresh process (``COMPILED_NOTE``
-says how and why). Writes ``fits.md`` and ``fits.json`` to ``--out``; ``--compiled-only`` runs
-only the compiled rows and merges them into the fits.json there.
+and max-pool for the lean ones. For the language models, the baseline and lean ops + int4 / int2
+again under bf16 autocast, against the bf16 baseline. For GPT-2: torch.compile with and without
+its ``activation_memory_budget`` and memopt compiled, each (method, batch) read in a fresh process
+(``COMPILED_NOTE`` says how and why). Writes ``fits.md`` and ``fits.json`` to ``--out``;
+``--compiled-only`` runs only the compiled rows and merges them into the fits.json there.
 
     python -m benchmarks.fits [--quick] [--out DIR] [--only gpt2,llama,resnet] [--threads N]
-                                [--compiled-only]
+                              [--compiled-only] [--time METHODS|all|none]
+                              [--warmup W] [--steps N] [--repeats R]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
+import shlex
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,16 @@ from memopt_plugins import MemoryOptimizer  # noqa: E402
 from memopt_plugins.profiler.fit import resize_batch  # noqa: E402
 from memopt_plugins.profiler.meter import MemoryMeter  # noqa: E402
 from memopt_plugins.profiler.run import step_memory  # noqa: E402
+from memopt_plugins.tree import batch_size_of  # noqa: E402
 
 from . import RESULTS, ROOT, chosen  # noqa: E402
-from .harness.memory import in_fresh_process  # noqa: E402
+from .harness.memory import child_json  # noqa: E402
 from .harness.methods import checkpoint_blocks, inductor  # noqa: E402
+from .harness.speed import Spread, timed_steps  # noqa: E402
 
 MIB = 1 << 20
+#: This module, which its child processes run (``--child``).
+MODULE = "benchmarks.fits"
 
 
 @dataclass(frozen=True)
@@ -132,27 +137,84 @@ MODELS = {
     ),
 }
 
-#: (name, memopt config or None, checkpoint every block?)
-METHODS: list[tuple[str, dict[str, Any] | None, bool]] = [
-    ("baseline", None, False),
-    ("checkpoint every block", None, True),
-    ("memopt int8", {"quantize": {"bits": 8}}, False),
-    ("memopt int4", {"quantize": {"bits": 4}}, False),
-    ("memopt int2", {"quantize": {"bits": 2}}, False),
-    (
-        "memopt planner 0.3 + int8",
-        {"quantize": {"bits": 8}, "recompute": {"auto": {"budget": 0.3}}},
-        False,
-    ),
-    (  # int8 alone keeps about a quarter: under it, the planner recomputes on top
-        "memopt planner 0.1 + int8",
-        {"quantize": {"bits": 8}, "recompute": {"auto": {"budget": 0.1}}},
-        False,
-    ),
-    ("memopt lean ops", {"ops": "lean"}, False),
-    ("memopt lean ops + int4", {"ops": "lean", "quantize": {"bits": 4}}, False),
-    ("memopt lean ops + int2", {"ops": "lean", "quantize": {"bits": 2}}, False),
+
+@dataclass(frozen=True)
+class Method:
+    """One row's method: what patches a fresh copy of the model, and how its step runs."""
+
+    name: str
+    config: dict[str, Any] | None = None  # memopt's; ``"ops": "lean"``: the model's lean section
+    checkpointed: bool = False  # PyTorch's checkpoint around every block
+    bf16: bool = False  # the step's forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``
+    compiled: bool = False  # the whole model under ``model.compile`` (inductor, ``dynamic=False``)
+    budget: float | None = None  # ``activation_memory_budget`` while compiling (None: torch's)
+
+    def config_for(self, model: Model) -> dict[str, Any] | None:
+        """The memopt config on ``model`` (the lean ops its own), drift off."""
+        if self.config is None:
+            return None
+        config = {**self.config, "drift": {"enabled": False}}
+        if config.get("ops") == "lean":
+            config["ops"] = model.lean
+        return config
+
+    def applies_to(self, model: Model) -> bool:
+        return self.config is None or self.config.get("ops") != "lean" or model.lean is not None
+
+
+INT8, INT4, INT2 = ({"quantize": {"bits": b}} for b in (8, 4, 2))
+LEAN_INT4, LEAN_INT2 = ({"ops": "lean", **q} for q in (INT4, INT2))
+#: The rows read on the allocator's timeline, ``fits`` against the first.
+METHODS = [
+    Method("baseline"),
+    Method("checkpoint every block", checkpointed=True),
+    Method("memopt int8", INT8),
+    Method("memopt int4", INT4),
+    Method("memopt int2", INT2),
+    Method("memopt planner 0.3 + int8", {**INT8, "recompute": {"auto": {"budget": 0.3}}}),
+    # int8 alone keeps about a quarter: under it, the planner recomputes on top
+    Method("memopt planner 0.1 + int8", {**INT8, "recompute": {"auto": {"budget": 0.1}}}),
+    Method("memopt lean ops", {"ops": "lean"}),
+    Method("memopt lean ops + int4", LEAN_INT4),
+    Method("memopt lean ops + int2", LEAN_INT2),
 ]
+#: The same under bf16 autocast, on these models, read the same way, ``fits`` against the first.
+BF16_MODELS = ("gpt2", "llama")
+BF16_METHODS = [
+    Method("bf16 autocast baseline", bf16=True),
+    Method("bf16 autocast memopt lean ops + int4", LEAN_INT4, bf16=True),
+    Method("bf16 autocast memopt lean ops + int2", LEAN_INT2, bf16=True),
+]
+#: torch.compile rows, on these models, read in fresh processes (``COMPILED_NOTE``): ``fits``
+#: against the first (eager, not compiled), and against the second (the compiled baseline).
+COMPILED_MODELS = ("gpt2",)
+COMPILED_METHODS = [
+    Method("eager baseline, read as the compiled rows"),
+    Method("torch.compile", compiled=True),
+    Method("torch.compile activation_memory_budget 0.5", compiled=True, budget=0.5),
+    Method("torch.compile activation_memory_budget 0.1", compiled=True, budget=0.1),
+    Method("torch.compile + memopt int8", INT8, compiled=True),
+    Method("torch.compile + memopt lean ops + int4", LEAN_INT4, compiled=True),
+]
+BY_NAME = {m.name: m for m in (*METHODS, *BF16_METHODS, *COMPILED_METHODS)}
+#: The rows whose samples/s is read by default (``--time``), each in ``--repeats`` processes:
+#: the baselines, PyTorch's checkpoint and lean ops + int4 (the issue's bar). A lean row's batch is
+#: eight or more times the baseline's, so its steps take most of the time; ``--time all`` reads
+#: every row.
+TIMED = (
+    "baseline",
+    "checkpoint every block",
+    "memopt lean ops + int4",
+    "bf16 autocast baseline",
+    "bf16 autocast memopt lean ops + int4",
+    "torch.compile",
+    "torch.compile + memopt lean ops + int4",
+)
+#: Intra-op threads of every timing process.
+SPEED_THREADS = 1
+#: Steps before the compiled readings and timings (the first compiles); readings per process
+#: (the smallest is kept).
+COMPILE_WARMUP, READINGS = 2, 3
 
 
 @dataclass
@@ -163,169 +225,245 @@ class Row:
     retained_per_sample: float
     fits: float = 1.0
     batch: int = 0
-    samples_per_s: float = 0.0
+    samples_per_s: float = 0.0  # the median of samples_per_s_runs (0: not timed)
     peak_at_batch: int = 0
     fits_compiled: float | None = None  # torch.compile rows: against the compiled baseline
+    samples_per_s_runs: list[float] = field(default_factory=list)  # one per timing process
 
 
-def _steps_per_second(model, batch, loss_fn, steps: int) -> float:
-    loss_fn(model, batch).backward()  # warm-up
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        loss_fn(model, batch).backward()
-        times.append(time.perf_counter() - start)
-    model.zero_grad(set_to_none=True)
-    return 1.0 / statistics.median(times)
+@dataclass
+class Prepared:
+    """A fresh copy of a model with a method applied, its batch and its loss."""
+
+    model: torch.nn.Module
+    batch: Any
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    optimizer: MemoryOptimizer | None
+    backend: Any = None  # the compiled methods' (its graph count)
+
+    def step(self) -> None:
+        self.loss_fn(self.model, self.batch).backward()
 
 
-def run(names: list[str], quick: bool) -> list[Row]:
+def _under_bf16(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_fn(model, batch)
+
+    return loss
+
+
+def prepared(key: str, method: Method, quick: bool, n: int | None = None) -> Prepared:
+    """``key``'s model built afresh with ``method`` applied, at batch ``n`` (None: its own)."""
+    spec = MODELS[key]
+    model, batch, loss_fn = spec.build(quick)
+    if n is not None:
+        batch = resize_batch(batch, n)
+    if method.checkpointed:
+        checkpoint_blocks(model, spec.block_class)
+    config = method.config_for(spec)
+    optimizer = MemoryOptimizer(config) if config is not None else None
+    if optimizer is not None:
+        optimizer.apply(model)
+    backend = None
+    if method.compiled:
+        backend = inductor(method.budget)
+        model.compile(backend=backend, dynamic=False)
+    return Prepared(
+        model, batch, _under_bf16(loss_fn) if method.bf16 else loss_fn, optimizer, backend
+    )
+
+
+def _compiled_warm(p: Prepared, warmup: int) -> None:
+    """``warmup`` steps (at least :data:`COMPILE_WARMUP`: the first compiles); raises if a
+    compiled model ran eagerly."""
+    for _ in range(max(warmup, COMPILE_WARMUP)):
+        p.step()  # the gradients stay allocated: they cancel
+    if p.backend is not None and not p.backend.graphs:
+        raise RuntimeError("torch.compile compiled no graph: the model ran eagerly")
+
+
+def memory_child(key: str, method: str, n: int, quick: bool) -> dict[str, int]:
+    """In a child process: ``key``'s model with ``method`` at batch ``n``, warmed up;
+    ``{"peak", "retained"}``, the smallest of :data:`READINGS` steps' bytes."""
+    p = prepared(key, BY_NAME[method], quick, n)
+    _compiled_warm(p, COMPILE_WARMUP)
+    meter = MemoryMeter("cpu")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        readings = [meter.measure(lambda: p.loss_fn(p.model, p.batch)) for _ in range(READINGS)]
+    return {"peak": min(r.peak for r in readings), "retained": min(r.retained for r in readings)}
+
+
+def speed_child(key: str, method: str, n: int, quick: bool, warmup: int, steps: int) -> list[float]:
+    """In a child process: the seconds of ``steps`` training steps (forward and backward) of
+    ``key``'s model with ``method`` at batch ``n``, after ``warmup`` (compiled: at least
+    :data:`COMPILE_WARMUP`, the first compiles; no recompile after them)."""
+    p = prepared(key, BY_NAME[method], quick, n)
+    if p.backend is not None:
+        _compiled_warm(p, warmup)
+        warmup = 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        return timed_steps(p.step, warmup, steps)
+
+
+def _fit(rows: list[Row], n: int, compiled: Row | None = None) -> None:
+    """Each row's ``fits`` against the first (and ``compiled``), and its batch from ``n``."""
+    for row in rows:
+        row.fits = rows[0].peak_per_sample / row.peak_per_sample
+        row.batch = max(1, int(n * row.fits))
+        against = ""
+        if compiled is not None:
+            row.fits_compiled = compiled.peak_per_sample / row.peak_per_sample
+            against = f" ({row.fits_compiled:5.2f}x vs compiled)"
+        print(
+            f"{row.model:16s} {row.method:44s} peak/sample {row.peak_per_sample / MIB:7.3f} MiB"
+            f"  fits {row.fits:5.2f}x{against}  batch {row.batch:4d}",
+            flush=True,
+        )
+
+
+def eager_rows(names: list[str], quick: bool) -> list[Row]:
+    """The :data:`METHODS` rows of ``names``, then the :data:`BF16_METHODS` ones of the
+    :data:`BF16_MODELS` among them, each read by ``step_memory`` on the allocator's timeline."""
     rows: list[Row] = []
     for key in names:
         spec = MODELS[key]
-        model0, batch, loss_fn = spec.build(quick)
-        baseline: Row | None = None
-        for method, config, checkpointed in METHODS:
-            if config is not None and config.get("ops") == "lean":
-                if spec.lean is None:
-                    continue
-                config = {**config, "ops": spec.lean}
-            model = copy.deepcopy(model0)
-            if checkpointed:
-                checkpoint_blocks(model, spec.block_class)
-            opt = MemoryOptimizer({**config, "drift": {"enabled": False}}) if config else None
-            if opt is not None:
-                opt.apply(model)
-            step = step_memory(model, batch, loss_fn)
-            per = step.per_sample
-            row = Row(spec.name, method, per.peak, per.retained)
-            if baseline is None:
-                baseline = row
-            row.fits = baseline.peak_per_sample / row.peak_per_sample
-            n = len(batch[0]) if isinstance(batch, tuple) else len(batch)
-            row.batch = max(1, int(n * row.fits))
-            bigger = resize_batch(batch, row.batch)
-            row.samples_per_s = row.batch * _steps_per_second(
-                model, bigger, loss_fn, 2 if quick else 3
-            )
-            row.peak_at_batch = step.reading.peak
-            rows.append(row)
-            print(
-                f"{spec.name:16s} {method:28s} peak/sample {per.peak / MIB:7.3f} MiB  fits "
-                f"{row.fits:5.2f}x  batch {row.batch:4d}  {row.samples_per_s:7.1f} samples/s",
-                flush=True,
-            )
-            if opt is not None:
-                opt.remove()
+        for methods in (METHODS, BF16_METHODS if key in BF16_MODELS else []):
+            group: list[Row] = []
+            for method in [m for m in methods if m.applies_to(spec)]:
+                p = prepared(key, method, quick)
+                step = step_memory(p.model, p.batch, p.loss_fn)
+                if p.optimizer is not None:
+                    p.optimizer.remove()
+                per = step.per_sample
+                group.append(Row(spec.name, method.name, per.peak, per.retained))
+                group[-1].peak_at_batch = step.reading.peak
+            if group:
+                _fit(group, batch_size_of(p.batch))
+            rows += group
     return rows
 
 
-#: torch.compile rows, on these models: (method, ``activation_memory_budget`` while compiling;
-#: ``None``: torch's default, 1.0; ``"eager"``: not compiled, the eager baseline read the same way)
-COMPILED_MODELS = ("gpt2",)
-COMPILED_METHODS: list[tuple[str, float | str | None]] = [
-    ("eager baseline, read as the compiled rows", "eager"),
-    ("torch.compile", None),
-    ("torch.compile activation_memory_budget 0.5", 0.5),
-    ("torch.compile activation_memory_budget 0.1", 0.1),
-]
-#: Steps before the readings (the first compiles); readings per process (the smallest is kept).
-COMPILE_WARMUP, READINGS = 2, 3
+def compiled_rows(names: list[str], quick: bool, threads: int) -> list[Row]:
+    """The :data:`COMPILED_METHODS` rows of the :data:`COMPILED_MODELS` among ``names``: each
+    (method, batch) read by :func:`memory_child` in a fresh process."""
+    rows: list[Row] = []
+    for key in [k for k in names if k in COMPILED_MODELS]:
+        spec = MODELS[key]
+        n = batch_size_of(spec.build(quick)[1])
+        group: list[Row] = []
+        for method in COMPILED_METHODS:
+            big, small = (
+                child_json(MODULE, {"task": "memory", "key": key, "method": method.name,
+                                    "n": size, "quick": quick}, threads)
+                for size in (n, n // 2)
+            )  # fmt: skip
+            per = {k: (big[k] - small[k]) / (n - n // 2) for k in ("peak", "retained")}
+            print(f"  {spec.name} {method.name}: batch {n} {big}, {n // 2} {small}", flush=True)
+            if per["peak"] <= 0:
+                raise RuntimeError(f"{spec.name} {method.name}: peak per sample {per['peak']} <= 0")
+            group.append(Row(spec.name, method.name, per["peak"], per["retained"]))
+            group[-1].peak_at_batch = big["peak"]
+        _fit(group, n, compiled=group[1])
+        rows += group
+    return rows
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How samples/s is read: per process ``warmup`` steps, then ``steps`` timed; ``repeats``
+    processes per row."""
+
+    warmup: int = 1
+    steps: int = 2
+    repeats: int = 3
+
+
+#: A smoke run's: every part of the protocol, least time.
+QUICK_TIMING = Timing(warmup=1, steps=1, repeats=2)
+
+
+def time_rows(rows: list[Row], timed: Collection[str], quick: bool, timing: Timing) -> None:
+    """Fill the samples/s of the rows whose method is in ``timed``: each reading
+    :func:`speed_child` at the row's batch in a fresh process on :data:`SPEED_THREADS` thread(s),
+    the rows taken round-robin ``timing.repeats`` times (load that drifts hits them alike)."""
+    chosen = [r for r in rows if r.method in timed]
+    key_of = {spec.name: key for key, spec in MODELS.items()}
+    for r in chosen:
+        r.samples_per_s_runs = []
+    for round_ in range(timing.repeats):
+        for row in chosen:
+            task = {"task": "speed", "key": key_of[row.model], "method": row.method,
+                    "n": row.batch, "quick": quick, "warmup": timing.warmup,
+                    "steps": timing.steps}  # fmt: skip
+            seconds = child_json(MODULE, task, SPEED_THREADS, malloc=False)
+            row.samples_per_s_runs.append(row.batch / statistics.median(seconds))
+            print(
+                f"{row.model:16s} {row.method:44s} batch {row.batch:4d} process {round_ + 1}: "
+                f"{row.samples_per_s_runs[-1]:7.2f} samples/s",
+                flush=True,
+            )
+    for row in chosen:
+        row.samples_per_s = Spread.of(row.samples_per_s_runs).median
+
+
+BF16_NOTE = (
+    "The `bf16 autocast` rows run the step's forward under "
+    '`torch.autocast("cpu", dtype=torch.bfloat16)` (the backward outside it, as training loops '
+    "do) and are read as the rows above them; their `fits` is against the bf16 baseline (their "
+    "first row)."
+)
 COMPILED_NOTE = (
     "The torch.compile rows are read differently, because a compiled step cannot be read on the "
     "allocator's timeline: its per-module `record_function` hooks made the compiled model "
     "recompile inside the measured step, and with `dynamic=True` the two batch sizes got "
     "different partitions (an earlier try gave negative slopes). So each (method, batch) runs in "
     "a fresh spawned process with glibc's malloc returning freed blocks at once "
-    "(`MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0`), the whole model is compiled "
-    "(inductor, `dynamic=False`: each batch size its own graphs) at the method's "
-    "`torch._functorch.config.activation_memory_budget`, runs "
+    "(`MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0`), memopt is applied (drift off), "
+    "then the whole model is compiled (inductor, `dynamic=False`: each batch size its own graphs) "
+    "at the method's `torch._functorch.config.activation_memory_budget`, runs "
     f"{COMPILE_WARMUP} warm-up steps, and then {READINGS} steps, any recompile in them an error, "
     "each read by the process's high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` "
     "before the step, minus RSS before it; `MemoryMeter`), the smallest kept. The eager "
     "baseline is read the same way (its row), and these rows' `fits` is against it, then in "
     "brackets against the compiled baseline (DESIGN.md: under torch.compile, compare against the "
-    "compiled baseline). No samples/s (`-`): that needs a compile at the larger batch."
+    "compiled baseline)."
 )
 
 
-def compiled_child(key: str, budget: float | str | None, n: int, quick: bool) -> dict[str, int]:
-    """In the child process: ``key``'s model at batch ``n``, compiled at ``budget`` (or eager),
-    warmed up; ``{"peak", "retained"}``, the smallest of :data:`READINGS` steps' bytes."""
-    model, batch, loss_fn = MODELS[key].build(quick)
-    batch = resize_batch(batch, n)
-    backend = None
-    if budget != "eager":
-        backend = inductor(None if budget is None else float(budget))
-        model.compile(backend=backend, dynamic=False)
-    for _ in range(COMPILE_WARMUP):
-        loss_fn(model, batch).backward()  # the gradients stay allocated: they cancel
-    if backend is not None and not backend.graphs:
-        raise RuntimeError("torch.compile compiled no graph: the model ran eagerly")
-    meter = MemoryMeter("cpu")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        readings = [meter.measure(lambda: loss_fn(model, batch)) for _ in range(READINGS)]
-    return {"peak": min(r.peak for r in readings), "retained": min(r.retained for r in readings)}
-
-
-def _compiled_reading(key: str, budget: Any, n: int, quick: bool) -> dict[str, int]:
-    """:func:`compiled_child` in a fresh interpreter (this module with ``--child``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "reading.json"
-        child = {"key": key, "budget": budget, "n": n, "quick": quick}
-        command = ["--child", json.dumps(child), "--out", str(target)]
-        command += ["--threads", str(torch.get_num_threads())]
-        in_fresh_process("benchmarks.fits", command)
-        print(f"  {key} budget {budget} batch {n}: {target.read_text()}", flush=True)
-        return json.loads(target.read_text())
-
-
-def compiled_rows(names: list[str], quick: bool) -> list[Row]:
-    """The :data:`COMPILED_METHODS` rows of the :data:`COMPILED_MODELS` among ``names``."""
-    rows: list[Row] = []
-    for key in [k for k in names if k in COMPILED_MODELS]:
-        spec = MODELS[key]
-        _, batch, _ = spec.build(quick)
-        n = len(batch)
-        read: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
-        for method, budget in COMPILED_METHODS:
-            read[method] = (_compiled_reading(key, budget, n, quick),
-                            _compiled_reading(key, budget, n // 2, quick))  # fmt: skip
-            big, small = read[method]
-            per = {k: (big[k] - small[k]) / (n - n // 2) for k in ("peak", "retained")}
-            if per["peak"] <= 0:
-                raise RuntimeError(f"{spec.name} {method}: peak per sample {per['peak']} <= 0")
-            row = Row(spec.name, method, per["peak"], per["retained"], peak_at_batch=big["peak"])
-            rows.append(row)
-        eager, compiled = rows[-len(COMPILED_METHODS)], rows[-len(COMPILED_METHODS) + 1]
-        for row in rows[-len(COMPILED_METHODS) :]:
-            row.fits = eager.peak_per_sample / row.peak_per_sample
-            row.fits_compiled = compiled.peak_per_sample / row.peak_per_sample
-            row.batch = max(1, int(n * row.fits))
-            print(
-                f"{spec.name:16s} {row.method:44s} peak/sample {row.peak_per_sample / MIB:7.3f} "
-                f"MiB  fits {row.fits:5.2f}x ({row.fits_compiled:5.2f}x vs compiled)  "
-                f"peak at {n}: {row.peak_at_batch / MIB:.1f} MiB",
-                flush=True,
-            )
-    return rows
-
-
-def markdown(rows: list[Row], quick: bool, seconds: float, source: str | None = None) -> str:
-    """The table; ``source`` replaces the first sentence (which run made which rows)."""
-    ran = (
-        "Generated by `python -m benchmarks.fits`" + (" --quick" if quick else "") + f" on "
-        f"{torch.get_num_threads()} CPU threads in {seconds / 60:.1f} min (the module docstring "
-        "says how)."
+def speed_note(timing: Timing) -> str:
+    """How this run read samples/s."""
+    return (
+        "`samples/s`: training steps (forward and backward) at the row's batch, each reading a "
+        "fresh process of its own, one after another (glibc's malloc as it is, "
+        f"{SPEED_THREADS} intra-op thread): {timing.warmup} warm-up step(s) (compiled: "
+        f"{max(timing.warmup, COMPILE_WARMUP)}, the first compiles at that batch), then "
+        f"{timing.steps} timed steps, whose median step time gives the process's samples/s; "
+        f"{timing.repeats} such processes per row, the rows taken in turn, give the median and in "
+        "brackets the lowest and the highest. `-`: not timed in this run (`--time`)."
     )
+
+
+def _speed(row: Row) -> str:
+    if row.samples_per_s_runs:
+        return str(Spread.of(row.samples_per_s_runs))
+    return f"{row.samples_per_s:.1f}" if row.samples_per_s else "-"
+
+
+def markdown(rows: list[Row], timing: Timing, source: str) -> str:
+    """fits.md: ``source`` (which runs made the rows), how they were read, and the table."""
     out = [
         "# What fits: the step's peak per sample",
         "",
-        (source or ran) + " `fits`: how many times larger a batch fits in the memory the "
+        source + " `fits`: how many times larger a batch fits in the memory the "
         "baseline's step needs at the model's batch (the baseline's peak per sample over the "
         "method's); `samples/s` at that batch. Per sample: the slope between the model's batch "
         "and its half (16 and 8 for GPT-2 and Llama, 64 and 32 for the ResNet), on the "
         "allocator's timeline.",
+        "",
+        speed_note(timing),
+        "",
+        BF16_NOTE,
         "",
         COMPILED_NOTE,
         "",
@@ -336,10 +474,9 @@ def markdown(rows: list[Row], quick: bool, seconds: float, source: str | None = 
         fits = f"{r.fits:.2f}x"
         if r.fits_compiled is not None:
             fits += f" ({r.fits_compiled:.2f}x)"
-        speed = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
         out.append(
             f"| {r.model} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
-            f"{r.retained_per_sample / MIB:.3f} MiB | {fits} | {r.batch} | {speed} |"
+            f"{r.retained_per_sample / MIB:.3f} MiB | {fits} | {r.batch} | {_speed(r)} |"
         )
     return "\n".join(out) + "\n"
 
@@ -355,45 +492,100 @@ def merged(old: list[Row], new: list[Row]) -> list[Row]:
     return rows
 
 
+def _timed(parser: argparse.ArgumentParser, value: str | None) -> Collection[str]:
+    """``--time``: the method names to time (``all``, ``none``; default :data:`TIMED`)."""
+    if value is None:
+        return TIMED
+    if value in ("all", "none"):
+        return BY_NAME if value == "all" else ()
+    return chosen(parser, value, BY_NAME, "--time")
+
+
+def _timing(args: argparse.Namespace) -> Timing:
+    given = {k: getattr(args, k) for k in ("warmup", "steps", "repeats")}
+    default = QUICK_TIMING if args.quick else Timing()
+    return replace(default, **{k: v for k, v in given.items() if v is not None})
+
+
+def _header_runs(out: Path) -> str:
+    """The sentences of ``out``'s fits.md that say which runs made its rows."""
+    return (out / "fits.md").read_text().split("\n")[2].split(" `fits`: how many")[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--out", default=str(RESULTS), help="folder for fits.md and fits.json")
     parser.add_argument("--only", default=",".join(MODELS), help="models, comma-separated")
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
-    parser.add_argument(
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (memory)")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument(
         "--compiled-only",
         action="store_true",
         help="only the torch.compile rows, merged into the --out folder's fits.json",
     )
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # compiled_child's JSON
+    runs.add_argument(
+        "--time-only",
+        action="store_true",
+        help="only samples/s, of the rows in the --out folder's fits.json (at their batch)",
+    )
+    parser.add_argument(
+        "--time",
+        default=None,
+        help="methods whose samples/s is read, comma-separated, or all / none "
+        f"(default: {', '.join(TIMED)})",
+    )
+    for name, what in (("warmup", "untimed steps"), ("steps", "timed steps"),
+                       ("repeats", "processes per row")):  # fmt: skip
+        parser.add_argument(
+            f"--{name}", type=int, default=None,
+            help=f"samples/s: {what} (default {getattr(Timing(), name)}, "
+            f"--quick {getattr(QUICK_TIMING, name)})",
+        )  # fmt: skip
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a child's task, JSON
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.child is not None:  # one compiled reading, written to --out (a file)
-        Path(args.out).write_text(json.dumps(compiled_child(**json.loads(args.child))))
+    if args.child is not None:  # one reading, written to --out (a file)
+        task = json.loads(args.child)
+        child = memory_child if task.pop("task") == "memory" else speed_child
+        Path(args.out).write_text(json.dumps(child(**task)))
         return 0
     names = chosen(parser, args.only, MODELS)
+    timed, timing = _timed(parser, args.time), _timing(args)
     start = time.perf_counter()
     out = Path(args.out)
-    source = None
+    threads = torch.get_num_threads()
+    command = shlex.join(["python", "-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
+    if args.compiled_only or args.time_only:
+        old = [Row(**r) for r in json.loads((out / "fits.json").read_text())]
     if args.compiled_only:
-        rows = compiled_rows(names, args.quick)
-        old = json.loads((out / "fits.json").read_text())
-        rows = merged([Row(**r) for r in old], rows)
-        # the header's first paragraph, less this sentence from an earlier --compiled-only run
-        kept = (out / "fits.md").read_text().split("\n")[2].split(" The other rows: ")[-1]
-        kept = kept.split(" `fits`: how many")[0]
+        rows = compiled_rows(names, args.quick, threads)
+        time_rows(rows, timed, args.quick, timing)
+        rows = merged(old, rows)
+        minutes = (time.perf_counter() - start) / 60
+        earlier = _header_runs(out).split("The other rows: ")[-1]  # an earlier one's left out
         source = (
-            "The torch.compile rows: `python -m benchmarks.fits --compiled-only --only "
-            f"{args.only}` on {torch.get_num_threads()} CPU threads, "
-            f"{(time.perf_counter() - start) / 60:.1f} "
-            f"min. The other rows: {kept}"
+            f"The torch.compile rows: `{command}` on {threads} CPU threads, {minutes:.1f} min. "
+            f"The other rows: {earlier}"
         )
+    elif args.time_only:
+        rows = old
+        keys = {MODELS[k].name for k in names}
+        time_rows([r for r in rows if r.model in keys], timed, args.quick, timing)
+        minutes = (time.perf_counter() - start) / 60
+        earlier = _header_runs(out).split(" Their samples/s: ")[0]  # an earlier one's left out
+        source = f"{earlier} Their samples/s: `{command}`, {minutes:.1f} min."
     else:
-        rows = merged(run(names, args.quick), compiled_rows(names, args.quick))
+        rows = merged(eager_rows(names, args.quick), compiled_rows(names, args.quick, threads))
+        time_rows(rows, timed, args.quick, timing)
+        minutes = (time.perf_counter() - start) / 60
+        source = (
+            f"Generated by `{command}` in {minutes:.1f} min, the memory read on {threads} CPU "
+            "threads (the module docstring says how)."
+        )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fits.md").write_text(markdown(rows, args.quick, time.perf_counter() - start, source))
+    (out / "fits.md").write_text(markdown(rows, timing, source))
     (out / "fits.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     print(f"wrote {out / 'fits.md'}, {out / 'fits.json'}")
     return 0

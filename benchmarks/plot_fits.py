@@ -1,10 +1,13 @@
-"""The README's picture: how many times larger a batch fits, per method and model.
+"""The README's picture and table: how many times larger a batch fits, per method and model.
 
 Reads ``fits.json`` (written by ``python -m benchmarks.fits``) and draws one bar group per model
-for the methods the README's table shows, in memopt's chart look. ``make bench`` runs it after
-the studies, so the picture follows the measured numbers.
+for the fp32 methods the README's table shows, in memopt's chart look. ``make bench`` runs it
+after the studies, so the picture follows the measured numbers. ``--readme-table`` prints the
+README's Results table instead: those methods, then lean ops + int4 under bf16 autocast and under
+torch.compile where fits.json has them (tests/test_docs.py holds the README to it).
 
     python -m benchmarks.plot_fits [--fits benchmarks/fits.json] [--out docs/fits.png]
+    python -m benchmarks.plot_fits --readme-table
 """
 
 from __future__ import annotations
@@ -30,11 +33,38 @@ METHODS = (
 )
 #: The models, in the order fits.json lists them.
 MODELS = ("HF GPT-2", "HF Llama", "ResNet-50-style")
+#: The README table's rows after :data:`METHODS`, shown where fits.json has them: (method as
+#: fits.json names it, label, the field read: ``fits_compiled`` is against the compiled baseline).
+SETTINGS = (
+    ("bf16 autocast memopt lean ops + int4", "memopt lean ops + int4, bf16 autocast", "fits"),
+    (
+        "torch.compile + memopt lean ops + int4",
+        "memopt lean ops + int4, torch.compile (vs compiled baseline)",
+        "fits_compiled",
+    ),
+)
 
 
 def fits_by_method(rows: list[dict]) -> dict[tuple[str, str], float]:
     """``(model, method) -> fits`` for the eager rows (the compiled rows are read another way)."""
     return {(r["model"], r["method"]): r["fits"] for r in rows if r.get("fits_compiled") is None}
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The README's Results table: a row per :data:`METHODS` entry, then the :data:`SETTINGS`
+    that fits.json has for some model; ``–`` where a model has none."""
+    value = {(r["model"], r["method"]): r for r in rows}
+    lines = ["| method | " + " | ".join(MODELS) + " |", "|---|" + "--:|" * len(MODELS)]
+    shown = [(method, label, "fits") for method, label, _ in METHODS] + [
+        s for s in SETTINGS if any((model, s[0]) in value for model in MODELS)
+    ]
+    for method, label, key in shown:
+        cells = [
+            f"{value[(model, method)][key]:.2f}×" if (model, method) in value else "–"
+            for model in MODELS
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def write_plot(rows: list[dict], path: Path) -> Path:
@@ -60,8 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fits", type=Path, default=ROOT / "benchmarks" / "fits.json")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "fits.png")
+    parser.add_argument("--readme-table", action="store_true", help="print the README's table")
     args = parser.parse_args(argv)
-    print(write_plot(json.loads(args.fits.read_text()), args.out))
+    rows = json.loads(args.fits.read_text())
+    if args.readme_table:
+        print(readme_table(rows), end="")
+    else:
+        print(write_plot(rows, args.out))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 slow the timed steps, so the parent (:func:`memory_in_child`) spawns a fresh interpreter with
 malloc set from its start (:data:`MALLOC_ENV`, DESIGN.md "Measuring memory"); the child measures
 every method (:func:`measure_memory`) and writes JSON, which the parent folds into its rows
-(:func:`record_memory`). :func:`in_fresh_process` starts such a child for any benchmark, and
-:func:`least_retained` is the reading every study takes.
+(:func:`record_memory`). :func:`in_fresh_process` starts such a child for any benchmark
+(:func:`child_json` reads what it writes), and :func:`least_retained` is the reading every study
+takes.
 """
 
 from __future__ import annotations
@@ -38,13 +39,24 @@ ENTRY_POINT = "benchmarks.run"
 
 
 def in_fresh_process(
-    module: str, args: list[str], capture: bool = False
+    module: str, args: list[str], capture: bool = False, malloc: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """``python -m module *args`` from the repository root, malloc set as :data:`MALLOC_ENV`
-    from its start; raises if it fails. ``capture``: keep its stdout and stderr."""
+    from its start (``malloc=False``: as it is, for timed steps); raises if it fails.
+    ``capture``: keep its stdout and stderr."""
     command = [sys.executable, "-m", module, *args]
-    env = {**os.environ, **MALLOC_ENV}
+    env = {**os.environ, **(MALLOC_ENV if malloc else {})}
     return subprocess.run(command, check=True, cwd=ROOT, env=env, capture_output=capture, text=True)
+
+
+def child_json(module: str, task: dict[str, Any], threads: int, malloc: bool = True) -> Any:
+    """What ``python -m module --child TASK --out FILE --threads N`` writes to ``FILE`` as JSON,
+    run by :func:`in_fresh_process` (``task`` as JSON)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "child.json"
+        command = ["--child", json.dumps(task), "--out", str(target), "--threads", str(threads)]
+        in_fresh_process(module, command, malloc=malloc)
+        return json.loads(target.read_text())
 
 
 def least_retained(
