@@ -652,5 +652,10 @@ def compact_copy(t: torch.Tensor) -> tuple[object, Callable[[object], torch.Tens
     if not isinstance(saved, _Saved):
         return None
     # Unwatched: the caller holds ``t`` outside autograd's saved variables and checks its
-    # version itself (the lean ReLU's ``mark_dirty`` bumps it after this call).
-    return _Saved(saved.payload, saved.decode, saved.shape), hooks[1]
+    # version itself (the lean ReLU's ``mark_dirty`` bumps it after this call). It holds the
+    # cached copy, so that the next layer's save of ``t`` finds it rather than packing again.
+    return _Saved(saved, _decode_unwatched, saved.shape), hooks[1]
+
+
+def _decode_unwatched(saved: _Saved) -> torch.Tensor:
+    return saved.decode(saved.payload)
