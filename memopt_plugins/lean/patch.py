@@ -127,8 +127,12 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
         return None
     approximate, up, down = _gelu_kind(act), _linear_of(m.c_fc), _linear_of(m.c_proj)
     if approximate is not None and up is not None and down is not None:
-        # one node per chunk saving the chunk only (gelu_mlp)
+        # one node per chunk saving the chunk only (gelu_mlp); compiled, the modules' own chain:
+        # the compiler picks what its graph saves, and tracing gelu_mlp ran the eager hooks'
+        # pack inside the graph (dynamo failed on a guard it had just made)
         def block(t: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling():
+                return m.c_proj(act(m.c_fc(t)))
             return gelu_mlp(t, *up(), *down(), approximate)
 
         return lambda x: m.dropout(tiled(x, block))
