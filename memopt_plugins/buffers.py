@@ -7,15 +7,22 @@ allocating a second one of the same size beside it: in the backward of a gated M
 of the step's widest tensors. Anything not marked here (a tensor saved as it is, which the model
 or the user may still hold) is never written to.
 
+A decode that several consecutive nodes read (:meth:`..compress.hooks._Saved.value`) is held
+for the later ones; the first to ask whether it may write into it takes it over
+(:func:`shared_until_written`), and the later nodes decode their own.
+
 The mark sits on the tensor's storage: autograd hands a node a new tensor object around the one
 the unpack hook returned, while the storage's Python object lives as long as the storage does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 _MARK = "_memopt_private"
+_LET_GO = "_memopt_let_go"
 
 
 def mark_private(t: torch.Tensor) -> torch.Tensor:
@@ -27,8 +34,25 @@ def mark_private(t: torch.Tensor) -> torch.Tensor:
 def private(t: torch.Tensor) -> bool:
     """Whether ``t`` may be overwritten: its storage marked, ``t`` dense in row-major order, and
     outside a compiled graph (whose tensors are traced, never marked)."""
-    return (
-        not torch.compiler.is_compiling()
-        and t.is_contiguous()
-        and getattr(t.untyped_storage(), _MARK, False)
-    )
+    if torch.compiler.is_compiling() or not t.is_contiguous():
+        return False
+    storage = t.untyped_storage()
+    let_go = getattr(storage, _LET_GO, None)
+    if let_go is not None:
+        delattr(storage, _LET_GO)
+        if let_go() and sole_holder(t):
+            mark_private(t)
+    return getattr(storage, _MARK, False)
+
+
+def shared_until_written(t: torch.Tensor, let_go: Callable[[], bool]) -> None:
+    """``t`` is held for further readers; :func:`private` asked of it first calls ``let_go``
+    (whether its holder let go of it), and a sole holder may then overwrite it."""
+    setattr(t.untyped_storage(), _LET_GO, let_go)
+
+
+def sole_holder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its storage: no earlier reader holds it still."""
+    storage = t.untyped_storage()
+    holders = 2 if t._base is None else 3  # ``t``, ``storage`` and the base ``t`` views
+    return torch._C._storage_Use_Count(storage._cdata) == holders

@@ -11,8 +11,9 @@ from zoo import hf_clip, hf_gpt2, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.compress.bits import BitTable
-from memopt_plugins.compress.codec import PackedTensor, quantize
+from memopt_plugins.compress.codec import PackedTensor, dequantize, quantize
 from memopt_plugins.compress.hooks import CompressionHooks
+from memopt_plugins.lean.chains import gelu
 
 
 def q(bits: int, **extra) -> dict:
@@ -209,6 +210,42 @@ def test_tensor_saved_twice_is_packed_once():
     opt.remove()
     expected = 2 * (2 * x.detach()).exp()
     assert ((x.grad - expected).norm() / expected.norm()).item() < 0.01
+
+
+class _SavedTwiceInARow(nn.Module):
+    """``h`` saved by two nodes one after the other (``second`` is the lean GELU, which writes
+    its gradient into a private decode of ``h``, or ``cos``, which only reads it)."""
+
+    def __init__(self, second):
+        super().__init__()
+        self.second = second
+
+    def forward(self, x):
+        h = x * 2
+        return (h.sin() + self.second(h)).sum()
+
+
+@pytest.mark.parametrize("second, decodes", [(torch.cos, 1), (gelu, 2)])
+def test_consecutive_saves_of_one_tensor_share_one_decode(monkeypatch, second, decodes):
+    """Consecutive saves of one tensor (a layer norm's output by the query, key and value
+    projections) run their backward nodes one after the other: one decode serves them all,
+    unless a node writes its gradient into it, and then the next decodes its own."""
+    import memopt_plugins.compress.hooks as hooks_module
+
+    calls = []
+    decode = hooks_module.dequantize
+    monkeypatch.setattr(hooks_module, "dequantize", lambda p: calls.append(1) or decode(p))
+    x = torch.randn(64, 256, requires_grad=True)
+    opt = MemoryOptimizer(q(8, min_numel=1, rounding="nearest"))
+    opt.apply(_SavedTwiceInARow(second))(x).backward()
+    group_size = opt.hooks.group_size
+    opt.remove()
+    assert len(calls) == decodes
+    h = (2 * x).detach()
+    hq = dequantize(quantize(h, 8, group_size=group_size, stochastic=False))
+    ones = torch.ones_like(h)
+    _, reference = torch.autograd.functional.vjp(lambda v: v.sin() + second(v), hq, ones)
+    assert torch.allclose(x.grad, 2 * reference, atol=1e-6)
 
 
 def test_reused_address_never_gets_another_tensors_pack(monkeypatch):

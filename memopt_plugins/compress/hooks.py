@@ -17,6 +17,7 @@ outlive resharding and feed backward a compressed weight.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..buffers import mark_private
+from ..buffers import mark_private, shared_until_written, sole_holder
 from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
@@ -90,11 +91,25 @@ class _Kept:
         self.version = t._version
 
 
+#: Per thread (autograd runs each device's backward on a thread of its own): the :class:`_Saved`
+#: whose decoded tensor is held for its next consumers, held weakly. One at a time, so a copy
+#: outlives its consumers by at most the next shared decode.
+_HOLDING = threading.local()
+
+
 class _Saved:
     """What autograd holds instead of a tensor: a compact payload and how to restore it, and
-    the original's version counter (through its base, held weakly) to check at unpack."""
+    the original's version counter (through its base, held weakly) to check at unpack.
 
-    __slots__ = ("payload", "decode", "shape", "source", "version", "changed", "__weakref__")
+    ``consumers``: the saves in a row of the same tensor that hold it (a layer norm's output
+    saved by the query, key and value projections; the log-probabilities by the log-softmax and
+    the NLL loss). Their nodes run one after another in backward, so the first decode is held
+    for the rest (:meth:`value`) instead of decoding, and allocating, once per node."""
+
+    __slots__ = (
+        "payload", "decode", "shape", "source", "version", "changed", "consumers", "held", "taken",
+        "shares", "__weakref__",
+    )  # fmt: skip
 
     def __init__(
         self, payload: object, decode: Callable[[object], torch.Tensor], shape: torch.Size
@@ -105,6 +120,10 @@ class _Saved:
         self.source: weakref.ref | None = None
         self.version = 0
         self.changed: int | None = None  # the version the original was seen at, when changed
+        self.consumers = 1
+        self.held: torch.Tensor | None = None
+        self.taken = 0  # consumers that took a decode in this backward
+        self.shares = False  # decodes through another's value(), which decides if it is private
 
     def watch(self, t: torch.Tensor) -> _Saved:
         """Check at unpack that ``t`` was not changed in place since (views share its base's
@@ -126,10 +145,55 @@ class _Saved:
         if self.changed is not None:
             _check_version(_Changed(self.shape, self.changed), self.version)
 
+    def fresh(self) -> torch.Tensor:
+        """A decode of its own, for a consumer not counted in :attr:`consumers`."""
+        return self.decode(self.payload)
+
+    def value(self) -> torch.Tensor:
+        """The decoded tensor for one of its counted consumers: for the last (or only) one,
+        marked as one its node may overwrite (:func:`mark_private`) where nothing else holds
+        it; else held for the next, unless its node takes it over to write into
+        (:func:`shared_until_written`)."""
+        self.taken += 1
+        last = self.taken == self.consumers
+        if last:
+            self.taken = 0  # a further backward (retain_graph) starts again
+        out, self.held = self.held, None
+        if out is not None:  # held for the earlier consumers: private once they let go of it
+            if last:
+                return mark_private(out) if sole_holder(out) else out
+        else:
+            out = self.fresh()
+            if last:
+                return out if self.shares else mark_private(out)
+        previous = getattr(_HOLDING, "saved", None)
+        previous = previous() if previous is not None else None
+        if previous is not None:
+            previous.held = None
+        self.held = out
+        _HOLDING.saved = weakref.ref(self)
+        shared_until_written(out, functools.partial(_let_go, weakref.ref(self), _address(out)))
+        return out
+
     @property
     def nbytes(self) -> int:
         payload = self.payload
         return tensor_nbytes(payload) if isinstance(payload, torch.Tensor) else payload.nbytes
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _let_go(ref: weakref.ref, address: int) -> bool:
+    """The :class:`_Saved` behind ``ref`` stops holding its decode at ``address`` for later
+    consumers (they decode their own); whether it held it. Weak and by address: the storage
+    keeps this function, which must not keep the storage."""
+    saved = ref()
+    if saved is None or saved.held is None or _address(saved.held) != address:
+        return False
+    saved.held = None
+    return True
 
 
 def _alias_key(t: torch.Tensor) -> tuple | None:
@@ -145,14 +209,17 @@ def _alias_key(t: torch.Tensor) -> tuple | None:
     return (*where, tuple(t.shape), t.stride())
 
 
-def _relaid(t: torch.Tensor, first: tuple[int, ...]) -> Callable[[object], torch.Tensor]:
+def _relaid(
+    t: torch.Tensor, first: tuple[int, ...], shared: bool
+) -> Callable[[object], torch.Tensor]:
     """Decodes what was saved for another dense view of ``t``'s memory, whose strides were
     ``first``, into ``t``'s shape and strides: laid out as that view was (the memory they
-    share), then viewed as ``t``."""
+    share), then viewed as ``t``. ``shared``: as one of that save's counted consumers
+    (:meth:`_Saved.value`), else a decode of its own."""
     shape, stride = t.shape, t.stride()
 
     def decode(saved: _Saved) -> torch.Tensor:
-        out = saved.decode(saved.payload)
+        out = saved.value() if shared else saved.fresh()
         out = _with_strides(out, out.shape, first)
         return out.as_strided(shape, stride, out.storage_offset())
 
@@ -231,6 +298,7 @@ class CompressionHooks:
         self.observer: PackObserver | None = None
         self._local = threading.local()
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref, tuple[int, ...]]] = {}
+        self._last: weakref.ref | None = None  # the compressed save just before, if any
         self._storages: ModelStorages | None = None
         self._running: RunningParameters | None = None
         self._watch: Watch | None = None
@@ -279,6 +347,7 @@ class CompressionHooks:
             self._running.remove()
             self._running = None
         self._cache.clear()
+        self._last = None
         self._storages = None
         if self._release is not None:  # graphs compiled before still run, rounding with seed 0
             self._release()
@@ -400,6 +469,7 @@ class CompressionHooks:
                     if saved is not None:
                         saved.look()
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
+                self._last = None
                 self.stats.add_compiled(self._compiled.forward_done(output))
                 if self.memory is not None and torch.is_grad_enabled():
                     self.memory.forward_done(self.stats.saved_stored, self.stats.saved_original)
@@ -449,10 +519,18 @@ class CompressionHooks:
         if hit is not None and hit[0]() is not None:
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
+                # by the save just before: a consumer of the same decode (_Saved.value)
+                shared = self._last is not None and self._last() is saved
+                if shared:
+                    saved.consumers += 1
                 if (saved.shape, hit[2]) != (t.shape, t.stride()):
-                    saved = _Saved(saved, _relaid(t, hit[2]), t.shape).watch(t)
+                    saved = _Saved(saved, _relaid(t, hit[2], shared), t.shape).watch(t)
+                    saved.shares = shared
+                elif not shared:
+                    saved = _Saved(saved, _Saved.fresh, t.shape).watch(t)
                 return saved, 0
         derived = self._derived(t, bits)
+        self._last = None
         if derived is not None:
             if key is not None:
                 self._cache[key] = (weakref.ref(t._base if t._base is not None else t),
@@ -473,6 +551,7 @@ class CompressionHooks:
             return t, 0
         stats.forward_stored += nbytes
         stats.held_bytes += nbytes
+        self._last = weakref.ref(saved)
         weakref.finalize(saved, stats._release, nbytes)
         if key is not None:
             # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its
@@ -489,7 +568,7 @@ class CompressionHooks:
             return None
         packed, remake = found
         shape = t.shape
-        return _Saved(packed, lambda p: remake(p.decode(p.payload)).view(shape), shape).watch(t)
+        return _Saved(packed, lambda p: remake(p.fresh()).view(shape), shape).watch(t)
 
     def _keep_unencodable(self, t: torch.Tensor) -> None:
         """Count a saved tensor the codec cannot take (policy.encodable); say so once per kind."""
@@ -603,8 +682,7 @@ class CompressionHooks:
         if isinstance(saved, _Saved):
             saved.check()
             with mark(UNPACK_RANGE):
-                # decoded for the one node unpacking it: the lean ops may write gradients into it
-                return mark_private(saved.decode(saved.payload))
+                return saved.value()  # the lean ops may write gradients into a private one
         tag = saved[0] if isinstance(saved, tuple) else None
         if tag == CODED:
             coded = Coded(*saved[1:])
@@ -654,8 +732,10 @@ def compact_copy(t: torch.Tensor) -> tuple[object, Callable[[object], torch.Tens
     # Unwatched: the caller holds ``t`` outside autograd's saved variables and checks its
     # version itself (the lean ReLU's ``mark_dirty`` bumps it after this call). It holds the
     # cached copy, so that the next layer's save of ``t`` finds it rather than packing again.
-    return _Saved(saved, _decode_unwatched, saved.shape), hooks[1]
+    unwatched = _Saved(saved, _decode_unwatched, saved.shape)
+    unwatched.shares = True
+    return unwatched, hooks[1]
 
 
 def _decode_unwatched(saved: _Saved) -> torch.Tensor:
-    return saved.decode(saved.payload)
+    return saved.value()
