@@ -8,6 +8,7 @@ inside them. Compile tests are few and small: each costs seconds of compiling.
 from __future__ import annotations
 
 import logging
+from operator import getitem
 from pathlib import Path
 
 import pytest
@@ -129,19 +130,36 @@ def test_two_bit_nearest_in_graphs_errs_no_more_than_the_references_stochastic(r
     assert nearest <= (stochastic - x).norm() / x.norm()
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("codec", ["auto", "torch"])
-def test_the_group_parameters_are_one_operator_where_the_c_kernels_serve(codec, monkeypatch):
-    """Where the C kernels serve, the traced codec calls ``memopt::graph_params`` once (it is
-    opaque to inductor); elsewhere the parameters are traced inline, with the same bytes."""
+def test_the_encoder_is_one_operator_where_the_c_kernels_serve(codec, bits, monkeypatch):
+    """Where the C kernels serve, a graph encodes a saved tensor with one ``memopt::graph_encode``
+    (opaque to inductor, which would otherwise compile the encoder into every kernel that saves
+    a tensor); elsewhere the encoder is traced inline. Both write the same bytes (stochastic at
+    the same seed too), which the traced decoder reads."""
     monkeypatch.setenv("MEMOPT_CODEC", codec)
-    x = torch.randn(4096)
-    traced = make_fx(lambda t: graph_codec.encode(t, 4, 256))(x)
-    calls = [n for n in traced.graph.nodes if n.target == torch.ops.memopt.graph_params.default]
+    x = torch.randn(4096 + 100)  # a last group padded
+    x[:256] = float("nan")  # a group decoded as NaN
+    x[256:512] = 3.0  # a constant group
+    seed = torch.tensor(-123456789012345)
+    traced = make_fx(lambda t, s: graph_codec.encode(t, bits, 256, s))(x, seed)
     native = codec == "auto" and ops.codec_for(x.device) == "native"
-    assert len(calls) == (1 if native else 0)
+    targets = {n.target for n in traced.graph.nodes if n.op == "call_function"} - {getitem}
+    assert targets == {torch.ops.memopt.graph_encode.default} if native else len(targets) > 10
+    got = traced(x, seed)
     monkeypatch.setenv("MEMOPT_CODEC", "torch")
-    want = graph_codec.encode(x, 4, 256)
-    assert all(torch.equal(a, b) for a, b in zip(traced(x), want, strict=True))
+    want = graph_codec.encode(x, bits, 256, seed)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    kept = torch.ones(got[1].numel(), dtype=torch.bool)
+    kept[0] = False  # the NaN group's codes are unspecified
+    per_group = want[0].numel() // kept.numel()
+    assert torch.equal(got[0].view(-1, per_group)[kept], want[0].view(-1, per_group)[kept])
+    decoded = graph_codec.decode(
+        graph_codec.Coded(*got, bits, 256, x.numel(), x.dtype, x.shape, None)
+    )
+    assert decoded[:256].isnan().all() and decoded[256:512].eq(3.0).all()
+    if bits >= 4:  # at 2 bits the first level is a whole step: no such bound
+        assert (decoded[512:] - x[512:]).abs().max() <= 2 * x[512:].abs().max() / (2**bits - 1)
 
 
 def _whole_without_codegen(model) -> None:

@@ -91,7 +91,9 @@ _EDGES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", BITS)
-def test_the_graph_parameters_kernel_writes_the_reference_bits(dtype, bits) -> None:
+def test_the_graph_encoder_writes_the_reference_parameters(dtype, bits) -> None:
+    """``memopt_graph_encode``'s scale and zero point are the traced codec's (reference) bits
+    for groups whose extremes are every pair of edges."""
     edges = torch.tensor(_EDGES)
     edges = torch.cat((edges, -edges))
     lo, hi = edges.repeat_interleave(len(edges)), edges.repeat(len(edges))
@@ -101,8 +103,9 @@ def test_the_graph_parameters_kernel_writes_the_reference_bits(dtype, bits) -> N
     mx = mn + torch.rand(5000, generator=g) * spread
     mn = torch.cat((torch.minimum(lo, hi), mn, mx[:100]))  # every pair of edges; constants
     mx = torch.cat((torch.maximum(lo, hi), mx, mx[:100]))
-    kernel = native.graph_params(mn, mx, bits, FIRST_LEVEL[bits], dtype)
-    expected = graph_params(mn, mx, bits, dtype)
+    groups = torch.stack((mn, mx, mn, mx), 1).to(dtype)  # each pair a group of four
+    kernel = native.graph_encode(groups.view(-1), 4, bits, FIRST_LEVEL[bits], None)[1:]
+    expected = graph_params(groups[:, 0].float(), groups[:, 1].float(), bits, dtype)
     assert _same_bits(kernel[0], expected[0]) and _same_bits(kernel[1], expected[1])
     assert ((expected[0] == 0) & (expected[1] == 2**bits - 1)).any()  # lost groups are met
 

@@ -384,38 +384,72 @@ int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_s
     return failed ? -1 : flagged;
 }
 
-/* The scale (bfloat16 bits) and zero point that compiled graphs store for groups with minima
- * `mins` and maxima `maxs` (float32, n groups): group_params's, except that a group the eager
- * codec keeps exactly (or a constant that is not finite) gets scale 0 and the top code, which
- * decode to NaN (graph.encode). One thread, in vector lanes: a group takes a few nanoseconds. */
-void memopt_graph_params(const float *restrict mins, const float *restrict maxs, int64_t n,
-                         int bits, float first, int dtype, float dtype_max,
-                         uint16_t *restrict scale, uint8_t *restrict zero_point) {
-    const uint32_t top = (1u << bits) - 1;
-#pragma omp simd
-    for (int64_t g = 0; g < n; g++) {
-        const params_t p = group_params(mins[g], maxs[g], bits, first, dtype, dtype_max);
-        const uint32_t not_finite = -(uint32_t)!__builtin_isfinite(maxs[g]); /* 0 or all ones */
-        const uint32_t lost = (p.flags & EXACT) | (p.flags & CONSTANT & not_finite);
-        scale[g] = (uint16_t)(lost ? 0u : p.scale);
-        zero_point[g] = (uint8_t)(lost ? top : (uint32_t)(int32_t)p.zero_point);
+/* Pack each group's n codes in planes, as traced._pack_planes does: byte j of the group holds
+ * codes j, j + m, j + 2m, ... (m = n / per_byte bytes), lowest bits first. */
+static void pack_planes(const uint8_t *codes, int64_t n, int bits, uint8_t *out) {
+    const int per_byte = 8 / bits;
+    const int64_t m = n / per_byte;
+    if (per_byte == 1) {
+        memcpy(out, codes, (size_t)n);
+        return;
     }
+    memcpy(out, codes, (size_t)m);
+    for (int lane = 1; lane < per_byte; lane++)
+        for (int64_t j = 0; j < m; j++) out[j] |= (uint8_t)(codes[lane * m + j] << (lane * bits));
 }
 
-/* fill_noise's noise of elements [0, n) widened to int32: what compiled graphs add to their codes
- * for stochastic rounding (traced.noise, an operator opaque to inductor), split between `threads`
- * threads in chunks of an even number of elements. */
-void memopt_noise(uint64_t seed, int64_t n, int32_t *restrict out, int threads) {
-    enum { CHUNK = 4096 };
-    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
-    const int parts = thread_count(chunks, threads);
-#pragma omp parallel for num_threads(parts) schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        uint16_t k[CHUNK];
-        const int64_t first = c * CHUNK, len = n - first < CHUNK ? n - first : CHUNK;
-        fill_noise((uint64_t)first, seed, len, k);
-        for (int64_t i = 0; i < len; i++) out[first + i] = k[i];
+/* What compiled graphs save for x (traced.encode, in one call opaque to inductor, which would
+ * otherwise generate and compile the codec's kernels for every tensor a graph saves): per group
+ * the scale and zero point of group_params, except that a group the eager codec keeps exactly (or
+ * a constant that is not finite) gets scale 0 and the top code, which decode to NaN
+ * (reference.graph_params), and the codes, packed in planes (pack_planes;
+ * n_groups * group_size * bits / 8 bytes, the last group padded as load_group pads). Codes of a
+ * group decoded as NaN are unspecified. Returns 0, or -1 when scratch memory ran out. */
+int memopt_graph_encode(const void *x, int dtype, int64_t numel, int64_t group_size,
+                        int64_t n_groups, int bits, float first, int stochastic, uint64_t seed,
+                        float dtype_max, uint8_t *out, uint16_t *scale, uint8_t *zero_point,
+                        int threads) {
+    const int parts = thread_count(n_groups, threads);
+    const int32_t top = (1 << bits) - 1;
+    const int64_t bytes = group_size * bits / 8, block = block_of(group_size);
+    int failed = 0;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
+    for (int part = 0; part < parts; part++) {
+        int64_t g0, g1;
+        range_of(n_groups, parts, part, 1, &g0, &g1);
+        if (g0 == g1) continue;
+        float *buf = malloc((size_t)group_size * (size_t)(block + 1) * sizeof(float));
+        uint8_t *codes = malloc((size_t)group_size);
+        if (!buf || !codes) {
+            failed = 1;
+            g1 = g0;
+        }
+        uint16_t *noise = buf ? (uint16_t *)(buf + block * group_size) : NULL;
+        float mn[MAX_BLOCK], mx[MAX_BLOCK];
+        const float *v[MAX_BLOCK];
+        for (int64_t gb = g0; gb < g1; gb += block) {
+            const int64_t nb = g1 - gb < block ? g1 - gb : block;
+            for (int64_t j = 0; j < nb; j++) {
+                v[j] = load_group(x, dtype, numel, group_size, gb + j, buf + j * group_size);
+                minmax(v[j], group_size, &mn[j], &mx[j]);
+            }
+            for (int64_t j = 0; j < nb; j++) {
+                const int64_t g = gb + j;
+                const params_t p = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
+                const int lost =
+                    (p.flags & EXACT) || ((p.flags & CONSTANT) && !__builtin_isfinite(mx[j]));
+                scale[g] = (uint16_t)(lost ? 0u : p.scale);
+                zero_point[g] = (uint8_t)(lost ? top : (int32_t)p.zero_point);
+                if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
+                round_group(v[j], stochastic ? noise : NULL, group_size, p.inverse, first,
+                            (int32_t)p.zero_point, top, codes);
+                pack_planes(codes, group_size, bits, out + g * bytes);
+            }
+        }
+        free(buf);
+        free(codes);
     }
+    return failed ? -1 : 0;
 }
 
 /* One-byte codes of elements [first, first + n) from the packed stream. */

@@ -41,8 +41,10 @@ _SIGNATURES = {
         ctypes.c_int64,
     ),
     "memopt_decode": ((_P, _INT, _F, _I64, _I64, _P, _P, _INT, _P, _INT), _INT),
-    "memopt_graph_params": ((_P, _P, _I64, _INT, _F, _INT, _F, _P, _P), None),
-    "memopt_noise": ((ctypes.c_uint64, _I64, _P, _INT), None),
+    "memopt_graph_encode": (
+        (_P, _INT, _I64, _I64, _I64, _INT, _F, _INT, ctypes.c_uint64, _F, _P, _P, _P, _INT),
+        _INT,
+    ),
 }
 
 # Group flags written by memopt_quantize.
@@ -194,27 +196,23 @@ def decode(
     return out
 
 
-def graph_params(
-    mins: torch.Tensor, maxs: torch.Tensor, bits: int, first: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bfloat16 scale and uint8 zero point that :func:`.traced.encode` stores for groups of
-    ``dtype`` values with float32 minima ``mins`` and maxima ``maxs``
-    (:func:`.reference.graph_params`, in the same bits)."""
-    lib = library()
-    mins, maxs = mins.contiguous(), maxs.contiguous()
-    scale = torch.empty(mins.shape, dtype=torch.bfloat16)
-    zero_point = torch.empty(mins.shape, dtype=torch.uint8)
-    lib.memopt_graph_params(
-        mins.data_ptr(), maxs.data_ptr(), mins.numel(), bits, first, _DTYPE_CODES[dtype],
-        torch.finfo(dtype).max, scale.data_ptr(), zero_point.data_ptr(),
+def graph_encode(
+    flat: torch.Tensor, group_size: int, bits: int, first: float, seed: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`.traced.encode` computes for contiguous 1-D ``flat`` in one pass: codes packed
+    in planes, bfloat16 scale and uint8 zero point (:func:`.reference.graph_params`' for the
+    groups' minima and maxima; scale 0 and the top code for a group decoded as NaN, whose codes
+    are unspecified). ``seed``: stochastic rounding with :func:`quantize`'s noise, else
+    round-to-nearest."""
+    n_groups = -(-flat.numel() // group_size)
+    packed = torch.empty(n_groups * group_size * bits // 8, dtype=torch.uint8)
+    scale = torch.empty(n_groups, dtype=torch.bfloat16)
+    zero_point = torch.empty(n_groups, dtype=torch.uint8)
+    failed = library().memopt_graph_encode(
+        flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(), group_size, n_groups, bits, first,
+        seed is not None, (seed or 0) & 0xFFFFFFFFFFFFFFFF, torch.finfo(flat.dtype).max,
+        packed.data_ptr(), scale.data_ptr(), zero_point.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    return scale, zero_point
-
-
-def noise(seed: int, numel: int) -> torch.Tensor:
-    """The stochastic rounding noise of elements ``0 .. numel - 1`` at ``seed``, as int32 in
-    ``[0, 2**16)``: what :func:`quantize` adds at that seed (:func:`.traced.noise`'s values)."""
-    out = torch.empty(numel, dtype=torch.int32)
-    threads = torch.get_num_threads()
-    library().memopt_noise(seed & 0xFFFFFFFFFFFFFFFF, numel, out.data_ptr(), threads)
-    return out
+    if failed:
+        raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
+    return packed, scale, zero_point

@@ -1,5 +1,5 @@
 """The codec as PyTorch operators: ``memopt::quantize``, ``memopt::dequantize``, and for compiled
-graphs (:mod:`.traced`) ``memopt::graph_params`` and ``memopt::graph_seed``.
+graphs (:mod:`.traced`) ``memopt::graph_encode`` and ``memopt::graph_seed``.
 
 Operators (``torch.library.custom_op``) with fake implementations are what ``torch.compile`` can
 trace. The real implementation is chosen per call by the tensor's device and ``MEMOPT_CODEC``
@@ -192,34 +192,38 @@ def _quantize_fake(x: torch.Tensor, bits: int, group_size: int, seed: int | None
     )
 
 
-def native_params(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the C kernel computes the group parameters of ``dtype`` tensors on ``device``:
-    where it does, compiled graphs call :data:`graph_params_op`; elsewhere they inline
-    :func:`.reference.graph_params`, which the operator would run eagerly, op by op."""
+def native_in_graphs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether compiled graphs encode ``dtype`` tensors on ``device`` by the C kernel
+    (:data:`graph_encode_op`); elsewhere they inline the traced encoder (:mod:`.traced`)."""
     return device.type == "cpu" and _codec(device, dtype) == "native"
 
 
-def graph_params(
-    mins: torch.Tensor, maxs: torch.Tensor, bits: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scale and zero point compiled graphs store for groups of ``dtype`` values with minima
-    ``mins`` and maxima ``maxs`` (:func:`.reference.graph_params`): the C kernel where it serves
-    (float32 minima, :func:`native_params`), the reference otherwise."""
-    if mins.dtype == torch.float32 and native_params(mins.device, dtype):
-        return native.graph_params(mins, maxs, bits, FIRST_LEVEL[bits], dtype)
-    return reference.graph_params(mins, maxs, bits, dtype)
+def graph_encode(
+    x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`.traced.encode`'s codes, scale and zero point of ``x`` by the C kernel in one pass
+    (:func:`.native.graph_encode`; ``seed`` an int64 scalar, read on the host)."""
+    flat = x.contiguous().view(-1)
+    seed_value = None if seed is None else int(seed)
+    return native.graph_encode(flat, group_size, bits, FIRST_LEVEL[bits], seed_value)
 
 
-#: The operator compiled graphs call: opaque to inductor, which would otherwise compile the
-#: parameters' few dozen operations into every kernel that saves a tensor (minutes of compiling).
-graph_params_op = torch.library.custom_op("memopt::graph_params", graph_params, mutates_args=())
+#: The operator compiled graphs call where the C kernels serve (:func:`native_in_graphs`): opaque
+#: to inductor, which otherwise generated and compiled the codec's kernels for every tensor a
+#: graph saves (compiled whole, most of the compile time memopt added).
+graph_encode_op = torch.library.custom_op("memopt::graph_encode", graph_encode, mutates_args=())
 
 
-@graph_params_op.register_fake
-def _graph_params_fake(
-    mins: torch.Tensor, maxs: torch.Tensor, bits: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(mins, dtype=torch.bfloat16), torch.empty_like(mins, dtype=torch.uint8)
+@graph_encode_op.register_fake
+def _graph_encode_fake(
+    x: torch.Tensor, bits: int, group_size: int, seed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups = -(-x.numel() // group_size)
+    return (
+        x.new_empty(groups * group_size * bits // 8, dtype=torch.uint8),
+        x.new_empty(groups, dtype=torch.bfloat16),
+        x.new_empty(groups, dtype=torch.uint8),
+    )
 
 
 #: Where compiled graphs draw their rounding seeds (:func:`graph_seed`), by key: held weakly

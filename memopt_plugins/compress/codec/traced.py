@@ -1,9 +1,14 @@
-"""The codec inside ``torch.compile``'d graphs, in traceable PyTorch operations.
+"""The codec inside ``torch.compile``'d graphs.
 
 :func:`encode` and :func:`decode` are what the compression scopes' GraphModule hooks
 (:mod:`memopt_plugins.compress.hooks`) put into the compiled graphs: the codes, bfloat16 scale and
-zero point of :mod:`.reference` (below 8 bits packed in planes, :func:`_pack_planes`), which
-inductor fuses into the kernels around them.
+zero point of :mod:`.reference` (below 8 bits packed in planes, :func:`_pack_planes`), decoded by
+traceable PyTorch operations, which inductor fuses into the kernels that read them. Where the C
+kernels serve (:func:`.ops.native_in_graphs`: CPU tensors) encoding is one operator opaque to
+inductor (``memopt::graph_encode``): generating and compiling the encoder's kernels for every
+tensor a graph saves took longer than compiling the model itself
+(``benchmarks/compile_time.md``). Elsewhere (CUDA, float64, ``MEMOPT_CODEC=torch``) it is traced
+too; both write the same bytes.
 """
 
 from __future__ import annotations
@@ -12,8 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import native
-from .ops import graph_params_op, graph_seed_op, native_params
+from .ops import graph_encode_op, graph_seed_op, native_in_graphs
 from .reference import FIRST_LEVEL, graph_params, work_dtype
 
 #: Tags of what a compiled graph saves for a compressed tensor (the first item of the tuple).
@@ -49,7 +53,8 @@ def encode(
     *,
     seed_source: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Codes, scale and zero point of contiguous ``x``, in traceable ops.
+    """Codes, scale and zero point of contiguous ``x``: one operator where the C kernels serve,
+    else traceable ops.
 
     The scale and zero point of :func:`.reference.quantize`, and its codes at round-to-nearest
     (``seed`` ``None``) for every group it encodes; with ``seed`` (an int64 scalar tensor: a value
@@ -65,6 +70,10 @@ def encode(
     scale and zero point (once per group), rounding picks the sign with ``where`` and the codes
     go to ``uint8`` in one conversion.
     """
+    if native_in_graphs(x.device, x.dtype):  # the C kernel, opaque to inductor
+        if seed_source is not None:
+            seed = graph_seed_op(x, seed_source)
+        return graph_encode_op(x, bits, group_size, seed)
     top, first = 2**bits - 1, FIRST_LEVEL[bits]
     work = work_dtype(x.dtype)
     flat = x.reshape(-1)
@@ -72,9 +81,7 @@ def encode(
     if pad:  # the last element repeated, as Groups.of pads
         flat = torch.cat((flat, flat[-1:].expand(pad)))
     groups = flat.view(-1, group_size).to(work)
-    native_kernels = native_params(x.device, x.dtype)
-    params = graph_params_op if native_kernels else graph_params
-    scale, zero_point = params(groups.amin(1), groups.amax(1), bits, x.dtype)
+    scale, zero_point = graph_params(groups.amin(1), groups.amax(1), bits, x.dtype)
     if seed_source is not None:
         seed = graph_seed_op(scale, seed_source)
     # The reference's inverse is 1 / step for every group it encodes; a step of 0 (a lost or an
@@ -87,8 +94,7 @@ def encode(
         away = above.add(0.5).floor().add(1)
     else:  # floor(q + u), u = (k + 1/2) / 2**16, in the C kernel's 16-bit fixed point
         fixed = (above.clamp_max(1024) * 65536 + 0.5).to(torch.int32)
-        draw = graph_noise_op if native_kernels else noise
-        away = ((fixed + draw(seed, groups.numel()).view_as(fixed)) >> 16).add(1).to(work)
+        away = ((fixed + noise(seed, groups.numel()).view_as(fixed)) >> 16).add(1).to(work)
     codes = torch.where(scaled > 0, zp + away, torch.where(scaled < 0, zp - away, zp))
     codes = codes.clamp(0, top).to(torch.uint8)
     if bits < 8:
@@ -126,24 +132,6 @@ def noise(seed: torch.Tensor, numel: int) -> torch.Tensor:
     hashed = _mix32(((index >> 1) & _LOW32) ^ key)
     half = torch.where((index & 1) == 1, hashed >> 16, hashed & 0xFFFF)
     return half.to(torch.int32)
-
-
-def graph_noise(seed: torch.Tensor, numel: int) -> torch.Tensor:
-    """:func:`noise`, by the C kernel where it is built (on the CPU), else by torch ops."""
-    if seed.device.type == "cpu" and native.library() is not None:
-        return native.noise(int(seed), numel)
-    return noise(seed, numel)
-
-
-#: The operator compiled graphs call for the noise where the C kernels serve: opaque to inductor,
-#: which would otherwise compile the hash's two dozen int64 operations into every kernel that
-#: rounds a saved tensor (most of the time of compiling a model with stochastic rounding).
-graph_noise_op = torch.library.custom_op("memopt::graph_noise", graph_noise, mutates_args=())
-
-
-@graph_noise_op.register_fake
-def _graph_noise_fake(seed: torch.Tensor, numel: int) -> torch.Tensor:
-    return seed.new_empty(numel, dtype=torch.int32)
 
 
 def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -185,7 +173,10 @@ def unpack_bools(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def decode(c: Coded) -> torch.Tensor:
-    """The tensor :func:`encode` coded, of its shape (contiguous) and dtype, in traceable ops."""
+    """The tensor :func:`encode` coded, of its shape (contiguous) and dtype, in traceable ops:
+    inductor fuses them into the backward's kernels that read the tensor, so each is decoded
+    where it is used (an opaque operator, placed at the start of the backward graph, decoded
+    them all at once, and compiled whole the step peaked as high as without memopt)."""
     top, pull = 2**c.bits - 1, 1 - FIRST_LEVEL[c.bits]
     work = work_dtype(c.dtype)
     n_groups = c.scale.numel()
