@@ -1,11 +1,12 @@
 """Compile time of memopt's graphs against the compiled baseline's (writes compile_time.md).
 
 The model of ``compiled_gap.py`` (Hugging Face GPT-2 4 x 256, batch 8 x 256, vocabulary 2048),
-compiled per block and whole, without memopt, with int8 nearest and with int4 (stochastic
-rounding, the default). Each (mode, method) runs in a fresh process with an empty inductor cache
-(``TORCHINDUCTOR_CACHE_DIR`` a new temporary directory): its compile time is the first training
-step's wall time (it compiles) minus the third's. A mode's methods run back to back, so the
-ratios to that mode's baseline compare runs under the same load of the machine.
+SDPA attention as transformers builds it, compiled per block and whole, without memopt, with int8
+nearest and with int4 (stochastic rounding, the default). Each (mode, method) runs in a fresh
+process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` a new temporary directory): its
+compile time is the first training step's wall time (it compiles) minus the third's. A mode's
+methods run back to back, ``--repeats`` rounds of them, so the ratios to that mode's baseline
+compare runs under the same load of the machine; each row gives the median and the range.
 
     python -m benchmarks.compile_time --out benchmarks
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,14 +80,22 @@ def report(args: argparse.Namespace, rows: list[dict], load: tuple[float, float]
         f"was {load[0]:.1f} before and {load[1]:.1f} after ({os.cpu_count()} CPUs), so the ratios "
         "say more than the seconds.",
         "",
-        "| mode | method | first step s | third step s | compile s | compile vs baseline |",
+        "| mode | method | runs | third step s | compile s (range) | compile vs baseline |",
         "|---|---|--:|--:|--:|--:|",
     ]
-    base = {r["mode"]: r["compile"] for r in rows if r["method"] == "baseline"}
+    cases: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
+        cases.setdefault((r["mode"], r["method"]), []).append(r)
+    base = {m: statistics.median(r["compile"] for r in runs)
+            for (m, method), runs in cases.items() if method == "baseline"}  # fmt: skip
+    for (mode, method), runs in cases.items():
+        compile_s = [r["compile"] for r in runs]
+        median = statistics.median(compile_s)
         lines.append(
-            f"| {r['mode']} | {r['method']} | {r['steps'][0]:.1f} | {r['steps'][-1]:.2f} "
-            f"| {r['compile']:.1f} | {r['compile'] / base[r['mode']]:.2f}x |"
+            f"| {mode} | {method} | {len(runs)} "
+            f"| {statistics.median(r['steps'][-1] for r in runs):.2f} "
+            f"| {median:.1f} ({min(compile_s):.1f}–{max(compile_s):.1f}) "
+            f"| {median / base[mode]:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 
@@ -96,6 +106,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for compile_time.md (else stdout)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=sorted(METHODS), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of every (mode, method)")
+    parser.set_defaults(attention="sdpa")
     args = parser.parse_args()
     if args.case:
         args.mode = args.case
@@ -103,10 +115,11 @@ def main() -> None:
         return
     rows, before = [], os.getloadavg()[0]
     for mode in args.modes.split(","):
-        for method in METHODS:
-            row = {"mode": mode, "method": method, **case_in_child(args, mode, method)}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        for _ in range(args.repeats):
+            for method in METHODS:
+                row = {"mode": mode, "method": method, **case_in_child(args, mode, method)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     text = report(args, rows, (before, os.getloadavg()[0]))
     if args.out is None:
         print(text)
