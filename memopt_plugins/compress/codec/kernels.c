@@ -399,7 +399,7 @@ static void pack_planes(const uint8_t *codes, int64_t n, int bits, uint8_t *out)
 }
 
 /* What compiled graphs save for x (traced.encode, in one call opaque to inductor, which would
- * otherwise generate and compile the codec's kernels for every tensor a graph saves): per group
+ * otherwise generate and compile the encoder's kernels for every tensor a graph saves): per group
  * the scale and zero point of group_params, except that a group the eager codec keeps exactly (or
  * a constant that is not finite) gets scale 0 and the top code, which decode to NaN
  * (reference.graph_params), and the codes, packed in planes (pack_planes;

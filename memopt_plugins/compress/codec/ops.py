@@ -209,7 +209,7 @@ def graph_encode(
 
 
 #: The operator compiled graphs call where the C kernels serve (:func:`native_in_graphs`): opaque
-#: to inductor, which otherwise generated and compiled the codec's kernels for every tensor a
+#: to inductor, which otherwise generated and compiled the encoder's kernels for every tensor a
 #: graph saves (compiled whole, most of the compile time memopt added).
 graph_encode_op = torch.library.custom_op("memopt::graph_encode", graph_encode, mutates_args=())
 
