@@ -28,7 +28,6 @@ from .select import FromPreset, check_globs, fqn_matches, parent_fqns
 KEPT = {
     "small": "tensors under quantize.min_numel",
     "integer": "integer tensors (eager narrows them losslessly)",
-    "gapped": "slices with gaps (not dense)",
     "input view": "views of the graph's inputs (they may alias parameters)",
     "masking": "masks of -inf or near-overflow values (the in-graph codec cannot keep them)",
 }
@@ -229,10 +228,10 @@ def kept_in_graph(
     """Why a compiled graph saves ``t`` (traced as ``node`` of ``graph``) as it is, whatever the
     bits: a :data:`KEPT` kind, or ``None``. The graph's parameters and buffers never reach the
     hooks (AOTAutograd's filter, :class:`~memopt_plugins.compress.compiled.SavedFilter`); views of
-    its inputs may alias them. Besides these, the traced codec takes dense tensors only
-    (``"gapped"``) and decodes as NaN a group eager would keep exactly, on the side: masks of
-    ``-inf`` or ``finfo.min`` (``"masking"``, :func:`holds_masking_constant`). Bool tensors the
-    graph computes (dropout's masks) go in as bits."""
+    its inputs may alias them. Besides these, the traced codec decodes as NaN a group eager would
+    keep exactly, on the side: masks of ``-inf`` or ``finfo.min`` (``"masking"``,
+    :func:`holds_masking_constant`). Bool tensors the graph computes (dropout's masks) go in as
+    bits."""
     if t.numel() < max(min_numel, 1):
         return "small"
     if not t.is_floating_point() and t.dtype != torch.bool:

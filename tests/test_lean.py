@@ -16,6 +16,7 @@ from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.buffers import mark_private
+from memopt_plugins.lean.chains import tiled_gelu_mlp
 from memopt_plugins.lean import (
     batch_norm,
     conv,
@@ -397,6 +398,37 @@ def test_gelu_mlp_equals_the_chain(approximate, bias, private):
     parts = (x[:1, :3], w_in[:8], b_in[:8] if bias else None, w_out[:, :8], b_out)
     small = [t.detach().double().requires_grad_() if t is not None else None for t in parts]
     assert torch.autograd.gradcheck(lambda *t: gelu_mlp(*t, approximate), tuple(small))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_compiled_tiled_gelu_mlp_gives_the_chains_values_and_passes_opcheck(bias):
+    """Compiled graphs run a GELU MLP over chunks of tokens as one operator each way: the
+    chain's gradients (gradcheck; 10 tokens in chunks of 4, the up weight a transposed view as
+    GPT-2's Conv1D gives it), and both operators pass opcheck."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    w_in_t = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    b_in, b_out = (torch.randn(n, dtype=torch.float64, requires_grad=True) for n in (16, 6))
+    if not bias:
+        b_in = b_out = None
+    inputs = tuple(t for t in (x, w_in_t, b_in, w_out, b_out) if t is not None)
+
+    def mlp(x, w_in_t, *rest):
+        b_in, w_out, b_out = rest if bias else (None, rest[0], None)
+        return tiled_gelu_mlp(x, w_in_t.t(), b_in, w_out, b_out, "tanh", 4)
+
+    ref = F.linear(F.gelu(F.linear(x, w_in_t.t(), b_in), approximate="tanh"), w_out, b_out)
+    assert _relative(mlp(*inputs), ref) <= 1e-12
+    assert torch.autograd.gradcheck(mlp, inputs)
+    plain = [t.detach() if t is not None else None for t in (x, w_in_t.t(), b_in, w_out, b_out)]
+    torch.library.opcheck(
+        torch.ops.memopt.tiled_gelu_mlp_forward.default, (*plain, "tanh", 4)
+    )
+    grad = torch.randn_like(ref)
+    torch.library.opcheck(
+        torch.ops.memopt.tiled_gelu_mlp_backward.default, (grad, *plain[:4], "tanh", 4)
+    )
 
 
 def test_gelu_mlp_under_autocast_runs_in_autocasts_dtype():

@@ -657,12 +657,13 @@ class CompressionHooks:
             # ``t`` into groups that straddle its dims gave index expressions (divisions and
             # remainders) it could not simplify, and gathers element by element.
             flat, stride = t.as_strided((t.numel(),), (1,), t.storage_offset()), None
-        elif memory_order(t) is not None:
-            # A transposed or permuted dense tensor: grouped in its index order, as in eager
-            # (:meth:`_compress`), and decoded back to its strides.
-            flat, stride = t.reshape(-1), t.stride()
         else:
-            return t, "gapped"
+            # A transposed or permuted tensor, or a slice with gaps (attention's query, key and
+            # value, each a third of one projection's output, saved by SDPA): grouped in its
+            # index order, as in eager (:meth:`_compress`), and decoded to its own strides where
+            # it is dense, else to dense strides in its dim order (:func:`_decoded_strides`).
+            # Kept as it was, a slice held its whole base alive.
+            flat, stride = t.reshape(-1), _decoded_strides(t)
         if t.dtype == torch.bool:  # lossless at any bits: a byte an element became a bit
             return (BITS, pack_bools(flat), t.numel(), tuple(t.shape), stride), None
         codes, scale, zero_point = encode(flat, bits, self.group_size, seed_source=self._seeds)

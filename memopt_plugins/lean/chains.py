@@ -147,6 +147,120 @@ def gelu_mlp(
     return _GeluMlp.apply(x, w_in, b_in, w_out, b_out, approximate)
 
 
+def _tiled_mlp_forward(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    approximate: str,
+    chunk: int,
+) -> torch.Tensor:
+    """The GELU MLP of ``x``'s rows, ``chunk`` rows at a time."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows.new_empty(rows.shape[0], w_out.shape[0])
+    for start in range(0, rows.shape[0], chunk):
+        part = slice(start, start + chunk)
+        h = F.gelu(F.linear(rows[part], w_in, b_in), approximate=approximate)
+        out[part] = F.linear(h, w_out, b_out)
+    return out.view(*x.shape[:-1], w_out.shape[0])
+
+
+def _tiled_mlp_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    approximate: str,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`_tiled_mlp_forward` (``x``, both weights, both biases; a bias
+    that is ``None`` gets an empty one), ``chunk`` rows at a time: the up projection done again
+    and its gradient in its place, the weights' gradients summed in place."""
+    rows = x.reshape(-1, x.shape[-1])
+    g_rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = torch.empty_like(rows)
+    grad_w_in, grad_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
+    grad_b_in = torch.zeros_like(w_in[:, 0]) if b_in is not None else w_in.new_empty(0)
+    grad_b_out = torch.zeros_like(w_out[:, 0])
+    for start in range(0, rows.shape[0], chunk):
+        part = slice(start, start + chunk)
+        r, g = rows[part], g_rows[part]
+        h = F.linear(r, w_in, b_in)
+        grad_w_out.addmm_(g.t(), F.gelu(h, approximate=approximate))
+        grad_b_out += g.sum(0)
+        # elementwise: each element of h is read before its gradient takes its place
+        torch.ops.aten.gelu_backward.grad_input(g @ w_out, h, approximate=approximate, grad_input=h)
+        grad_w_in.addmm_(h.t(), r)
+        if b_in is not None:
+            grad_b_in += h.sum(0)
+        torch.mm(h, w_in, out=grad_x[part])
+    return grad_x.view(x.shape), grad_w_in, grad_b_in, grad_w_out, grad_b_out
+
+
+_tiled_forward_op = torch.library.custom_op(
+    "memopt::tiled_gelu_mlp_forward", _tiled_mlp_forward, mutates_args=()
+)
+_tiled_backward_op = torch.library.custom_op(
+    "memopt::tiled_gelu_mlp_backward", _tiled_mlp_backward, mutates_args=()
+)
+
+
+@_tiled_forward_op.register_fake
+def _(x, w_in, b_in, w_out, b_out, approximate, chunk):
+    return x.new_empty(*x.shape[:-1], w_out.shape[0])
+
+
+@_tiled_backward_op.register_fake
+def _(grad, x, w_in, b_in, w_out, approximate, chunk):
+    bias = w_in.new_empty(w_in.shape[0] if b_in is not None else 0)
+    return (
+        x.new_empty(x.shape), torch.empty_like(w_in), bias, torch.empty_like(w_out),
+        w_out.new_empty(w_out.shape[0]),
+    )  # fmt: skip
+
+
+class _TiledGeluMlp(torch.autograd.Function):
+    """:func:`tiled_gelu_mlp`: one operator each way, so that a compiled graph saves ``x`` alone
+    and its backward holds one chunk's widened tensors. Traced chunk by chunk, inductor ran every
+    chunk's matmuls before their gradients were summed, and held the whole widened tensor."""
+
+    @staticmethod
+    def forward(ctx, x, w_in, b_in, w_out, b_out, approximate: str, chunk: int):
+        ctx.save_for_backward(x, w_in, b_in, w_out)
+        ctx.args = (approximate, chunk, b_out is not None)
+        return torch.ops.memopt.tiled_gelu_mlp_forward(x, w_in, b_in, w_out, b_out, approximate, chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_in, b_in, w_out = ctx.saved_tensors
+        approximate, chunk, out_bias = ctx.args
+        grads = torch.ops.memopt.tiled_gelu_mlp_backward(
+            grad.contiguous(), x, w_in, b_in, w_out, approximate, chunk
+        )
+        grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = grads
+        return (
+            grad_x, grad_w_in, grad_b_in if b_in is not None else None, grad_w_out,
+            grad_b_out if out_bias else None, None, None,
+        )  # fmt: skip
+
+
+def tiled_gelu_mlp(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor | None,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor | None,
+    approximate: str,
+    chunk: int,
+) -> torch.Tensor:
+    """:func:`gelu_mlp` over chunks of ``chunk`` tokens as one operator each way, for compiled
+    graphs (weights and ``x`` in one dtype): the graph saves ``x``; the backward does each
+    chunk's up projection again and sums the weights' gradients in place."""
+    return _TiledGeluMlp.apply(x, w_in, b_in, w_out, b_out, approximate, chunk)
+
+
 class _GatedProduct(torch.autograd.Function):
     """``act(gate) * up`` saving ``gate`` and ``up``."""
 

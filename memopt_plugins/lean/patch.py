@@ -34,7 +34,9 @@ from torch import nn
 from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
 from ..routing import ModelRouting, RoutingMode
-from .chains import batch_norm, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu
+from .chains import (
+    batch_norm, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu, tiled_gelu_mlp,
+)  # fmt: skip
 from .conv import conv, max_pool, relu
 from .entropy import CrossEntropyMode
 from .loss import linear_cross_entropy
@@ -127,15 +129,23 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
         return None
     approximate, up, down = _gelu_kind(act), _linear_of(m.c_fc), _linear_of(m.c_proj)
     if approximate is not None and up is not None and down is not None:
-        # one node per chunk saving the chunk only (gelu_mlp); compiled, the modules' own chain:
-        # the compiler picks what its graph saves, and tracing gelu_mlp ran the eager hooks'
-        # pack inside the graph (dynamo failed on a guard it had just made)
+        # eager: one node per chunk saving the chunk only (gelu_mlp); compiled: one operator
+        # each way over every chunk (tracing gelu_mlp ran the eager hooks' pack inside the
+        # graph, and dynamo failed on a guard it had just made), or under autocast, whose casts
+        # the operator would not see, the modules' own chain
         def block(t: torch.Tensor) -> torch.Tensor:
             if torch.compiler.is_compiling():
                 return m.c_proj(act(m.c_fc(t)))
             return gelu_mlp(t, *up(), *down(), approximate)
 
-        return lambda x: m.dropout(tiled(x, block))
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type):
+                (w_in, b_in), (w_out, b_out) = up(), down()
+                y = tiled_gelu_mlp(x, w_in, b_in, w_out, b_out, approximate, x.shape[-1])
+                return m.dropout(y)
+            return m.dropout(tiled(x, block))
+
+        return forward
     return lambda x: m.dropout(tiled(x, lambda t: m.c_proj(act(m.c_fc(t)))))
 
 
