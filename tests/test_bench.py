@@ -293,3 +293,24 @@ def test_statistics_frozen_by_running_mode_are_kept_for_evaluation():
         frozen.append(patched.batchnorm_frozen)
         patched.after_step()
     assert frozen == [False, False, True]
+
+
+def test_step_time_pairs_each_round_with_its_own_baseline():
+    """``benchmarks/step_time.py``: a method's ratio is taken against the baseline of the same
+    round (load that drifts between rounds cancels), then the median and range of the rounds."""
+    from benchmarks.step_time import report
+
+    seconds = {
+        "baseline": [1.0, 2.0, 1.0],
+        "memopt int8": [1.1, 2.4, 1.15],
+        "memopt int4": [1.0] * 3,
+    }
+    rows = [
+        {"key": "gpt2", "method": m, "round": i, "seconds": s}
+        for m, values in seconds.items()
+        for i, s in enumerate(values)
+    ]
+    args = SimpleNamespace(command="python -m benchmarks.step_time", warmup=1, steps=2, repeats=3)
+    text = report(rows, args, (0.0, 0.0))
+    assert "| HF GPT-2 | memopt int8 | 1150.0 (1100.0–2400.0) | 1.15× (1.10–1.20) |" in text
+    assert "| HF GPT-2 | memopt int4 | 1000.0 (1000.0–1000.0) | 1.00× (0.50–1.00) |" in text

@@ -16,7 +16,6 @@ from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.buffers import mark_private
-from memopt_plugins.lean.chains import tiled_gelu_mlp
 from memopt_plugins.lean import (
     batch_norm,
     conv,
@@ -29,6 +28,7 @@ from memopt_plugins.lean import (
     rms_norm,
     swiglu,
 )
+from memopt_plugins.lean.chains import tiled_gelu_mlp
 from memopt_plugins.measure.timeline import record_step
 from memopt_plugins.profiler.run import step_memory
 
@@ -422,9 +422,7 @@ def test_the_compiled_tiled_gelu_mlp_gives_the_chains_values_and_passes_opcheck(
     assert _relative(mlp(*inputs), ref) <= 1e-12
     assert torch.autograd.gradcheck(mlp, inputs)
     plain = [t.detach() if t is not None else None for t in (x, w_in_t.t(), b_in, w_out, b_out)]
-    torch.library.opcheck(
-        torch.ops.memopt.tiled_gelu_mlp_forward.default, (*plain, "tanh", 4)
-    )
+    torch.library.opcheck(torch.ops.memopt.tiled_gelu_mlp_forward.default, (*plain, "tanh", 4))
     grad = torch.randn_like(ref)
     torch.library.opcheck(
         torch.ops.memopt.tiled_gelu_mlp_backward.default, (grad, *plain[:4], "tanh", 4)

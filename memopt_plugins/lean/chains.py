@@ -230,7 +230,9 @@ class _TiledGeluMlp(torch.autograd.Function):
     def forward(ctx, x, w_in, b_in, w_out, b_out, approximate: str, chunk: int):
         ctx.save_for_backward(x, w_in, b_in, w_out)
         ctx.args = (approximate, chunk, b_out is not None)
-        return torch.ops.memopt.tiled_gelu_mlp_forward(x, w_in, b_in, w_out, b_out, approximate, chunk)
+        return torch.ops.memopt.tiled_gelu_mlp_forward(
+            x, w_in, b_in, w_out, b_out, approximate, chunk
+        )
 
     @staticmethod
     def backward(ctx, grad):

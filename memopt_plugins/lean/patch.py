@@ -35,8 +35,15 @@ from ..config import ConfigError, OpsConfig
 from ..patching import InstanceForward
 from ..routing import ModelRouting, RoutingMode
 from .chains import (
-    batch_norm, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu, tiled_gelu_mlp,
-)  # fmt: skip
+    batch_norm,
+    geglu,
+    gelu,
+    gelu_mlp,
+    layer_norm,
+    rms_norm,
+    swiglu,
+    tiled_gelu_mlp,
+)
 from .conv import conv, max_pool, relu
 from .entropy import CrossEntropyMode
 from .loss import linear_cross_entropy
