@@ -127,25 +127,40 @@ def test_kernels_give_the_same_result_on_any_number_of_threads(stochastic: bool)
         assert torch.equal(decoded, results[0][1])
 
 
-def test_the_portable_rounding_loop_writes_the_same_bytes(tmp_path, monkeypatch) -> None:
-    # Where the CPU has AVX-512, rounding runs in intrinsics; built without it, the plain C loop
-    # does. Both must give the same codes, nearest and stochastic (the noise is the same).
-    if not {"avx512f", "avx512bw", "avx512vl"} <= set(native._cpu_identity().split()):
-        pytest.skip("no AVX-512 here: both builds would run the portable loop")
+#: The rounding loop's intrinsics paths: the CPU flags each needs, and the compiler flag that
+#: builds the path below it instead.
+SIMD_PATHS = {
+    "avx512": ({"avx512f", "avx512bw", "avx512vl"}, "-mno-avx512f"),
+    "avx2": ({"avx2", "fma"}, "-mno-avx2"),
+}
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+def test_the_portable_rounding_loop_writes_the_same_bytes(path, tmp_path, monkeypatch) -> None:
+    # Where the CPU has AVX-512 or AVX2, rounding runs in intrinsics; built without them, the
+    # next path down does (down to the plain C loop). Every path must give the same codes,
+    # nearest and stochastic (the noise is the same), also on a group that is not a whole number
+    # of vectors (the intrinsics' tail).
+    needs, without = SIMD_PATHS[path]
+    if not needs <= set(native._cpu_identity().split()):
+        pytest.skip(f"no {path} here: both builds would run the same loop")
     x = _adversarial(40_000, 256, torch.float32, seed=33)
+    odd = _adversarial(4_000, 100, torch.float32, seed=35)
     compiler = os.environ.get("CC", "cc")
     built = {}
-    for flags in ("", "-mno-avx512f"):
+    for flags in ("", without):
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / (flags or "native")))
         monkeypatch.setenv("CC", f"{compiler} {flags}")
         monkeypatch.setattr(native, "_state", {})
         assert native.library() is not None
         built[flags] = [
-            quantize(x, bits, stochastic=stochastic, generator=_generator(34)).codes
+            quantize(t, bits, group_size=size, stochastic=stochastic, generator=_generator(34))
+            .codes
+            for t, size in ((x, 256), (odd, 100))
             for bits in BITS
             for stochastic in (False, True)
         ]
-    for simd, portable in zip(built[""], built["-mno-avx512f"], strict=True):
+    for simd, portable in zip(built[""], built[without], strict=True):
         assert torch.equal(simd, portable)
 
 
