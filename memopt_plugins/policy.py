@@ -115,8 +115,11 @@ def kept_as_is(
     """
     if not encodable(t):
         return True  # a subclass, another layout, meta: nothing the codec can take
-    if t.numel() < min_numel or any(t in memory for memory in model):
-        return True  # small, or a parameter, a buffer, or a view of one
+    if t.numel() < min_numel:
+        return True
+    for memory in model:  # a parameter, a buffer, or a view of one (a loop: it runs per save)
+        if t in memory:
+            return True
     if t.untyped_storage().nbytes() < t.numel() * t.element_size():
         return True  # a broadcast (expanded) view: smaller as it is than any copy
     return is_autocast_copy(t)

@@ -91,6 +91,18 @@ class _Kept:
         self.version = t._version
 
 
+class _PerThread(threading.local):
+    """A thread's scopes (autograd runs each device's backward on a thread of its own): the
+    entered scopes' hook contexts (``None`` where one pushed nothing), the fqns of those that
+    pushed, innermost last (whose saved bytes a pack counts), and how deep compression is
+    suspended."""
+
+    def __init__(self) -> None:
+        self.scopes: list[saved_tensors_hooks | None] = []
+        self.names: list[str] = []
+        self.suspended = 0
+
+
 #: Per thread (autograd runs each device's backward on a thread of its own): the :class:`_Saved`
 #: whose decoded tensor is held for its next consumers, held weakly. One at a time, so a copy
 #: outlives its consumers by at most the next shared decode.
@@ -296,7 +308,7 @@ class CompressionHooks:
         self.min_numel = min_numel
         self.stats = SavedStats()
         self.observer: PackObserver | None = None
-        self._local = threading.local()
+        self._local = _PerThread()
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref, tuple[int, ...]]] = {}
         self._last: weakref.ref | None = None  # the compressed save just before, if any
         self._storages: ModelStorages | None = None
@@ -369,28 +381,13 @@ class CompressionHooks:
 
     # ----------------------------------------------------------------- suspension
     @property
-    def _scopes(self) -> list:
-        scopes = getattr(self._local, "scopes", None)
-        if scopes is None:
-            scopes = self._local.scopes = []
-        return scopes
-
-    @property
-    def _counting(self) -> list[str]:
-        """The fqns of the entered scopes, innermost last: whose saved bytes a pack counts."""
-        names = getattr(self._local, "names", None)
-        if names is None:
-            names = self._local.names = []
-        return names
-
-    @property
     def suspended(self) -> bool:
-        return getattr(self._local, "suspended", 0) > 0
+        return self._local.suspended > 0
 
     @contextmanager
     def suspend(self) -> Iterator[None]:
         """No compression inside (recompute regions, the exact pass of the drift check)."""
-        self._local.suspended = getattr(self._local, "suspended", 0) + 1
+        self._local.suspended += 1
         try:
             yield
         finally:
@@ -445,24 +442,24 @@ class CompressionHooks:
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Inside someone else's region (a checkpoint's forward or replay, a backward) the
         # region's hooks stay innermost: they decide what is kept (policy.in_foreign_region).
-        foreign = in_foreign_region()
-        if not self._scopes and torch._C._current_graph_task_id() == -1:
+        local = self._local
+        if not local.scopes and torch._C._current_graph_task_id() == -1:
             self._begin()  # not a replay in backward
             self._key_scopes()
         scope = None
-        if torch.is_grad_enabled() and not self.suspended and not foreign:
+        if torch.is_grad_enabled() and not local.suspended and not in_foreign_region():
             scope = saved_tensors_hooks(*self.pair(fqn))
             scope.__enter__()
-            self._counting.append(fqn)
-        self._scopes.append(scope)
+            local.names.append(fqn)
+        local.scopes.append(scope)
 
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
-        scopes = self._scopes
+        scopes = self._local.scopes
         if scopes:
             scope = scopes.pop()
             if scope is not None:
                 scope.__exit__(None, None, None)
-                self._counting.pop()
+                self._local.names.pop()
             if not scopes:
                 for _, saved, _ in self._cache.values():  # in-place changes in this forward
                     saved = saved()
@@ -586,7 +583,7 @@ class CompressionHooks:
 
     def _count_module(self, t: torch.Tensor, original: int, stored: int) -> None:
         """Add ``t`` to the counts of the innermost entered scope (:attr:`SavedStats.modules`)."""
-        counting = self._counting
+        counting = self._local.names
         if not counting:
             return
         fqn = counting[-1]

@@ -21,13 +21,13 @@ from torch import nn
 
 from .scopes import ScopeTracker, Watch
 
-StorageKey = tuple[str, int]
+StorageKey = tuple[torch.device, int]
 
 
 def storage_key(t: torch.Tensor) -> StorageKey | None:
     """``(device, address)`` of ``t``'s storage; ``None`` for a tensor without a plain storage."""
     try:
-        return (str(t.device), t.untyped_storage().data_ptr())
+        return (t.device, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # e.g. a tensor subclass without storage
         return None
 
