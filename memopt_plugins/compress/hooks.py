@@ -256,6 +256,8 @@ def _decoded_strides(t: torch.Tensor) -> tuple[int, ...]:
     attention's query, key and value, each a third of one projection's output -- would
     otherwise decode into a buffer the size of the whole projection: three times the bytes,
     alive together in attention's backward. Eager backward formulas take any strides."""
+    if t.is_contiguous():  # most saves: no sort (this runs for every compressed tensor)
+        return t.stride()
     order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))
     dense, step = [0] * t.dim(), 1
     for d in reversed(order):
