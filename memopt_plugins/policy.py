@@ -116,7 +116,7 @@ def kept_as_is(
     if not encodable(t):
         return True  # a subclass, another layout, meta: nothing the codec can take
     if t.numel() < min_numel:
-        return True
+        return True  # small
     for memory in model:  # a parameter, a buffer, or a view of one (a loop: it runs per save)
         if t in memory:
             return True

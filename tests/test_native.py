@@ -154,8 +154,9 @@ def test_the_portable_rounding_loop_writes_the_same_bytes(path, tmp_path, monkey
         monkeypatch.setattr(native, "_state", {})
         assert native.library() is not None
         built[flags] = [
-            quantize(t, bits, group_size=size, stochastic=stochastic, generator=_generator(34))
-            .codes
+            quantize(
+                t, bits, group_size=size, stochastic=stochastic, generator=_generator(34)
+            ).codes
             for t, size in ((x, 256), (odd, 100))
             for bits in BITS
             for stochastic in (False, True)

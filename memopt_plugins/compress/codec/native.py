@@ -7,8 +7,8 @@ torch's OpenMP runtime. At round-to-nearest they write the bytes of :mod:`.refer
 specification; stochastic rounding hashes each element's index with ``seed``. The library is
 compiled once per source, compiler and CPU with the system compiler (``CC`` or ``cc``, ``-O3
 -march=native -fopenmp``) into ``$XDG_CACHE_HOME/memopt_plugins``, rounding in AVX-512 or AVX2
-intrinsics where the CPU has them. Without a compiler, on another architecture or with ``MEMOPT_NATIVE=0`` the codec
-runs the reference on the CPU; a failed build is logged once.
+intrinsics where the CPU has them. Without a compiler, on another architecture or with
+``MEMOPT_NATIVE=0`` the codec runs the reference on the CPU; a failed build is logged once.
 """
 
 from __future__ import annotations
