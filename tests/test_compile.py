@@ -549,17 +549,31 @@ def test_compiled_graphs_keep_dropout_masks_as_bits(shape):
     assert torch.equal(grads[1], grads[0])
 
 
-def test_a_compiled_gelu_mlp_over_chunks_saves_its_input_only():
-    """Compiled, a GPT-2 MLP under ``fuse: [mlp]`` is one operator each way over the chunks: the
-    graph saves the block's input and no widened tensor (traced chunk by chunk, inductor ran every
-    chunk's matmuls before summing their weights' gradients and held the whole widened tensor),
-    and the gradients are the module's own."""
+def _gpt2_mlp(width: int) -> nn.Module:
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
+    return GPT2MLP(4 * width, GPT2Config(n_embd=width, resid_pdrop=0.0))
+
+
+def _llama_mlp(width: int) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 2}
+    return LlamaMLP(LlamaConfig(hidden_size=width, intermediate_size=4 * width, **heads))
+
+
+@pytest.mark.parametrize("build", [_gpt2_mlp, _llama_mlp], ids=["gelu", "gated"])
+def test_a_compiled_mlp_over_chunks_saves_its_input_only(build):
+    """Compiled, a GPT-2 MLP or a Llama gated MLP under ``fuse: [mlp]`` is one operator each way
+    over the chunks: the graph saves the block's input and no widened tensor (traced chunk by
+    chunk, inductor ran every chunk's matmuls before summing their weights' gradients and held
+    the whole widened tensor; the gated MLP's graph saved every chunk's gate and up
+    projections), and the gradients are the module's own."""
     torch.manual_seed(0)
     width = 16
-    mlp = GPT2MLP(4 * width, GPT2Config(n_embd=width, resid_pdrop=0.0))
+    mlp = build(width)
     x = torch.randn(2, 40, width, requires_grad=True)
     out = mlp(x)
     exact = torch.autograd.grad(out.sum(), [x, *mlp.parameters()])
@@ -572,8 +586,9 @@ def test_a_compiled_gelu_mlp_over_chunks_saves_its_input_only():
     got = torch.autograd.grad(loss, [x, *mlp.parameters()])
     opt.remove()
     torch._dynamo.reset()
+    weights = sum(p.numel() for p in mlp.parameters() if p.dim() > 1)
     assert any(t.numel() == x.numel() for t in saved)
-    assert not [t for t in saved if 4 * width in t.shape and t.numel() > x.numel()]
+    assert sum(t.numel() for t in saved) == x.numel() + weights  # the input and the weights
     for a, b in zip(got, exact, strict=True):
         assert rel_error({0: a}, {0: b}) <= 1e-5
 

@@ -28,7 +28,7 @@ from memopt_plugins.lean import (
     rms_norm,
     swiglu,
 )
-from memopt_plugins.lean.chains import tiled_gelu_mlp
+from memopt_plugins.lean.chains import tiled_gated_mlp, tiled_gelu_mlp
 from memopt_plugins.measure.timeline import record_step
 from memopt_plugins.profiler.run import step_memory
 
@@ -426,6 +426,32 @@ def test_the_compiled_tiled_gelu_mlp_gives_the_chains_values_and_passes_opcheck(
     grad = torch.randn_like(ref)
     torch.library.opcheck(
         torch.ops.memopt.tiled_gelu_mlp_backward.default, (grad, *plain[:4], "tanh", 4)
+    )
+
+
+@pytest.mark.parametrize("tanh_gelu", [False, True])
+def test_the_compiled_tiled_gated_mlp_gives_the_chains_values_and_passes_opcheck(tanh_gelu):
+    """Compiled graphs run a bias-free gated MLP (SwiGLU, tanh-GeGLU) over chunks of tokens as
+    one operator each way: the chain's values and gradients (gradcheck; 10 tokens in chunks of
+    4, uneven), and both operators pass opcheck."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((16, 6),) * 2]
+    weights.append(torch.randn(6, 16, dtype=torch.float64, requires_grad=True))
+    act = (lambda t: F.gelu(t, approximate="tanh")) if tanh_gelu else F.silu
+
+    def mlp(x, w_gate, w_up, w_down):
+        return tiled_gated_mlp(x, w_gate, w_up, w_down, tanh_gelu, 4)
+
+    w_gate, w_up, w_down = weights
+    ref = F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+    assert _relative(mlp(x, *weights), ref) <= 1e-12
+    assert torch.autograd.gradcheck(mlp, (x, *weights))
+    plain = [t.detach() for t in (x, *weights)]
+    torch.library.opcheck(torch.ops.memopt.tiled_gated_mlp_forward.default, (*plain, tanh_gelu, 4))
+    grad = torch.randn_like(ref)
+    torch.library.opcheck(
+        torch.ops.memopt.tiled_gated_mlp_backward.default, (grad, *plain, tanh_gelu, 4)
     )
 
 

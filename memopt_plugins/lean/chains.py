@@ -263,6 +263,115 @@ def tiled_gelu_mlp(
     return _TiledGeluMlp.apply(x, w_in, b_in, w_out, b_out, approximate, chunk)
 
 
+def _tiled_gated_forward(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tanh_gelu: bool,
+    chunk: int,
+) -> torch.Tensor:
+    """A bias-free gated MLP of ``x``'s rows, ``down(act(gate(x)) * up(x))``, ``chunk`` rows at
+    a time (``act``: SiLU, or tanh-GELU)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows.new_empty(rows.shape[0], w_down.shape[0])
+    for start in range(0, rows.shape[0], chunk):
+        part = slice(start, start + chunk)
+        r = rows[part]
+        gate = r @ w_gate.t()
+        h = F.gelu(gate, approximate="tanh") if tanh_gelu else F.silu(gate)
+        torch.mm(h.mul_(r @ w_up.t()), w_down.t(), out=out[part])
+    return out.view(*x.shape[:-1], w_down.shape[0])
+
+
+def _tiled_gated_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tanh_gelu: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`_tiled_gated_forward` (``x`` and the three weights), ``chunk``
+    rows at a time: each chunk's projections done again, the weights' gradients summed in
+    place."""
+    rows = x.reshape(-1, x.shape[-1])
+    g_rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = torch.empty_like(rows)
+    grad_gate_w, grad_up_w = torch.zeros_like(w_gate), torch.zeros_like(w_up)
+    grad_down_w = torch.zeros_like(w_down)
+    act = _gelu_tanh if tanh_gelu else _silu
+    for start in range(0, rows.shape[0], chunk):
+        part = slice(start, start + chunk)
+        r, g = rows[part], g_rows[part]
+        up = r @ w_up.t()
+        value, slope = act(r @ w_gate.t())
+        grad_down_w.addmm_(g.t(), value * up)
+        grad_h = g @ w_down
+        grad_gate = slope.mul_(up).mul_(grad_h)  # up is read before its gradient takes it
+        grad_up = up.copy_(value.mul_(grad_h))
+        grad_gate_w.addmm_(grad_gate.t(), r)
+        grad_up_w.addmm_(grad_up.t(), r)
+        torch.mm(grad_gate, w_gate, out=grad_x[part]).addmm_(grad_up, w_up)
+    return grad_x.view(x.shape), grad_gate_w, grad_up_w, grad_down_w
+
+
+_tiled_gated_forward_op = torch.library.custom_op(
+    "memopt::tiled_gated_mlp_forward", _tiled_gated_forward, mutates_args=()
+)
+_tiled_gated_backward_op = torch.library.custom_op(
+    "memopt::tiled_gated_mlp_backward", _tiled_gated_backward, mutates_args=()
+)
+
+
+@_tiled_gated_forward_op.register_fake
+def _(x, w_gate, w_up, w_down, tanh_gelu, chunk):
+    return x.new_empty(*x.shape[:-1], w_down.shape[0])
+
+
+@_tiled_gated_backward_op.register_fake
+def _(grad, x, w_gate, w_up, w_down, tanh_gelu, chunk):
+    return (
+        x.new_empty(x.shape), torch.empty_like(w_gate), torch.empty_like(w_up),
+        torch.empty_like(w_down),
+    )  # fmt: skip
+
+
+class _TiledGatedMlp(torch.autograd.Function):
+    """:func:`tiled_gated_mlp`: one operator each way (see :class:`_TiledGeluMlp`)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, tanh_gelu: bool, chunk: int):
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        ctx.args = (tanh_gelu, chunk)
+        return torch.ops.memopt.tiled_gated_mlp_forward(x, w_gate, w_up, w_down, tanh_gelu, chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_gate, w_up, w_down = ctx.saved_tensors
+        grads = torch.ops.memopt.tiled_gated_mlp_backward(
+            grad.contiguous(), x, w_gate, w_up, w_down, *ctx.args
+        )
+        return (*grads, None, None)
+
+
+def tiled_gated_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tanh_gelu: bool,
+    chunk: int,
+) -> torch.Tensor:
+    """A bias-free gated MLP (Llama's SwiGLU; Gemma's tanh-GELU with ``tanh_gelu``) over chunks
+    of ``chunk`` tokens as one operator each way, for compiled graphs (weights and ``x`` in one
+    dtype): the graph saves ``x``; the backward does each chunk's projections again and sums the
+    weights' gradients in place. Traced chunk by chunk, the graph saved every chunk's gate and up
+    projections: the whole widened tensors."""
+    return _TiledGatedMlp.apply(x, w_gate, w_up, w_down, tanh_gelu, chunk)
+
+
 class _GatedProduct(torch.autograd.Function):
     """``act(gate) * up`` saving ``gate`` and ``up``."""
 

@@ -42,6 +42,7 @@ from .chains import (
     layer_norm,
     rms_norm,
     swiglu,
+    tiled_gated_mlp,
     tiled_gelu_mlp,
 )
 from .conv import conv, max_pool, relu
@@ -130,7 +131,23 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
     gated = _gated_mlp(module)
     if gated is not None:
         product = swiglu if gated == "swiglu" else geglu
-        return lambda x: tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
+        projections = [_linear_of(p) for p in (m.gate_proj, m.up_proj, m.down_proj)]
+        bias_free = all(p is not None for p in projections) and all(
+            p.bias is None for p in (m.gate_proj, m.up_proj, m.down_proj)
+        )
+
+        def gated_forward(x: torch.Tensor) -> torch.Tensor:
+            # compiled (autocast off, bias-free): one operator each way over every chunk, as
+            # for the GELU MLP below; traced chunk by chunk, the graph saved every chunk's gate
+            # and up projections
+            if bias_free and torch.compiler.is_compiling():
+                if not torch.is_autocast_enabled(x.device.type):
+                    w_gate, w_up, w_down = (p()[0] for p in projections)
+                    tanh_gelu = gated == "geglu"
+                    return tiled_gated_mlp(x, w_gate, w_up, w_down, tanh_gelu, x.shape[-1])
+            return tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
+
+        return gated_forward
     act = _plain_mlp(module)
     if act is None:
         return None
