@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.measure import isolated
@@ -61,11 +62,17 @@ class AttributeScale(nn.Module):
         return x / self.avg
 
 
+SPECTRAL = {
+    None: lambda lin: lin,
+    "hook": nn.utils.spectral_norm,  # u, v: buffers updated in place by a forward pre-hook
+    "parametrization": nn.utils.parametrizations.spectral_norm,  # u, v: in a child's forward
+}
+
+
 class Block(nn.Module):
-    def __init__(self, norm: nn.Module, spectral: bool = False):
+    def __init__(self, norm: nn.Module, spectral: str | None = None):
         super().__init__()
-        lin = nn.Linear(DIM, DIM)
-        self.lin = nn.utils.spectral_norm(lin) if spectral else lin
+        self.lin = SPECTRAL[spectral](nn.Linear(DIM, DIM))
         self.norm = norm
 
     def forward(self, x):
@@ -75,9 +82,10 @@ class Block(nn.Module):
 def stateful_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        Block(InPlaceScale(), spectral=True),
-        Block(ReassignedScale()),
-        Block(AttributeScale(), spectral=True),
+        Block(InPlaceScale(), spectral="hook"),
+        Block(ReassignedScale(), spectral="parametrization"),
+        Block(AttributeScale(), spectral="hook"),
+        Block(nn.BatchNorm1d(DIM)),
         nn.Linear(DIM, 1),
     )
 
@@ -120,7 +128,7 @@ def assert_same(got, expected):
 # --------------------------------------------------------------------------- recompute
 @pytest.mark.parametrize(
     "modules",
-    [["0", "1", "2"], ["0.lin", "0.norm", "1.norm", "2.norm", "2.lin"]],
+    [["0", "1", "2", "3"], ["0.lin", "0.norm", "1.lin", "1.norm", "2.norm", "2.lin", "3.norm"]],
     ids=["blocks", "the-stateful-modules"],
 )
 def test_replay_starts_from_the_state_the_forward_started_from(modules):
@@ -142,7 +150,7 @@ def test_a_module_called_twice_keeps_both_updates():
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
-            self.block = Block(ReassignedScale(), spectral=True)
+            self.block = Block(ReassignedScale(), spectral="hook")
             self.inner = Block(InPlaceScale())
 
         def forward(self, x):
@@ -156,6 +164,46 @@ def test_a_module_called_twice_keeps_both_updates():
     for g, e in zip(got, exact, strict=True):
         assert_same(g, e)
     assert_same(got_state, exact_state)
+
+
+class Cloned(TorchDispatchMode):
+    """Counts the elements ``aten.clone`` copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.clone.default:
+            self.numel += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_the_slots_a_forward_changes_are_copied_after_the_first():
+    """The first forward copies every buffer to learn which it changes; later ones copy those
+    only: a large buffer that is only read is not copied again (counted in forward)."""
+
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(4096, DIM))
+            self.scale = InPlaceScale()
+
+        def forward(self, x):
+            return self.scale(x + self.table[:1])
+
+    model = nn.Sequential(Table(), nn.Linear(DIM, 1))
+    opt = MemoryOptimizer({"recompute": {"modules": ["0"]}})
+    opt.apply(model)
+    copied = []
+    for _ in range(3):
+        with Cloned() as cloned:
+            loss = model(torch.randn(4, DIM)).sum()
+        loss.backward()
+        copied.append(cloned.numel)
+    opt.remove()
+    assert copied[0] == 4096 * DIM + DIM
+    assert copied[1] == copied[2] == DIM  # avg, as the forward started
 
 
 def test_an_in_place_update_the_first_forward_did_not_make_raises():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
@@ -52,6 +52,9 @@ IN_RECOMPUTE = "in-recompute"
 Suspend = Callable[[], AbstractContextManager[Any]]
 #: A slot of a module's ``_buffers`` or ``__dict__``: ``(id(table), name)``.
 SlotKey = tuple[int, str]
+#: A slot as a forward started: ``(table, name, value, copied)`` (``copied``: ``value`` is a copy
+#: of the tensor the forward changed in place).
+Start = list[tuple[dict[str, Any], str, Any, bool]]
 
 
 class RecomputeError(RuntimeError):
@@ -314,7 +317,7 @@ class _RecomputedForward(InstanceForward):
     def _region(self, kwargs: dict[str, Any]) -> Callable[..., Any]:
         """The checkpointed function of one forward: first call = forward, later = replays."""
         calls = 0
-        start: list[tuple[dict[str, Any], str, Any, bool]] = []
+        start: Start = []
 
         def region(*args: Any) -> Any:
             nonlocal calls
@@ -340,14 +343,8 @@ class _RecomputedForward(InstanceForward):
 
         return region
 
-    def _forward(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        start: list[tuple[dict[str, Any], str, Any, bool]],
-    ) -> Any:
-        """The original forward; fills ``start`` with ``(table, name, value, copied)`` for every
-        slot it changed, as it was before (``copied``: a copy of a tensor changed in place).
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], start: Start) -> Any:
+        """The original forward; fills ``start`` with every slot it changed, as it was before.
 
         Copied are the slots earlier forwards in the same train/eval modes changed in place (the
         first such forward copies every tensor that needs no gradient and learns which by
@@ -388,18 +385,17 @@ class _RecomputedForward(InstanceForward):
         if lost:
             raise RecomputeError(
                 f"memopt recompute: {self._name} changed {_slot_names(self.module, lost)} in "
-                "place, which its first forward in these train/eval modes did not, so no copy "
-                "was kept: the backward replay would start from the changed value. Run a "
-                "forward that makes the change first (it is then copied every step), or stop "
-                f"recomputing {self.fqn!r} (recompute.modules / recompute.types)."
+                "place during forward, and no copy of the old value was kept (copied are the "
+                "tensors without grad that the first forward in these train/eval modes changed "
+                "in place): the backward replay would start from the changed value. Later "
+                "forwards copy it; for an exact step now, stop recomputing "
+                f"{self.fqn!r} (recompute.modules / recompute.types)."
             )
         return output
 
 
 @contextmanager
-def _replayed_from(
-    module: nn.Module, start: Sequence[tuple[dict[str, Any], str, Any, bool]]
-) -> Iterator[None]:
+def _replayed_from(module: nn.Module, start: Start) -> Iterator[None]:
     """The replay runs on the slots as the forward started (a fresh copy of each tensor the
     forward changed in place, as the replay changes it again); on exit every buffer and tensor
     attribute of ``module`` holds what it held before the replay."""
@@ -407,7 +403,9 @@ def _replayed_from(
     fresh: dict[int, torch.Tensor] = {}
     for table, name, value, copied in start:
         if copied:
-            value = fresh.setdefault(id(value), value.clone())
+            if id(value) not in fresh:
+                fresh[id(value)] = value.clone()
+            value = fresh[id(value)]
         put(table, name, value)
     try:
         yield
