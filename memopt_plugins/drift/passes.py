@@ -259,11 +259,12 @@ def preserved_state(
     may change is put back on exit, and after each pass.
 
     Yields a factory of per-pass contexts (with gradients enabled): each pass starts from the same
-    buffers and the same state of every RNG stream a forward may draw from -- torch's on the CPU
-    and every initialized accelerator device, numpy's global one, Python's ``random`` and
-    ``generators`` -- so dropout and masks drawn with ``np.random`` are the same in every pass, and
-    training after the check continues every stream from where it was. ``.grad`` is left alone
-    (the passes differentiate with :func:`gradients`).
+    buffers and tensor attributes, by slot (one a forward reassigns holds training's own tensor
+    again, with its value), and the same state of every RNG stream a forward may draw from --
+    torch's on the CPU and every initialized accelerator device, numpy's global one, Python's
+    ``random`` and ``generators`` -- so dropout and masks drawn with ``np.random`` are the same in
+    every pass, and training after the check continues every stream from where it was. ``.grad``
+    is left alone (the passes differentiate with :func:`gradients`).
     """
     with isolated(model, generators=generators) as isolation:
 

@@ -3,8 +3,11 @@
 The step recorder (the recompute planner's forward), the drift check's passes and the profiler's
 steps all run the model beside training. :func:`isolated` puts back on exit everything such a pass
 may change: every RNG stream a forward may draw from (torch's on the CPU and every initialized
-accelerator, numpy's, Python's ``random``, and given private generators), the module buffers
-(copied in place, so training finds its own tensors), each parameter's ``.grad`` (with
+accelerator, numpy's, Python's ``random``, and given private generators), every slot of the module
+tree that holds a tensor (:class:`Slots`: a parameter, buffer or tensor attribute the pass replaced
+holds its own object again) and the values of the buffers and attributes that need no gradient
+(copied in place, so training finds its own tensors with its own values; one that needs a gradient
+is derived from the parameters by a forward, not kept), each parameter's ``.grad`` (with
 ``clear_grads`` the pass runs without them), each module's train/eval mode, every torchmetrics
 metric's state (not buffers: the pass's own ``training_step`` must not count its samples), and
 with an ``optimizer`` the parameters and its state. It clones no parameter or gradient without an
@@ -57,6 +60,65 @@ def _index(device: torch.device, module: Any) -> int:
     return current() if current is not None and module.is_initialized() else 0
 
 
+#: The value of a slot that was not there (a buffer or attribute added later).
+ABSENT: Any = object()
+
+
+def is_state(value: Any) -> bool:
+    """A tensor a module keeps besides its parameters (a buffer or a plain attribute)."""
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+
+
+def put(table: dict[str, Any], name: str, value: Any) -> None:
+    """Make ``table[name]`` hold ``value`` (:data:`ABSENT`: no entry)."""
+    if value is ABSENT:
+        table.pop(name, None)
+    else:
+        table[name] = value
+
+
+class Slots:
+    """Where a module tree keeps tensors, by slot, as it was when taken: each module's
+    ``_buffers`` entries (and ``_parameters`` with ``parameters``) and its plain tensor attributes.
+
+    A forward may replace a tensor instead of changing it (``self.avg = 0.9 * self.avg + ...``):
+    the state is which object each slot holds, not only the values of the objects once held.
+    """
+
+    def __init__(self, model: nn.Module, *, parameters: bool = False):
+        self._tables: list[tuple[dict[str, Any], dict[str, Any], bool]] = []
+        for m in model.modules():
+            if parameters:
+                self._tables.append((m._parameters, dict(m._parameters), True))
+            self._tables.append((m._buffers, dict(m._buffers), True))
+            self._tables.append((vars(m), dict(vars(m)), False))
+
+    def state(self) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+        """``(table, name, tensor)`` of every buffer and plain tensor attribute, as taken."""
+        return [
+            (table, name, value)
+            for table, saved, _ in self._tables
+            for name, value in saved.items()
+            if is_state(value)
+        ]
+
+    def changes(self) -> list[tuple[dict[str, Any], str, Any]]:
+        """``(table, name, value as taken)`` of every slot that holds another object now (or is
+        added or gone): what :meth:`put_back` would undo."""
+        out = []
+        for table, saved, whole in self._tables:
+            for name in saved.keys() | table.keys():
+                old, new = saved.get(name, ABSENT), table.get(name, ABSENT)
+                if old is not new and (whole or is_state(old) or is_state(new)):
+                    out.append((table, name, old))
+        return out
+
+    def put_back(self) -> None:
+        """Every slot holds the object it held when taken; entries added since are removed."""
+        for table, name, value in self.changes():
+            put(table, name, value)
+
+
 class Isolation:
     """What a pass may change, as it was when taken; :meth:`restore` puts it back (any number of
     times: every pass of a drift check starts from the same state)."""
@@ -81,7 +143,9 @@ class Isolation:
         self._generators = [g.get_state() for g in self.generators]
         self._numpy = np.random.get_state()
         self._python = random.getstate()
-        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self._slots = Slots(model, parameters=True)
+        kept = {id(t): t for _, _, t in self._slots.state() if not t.requires_grad}
+        self._values = [(t, t.detach().clone()) for t in kept.values()]
         self._modes = [(m, m.training) for m in model.modules()]
         self._metrics = [(m, _metric_state(m)) for m in _metrics_in(model)]
         params = list(model.parameters())
@@ -93,7 +157,8 @@ class Isolation:
                 p.grad = None
 
     def restore(self) -> None:
-        """Put back every RNG stream, buffer, ``.grad``, mode, metric, and the optimizer's part."""
+        """Put back every RNG stream, slot and its value, ``.grad``, mode, metric, and the
+        optimizer's part."""
         torch.set_rng_state(self._torch)
         for device_type, states in self._devices.items():
             module = getattr(torch, device_type)
@@ -103,8 +168,9 @@ class Isolation:
             g.set_state(state)
         np.random.set_state(self._numpy)
         random.setstate(self._python)
+        self._slots.put_back()
         with torch.no_grad():
-            for tensor, value in (*self._buffers, *self._params):
+            for tensor, value in (*self._values, *self._params):
                 tensor.copy_(value)
         for m, training in self._modes:
             if m.training != training:

@@ -3,8 +3,10 @@
 A recomputed module keeps its class, parameters, hooks and state-dict keys: only an instance
 attribute ``forward`` is set, running the original under non-reentrant ``torch.utils.checkpoint``
 with the RNG state preserved; :meth:`Recompute.remove` deletes it. Traps handled (tests in
-tests/test_recompute.py): BatchNorm and other buffers are replayed on scratch copies, so they move
-once per step (pytorch#96136); compression is suspended inside (recompute wins), while the
+tests/test_recompute.py, tests/test_replay_state.py): the replay starts from the buffers and
+tensor attributes the forward started from (spectral norm's power iteration, running statistics
+updated in place or reassigned) and its own updates are discarded, so state moves once per step
+(pytorch#96136); compression is suspended inside (recompute wins), while the
 checkpoint's inputs stay compressible by an enclosing scope; an input changed in place raises
 :class:`RecomputeError` naming the module, as does a failed replay; a Hugging Face KV cache is not
 handed to a recomputed module in training. Which modules: the config (:func:`recompute_targets`)
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
@@ -26,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError, RecomputeConfig
 from ..measure import tensor_version
+from ..measure.isolate import Slots, put
 from ..measure.scopes import UntracedRegions
 from ..measure.timeline import REPLAY_RANGE, mark
 from ..patching import InstanceForward
@@ -47,7 +50,11 @@ RECOMPUTE = "recompute"
 IN_RECOMPUTE = "in-recompute"
 
 Suspend = Callable[[], AbstractContextManager[Any]]
-_BUFFER_STATS = ("running_mean", "running_var", "num_batches_tracked")
+#: A slot of a module's ``_buffers`` or ``__dict__``: ``(id(table), name)``.
+SlotKey = tuple[int, str]
+#: A slot as a forward started: ``(table, name, value, copied)`` (``copied``: ``value`` is a copy
+#: of the tensor the forward changed in place).
+Start = list[tuple[dict[str, Any], str, Any, bool]]
 
 
 class RecomputeError(RuntimeError):
@@ -259,6 +266,8 @@ class _RecomputedForward(InstanceForward):
         self.previous = module.__dict__.get("forward")
         self.original = module.forward
         self.keeps_cache = bool(getattr(module, "_can_checkpoint_with_cache", False))
+        # Per train/eval modes of the subtree: the slots whose tensor a forward changes in place.
+        self._in_place: dict[tuple[bool, ...], set[SlotKey]] = {}
 
     def restore(self) -> None:
         slots = self.module.__dict__
@@ -308,7 +317,7 @@ class _RecomputedForward(InstanceForward):
     def _region(self, kwargs: dict[str, Any]) -> Callable[..., Any]:
         """The checkpointed function of one forward: first call = forward, later = replays."""
         calls = 0
-        changed: list[tuple[dict, str]] = []
+        start: Start = []
 
         def region(*args: Any) -> Any:
             nonlocal calls
@@ -317,15 +326,8 @@ class _RecomputedForward(InstanceForward):
                 if self.owner.suspend is not None:
                     stack.enter_context(self.owner.suspend())
                 if calls == 1:
-                    before = _buffer_states(self.module)
-                    output = self.original(*args, **kwargs)
-                    changed[:] = [
-                        (slots, name)
-                        for slots, name, buf, v in before
-                        if slots.get(name) is not buf or tensor_version(buf) != v
-                    ]
-                    return output
-                stack.enter_context(_scratch_buffers(self.module, changed))
+                    return self._forward(args, kwargs, start)
+                stack.enter_context(_replayed_from(self.module, start))
                 stack.enter_context(mark(REPLAY_RANGE))
                 try:
                     return self.original(*args, **kwargs)
@@ -341,35 +343,83 @@ class _RecomputedForward(InstanceForward):
 
         return region
 
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], start: Start) -> Any:
+        """The original forward; fills ``start`` with every slot it changed, as it was before.
 
-def _buffer_states(module: nn.Module) -> list[tuple[dict, str, torch.Tensor, int | None]]:
-    return [
-        (m._buffers, name, buf, tensor_version(buf))
-        for m in module.modules()
-        for name, buf in m._buffers.items()
-        if buf is not None
-    ]
+        Copied are the slots earlier forwards in the same train/eval modes changed in place (the
+        first such forward copies every tensor that needs no gradient and learns which by
+        version and value: some kernels, BatchNorm's, update without bumping the version). A
+        tensor changed in place that was not copied cannot be replayed from its old value, so it
+        raises :class:`RecomputeError` rather than replay wrong.
+        """
+        modes = tuple(m.training for m in self.module.modules())
+        known = self._in_place.get(modes)
+        before = Slots(self.module)
+        state = before.state()
+        versions = {id(t): tensor_version(t) for _, _, t in state}
+        copies: dict[int, torch.Tensor] = {}
+        for table, name, t in state:
+            if not t.requires_grad and (known is None or (id(table), name) in known):
+                copies.setdefault(id(t), t.detach().clone())
+        output = self.original(*args, **kwargs)
+        in_place, lost = set(), []
+        for table, name, t in state:
+            key = (id(table), name)
+            copy = copies.get(id(t))
+            changed = tensor_version(t) != versions[id(t)] or (known is not None and key in known)
+            if known is None and copy is not None and not changed:
+                changed = not torch.equal(copy, t)
+            if not changed:
+                continue
+            in_place.add(key)
+            if copy is None:
+                lost.append((table, name))
+            else:
+                start.append((table, name, copy, True))
+        moved = {(id(table), name) for table, name, _, _ in start}
+        start += [(t, n, v, False) for t, n, v in before.changes() if (id(t), n) not in moved]
+        if known is None:
+            self._in_place[modes] = in_place
+        else:
+            known |= in_place
+        if lost:
+            raise RecomputeError(
+                f"memopt recompute: {self._name} changed {_slot_names(self.module, lost)} in "
+                "place during forward, and no copy of the old value was kept (copied are the "
+                "tensors without grad that the first forward in these train/eval modes changed "
+                "in place): the backward replay would start from the changed value. Later "
+                "forwards copy it; for an exact step now, stop recomputing "
+                f"{self.fqn!r} (recompute.modules / recompute.types)."
+            )
+        return output
 
 
 @contextmanager
-def _scratch_buffers(module: nn.Module, changed: Sequence[tuple[dict, str]]) -> Iterator[None]:
-    """Buffers the replay would update a second time point at copies while it runs.
-
-    Those are the running statistics of normalization layers in training (the kernel updates
-    them without bumping a version counter) and any buffer the forward changed or replaced.
-    """
-    slots = list(changed)
-    for m in module.modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats:
-            slots += [(m._buffers, n) for n in _BUFFER_STATS if m._buffers.get(n) is not None]
-    kept = {(id(d), name): (d, name, d[name]) for d, name in slots if d.get(name) is not None}
-    for d, name, buf in kept.values():
-        d[name] = buf.clone()
+def _replayed_from(module: nn.Module, start: Start) -> Iterator[None]:
+    """The replay runs on the slots as the forward started (a fresh copy of each tensor the
+    forward changed in place, as the replay changes it again); on exit every buffer and tensor
+    attribute of ``module`` holds what it held before the replay."""
+    now = Slots(module)
+    fresh: dict[int, torch.Tensor] = {}
+    for table, name, value, copied in start:
+        if copied:
+            if id(value) not in fresh:
+                fresh[id(value)] = value.clone()
+            value = fresh[id(value)]
+        put(table, name, value)
     try:
         yield
     finally:
-        for d, name, buf in kept.values():
-            d[name] = buf
+        now.put_back()
+
+
+def _slot_names(module: nn.Module, slots: Iterable[tuple[dict[str, Any], str]]) -> str:
+    owners = {}
+    for fqn, m in module.named_modules():
+        owners.setdefault(id(m._buffers), fqn)
+        owners.setdefault(id(vars(m)), fqn)
+    names = [".".join(filter(None, (owners[id(table)], name))) for table, name in slots]
+    return ", ".join(repr(n) for n in names)
 
 
 def _guard_inputs(
