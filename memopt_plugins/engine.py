@@ -29,7 +29,7 @@ from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, checked_bits, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
 from .drift import DriftMonitor, DriftReport
-from .drift.budget import Pricing
+from .drift.budget import Pricing, priced_widths
 from .dropout import DropoutPatch
 from .lean import LeanOps
 from .logs import show_on_console
@@ -517,10 +517,12 @@ class MemoryOptimizer:
         bytes over the pass's. ``None`` for a budget in bytes before any training forward."""
         budget = self.config.quantize.budget
         group = self.config.quantize.group_size
-        widths = self.config.drift.ladder
+        ladder = self.config.drift.ladder
 
         def priced() -> Pricing | None:
             stats = self._hooks.stats
+            compressed = self._table.compressed
+            widths = priced_widths(ladder, [*compressed.values(), *self._drift.floor.values()])
             found, stats.modules = stats.modules, {}  # the next pass counts afresh
             if counts:
                 found, trained_here = counts, sum(m.original for m in counts.values())
@@ -529,7 +531,7 @@ class MemoryOptimizer:
             original = sum(m.original for m in found.values())
             costs = {
                 f: {b: float(found[f].bytes_at(b, group)) if f in found else 0.0 for b in widths}
-                for f in self._table.compressed
+                for f in compressed
             }
             if isinstance(budget, float):
                 scale = trained_here / original if trained_here and original else 1.0

@@ -469,7 +469,7 @@ class DriftMonitor:
             unknown = max(self.sensitivity.values(), default=1.0)  # never measured below 32
             sensitivity = {f: self.sensitivity.get(f, unknown) for f in current}
             floors = {f: w for f, (w, _) in self.held.items()}
-            plan = solve(current, priced, sensitivity, cfg.ladder, floors, cfg.threshold)
+            plan = solve(current, priced, sensitivity, priced.widths, floors, cfg.threshold)
             changes = {f: (current[f], b) for f, b in plan.items() if b != current[f]}
             if not changes and verified:
                 break
@@ -509,7 +509,7 @@ class DriftMonitor:
         if reverted and calm is not None:  # the last probe's bits are gone: the calm pass's
             found = calm
         kept = priced.total(current)
-        floor = cfg.ladder[0]
+        floor = min(priced.widths, default=cfg.ladder[0])
         held = sorted(f for f, (w, _) in self.held.items() if current.get(f, floor) > floor)
         log_outcome(priced, kept, held, floor, step)
         if short and self.speaks():
@@ -720,7 +720,7 @@ def _reduced(
     if priced is None:
         return None
     fqns = sorted(priced.costs)
-    widths = sorted({b for c in priced.costs.values() for b in c})
+    widths = priced.widths
     values = [priced.costs[f][b] for f in fqns for b in widths] + [priced.target, priced.scale]
     out = iter(_max_of(reduce_max, values, device))
     costs = {f: {b: next(out) for b in widths} for f in fqns}
