@@ -200,6 +200,8 @@ class MemoryOptimizer:
                 stacklevel=2,
             )
         self._budget_waits_noted = False
+        #: (step, counted steps) of :meth:`maybe_check_drift`'s last check: one per optimizer step
+        self._checked_at: tuple[int, int] | None = None
 
     # ----------------------------------------------------------------- public API
     @property
@@ -557,10 +559,18 @@ class MemoryOptimizer:
         *,
         batch: Any = None,
     ) -> DriftReport | None:
-        """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due, else None."""
+        """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due and it has not
+        run at this optimizer step yet, else None: under gradient accumulation every micro-batch
+        of a step calls it with the same ``step`` (default: the steps :meth:`count_step` counted)
+        and the step is checked once."""
         if self._model is None or not self.should_check(step):
             return None
-        return self.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
+        at = (self.steps if step is None else step, self.steps)
+        if at == self._checked_at:
+            return None
+        report = self.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
+        self._checked_at = at
+        return report
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
         """The ``memopt/*`` values for a logger: a compact set whatever the model's size
