@@ -721,13 +721,13 @@ class MemoryOptimizer:
                 raise ConfigError(problem)
         # Checked: nothing below raises.
         drift = self._drift
+        floors = dict(saved.drift.floor) if saved.drift is not None else None  # where it started
         if saved.drift is not None:
             drift.take(saved.drift)
             drift.start(drift.configured)  # a module the checkpoint has no floor for: configured
         if saved.recompute is not None:
             self._planner.adopt(saved.recompute)
         if saved.bits is not None:
-            floors = saved.drift.floor if saved.drift is not None else None
             bits, rebased, line = resumed_bits(
                 saved.bits, floors, drift.configured, self._table.compressed
             )

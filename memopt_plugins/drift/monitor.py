@@ -3,6 +3,7 @@ bits, keeps counters and history."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections import deque
@@ -735,9 +736,10 @@ class DriftMonitor:
         )
 
     def take(self, other: DriftMonitor) -> None:
-        """The state ``other`` holds (:meth:`read`), laid on this monitor."""
+        """The state ``other`` holds (:meth:`read`), laid on this monitor (copied: the two
+        share nothing a later change could reach)."""
         for key in _STATE:
-            setattr(self, key, getattr(other, key))
+            setattr(self, key, copy.copy(getattr(other, key)))
 
     @property
     def modules(self) -> set[str]:
