@@ -9,10 +9,12 @@ what is allowed (:class:`Allowed` metadata on a field) and, for a typo, the clos
 from __future__ import annotations
 
 import difflib
+import numbers
 import os
 import reprlib
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -226,3 +228,44 @@ def config_error(err: ValidationError, root: type[BaseModel], header: str) -> Co
     noun = "problem" if len(lines) == 1 else "problems"
     message = f"{header} ({len(lines)} {noun}):\n" + "\n".join(f"  {line}" for line in lines)
     return ConfigError(message, lines)
+
+
+# --------------------------------------------------------------------------- saved state
+@contextmanager
+def reading_state(key: str) -> Iterator[None]:
+    """Inside it, the part ``key`` of a saved state (``state_dict()``) is read: a value of the
+    wrong type or shape becomes a :class:`ConfigError` naming ``state_dict <key>``."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as err:
+        raise ConfigError(f"state_dict {key}: {err}") from err
+
+
+def state_map(value: Any) -> dict[str, Any]:
+    """``value``, a mapping with string keys, as a dict (``TypeError`` otherwise)."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"expected a mapping with string keys, got {show(value)}")
+    return dict(value)
+
+
+def state_count(value: Any) -> int:
+    """``value``, an integer >= 0 (a counter), as an ``int`` (``ValueError`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"expected an integer >= 0, got {show(value)}")
+    return int(value)
+
+
+def state_list(value: Any) -> list[Any]:
+    """``value``, a list or tuple, as a list (``TypeError`` otherwise: a string is no list)."""
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"expected a list, got {show(value)}")
+    return list(value)
+
+
+def state_name(value: Any) -> str:
+    """``value``, a module name (``TypeError`` otherwise)."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a module name, got {show(value)}")
+    return value

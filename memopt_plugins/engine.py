@@ -26,10 +26,10 @@ from .compress.codec import NoiseGenerators
 from .compress.estimate import storage_ratio
 from .compress.hooks import CompressionHooks, PackObserver
 from .compress.stats import ModuleSaved
-from .config import OFF_BITS, ConfigError, MemOptConfig, checked_bits, load_config
+from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
 from .drift import DriftMonitor, DriftReport
-from .drift.budget import Pricing
+from .drift.budget import Pricing, priced_widths
 from .dropout import DropoutPatch
 from .lean import LeanOps
 from .logs import show_on_console
@@ -45,6 +45,7 @@ from .recompute import (
     recompute_targets,
     region_actions,
 )
+from .saved_state import SavedState, read_state, resumed_bits
 from .select import layer_kind
 from .tree import batch_size_of, slice_batch
 
@@ -183,8 +184,7 @@ class MemoryOptimizer:
         )
         self._recompute: Recompute | None = None
         self._planner: RecomputePlanner | None = None
-        self._pending_recompute: list[str] | None = None  # planner choice loaded before apply
-        self._pending_noise: dict[str, Any] | None = None  # rounding generators loaded before apply
+        self._pending: SavedState | None = None  # a state loaded before apply, laid at apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
         self._lean = LeanOps(
@@ -200,6 +200,8 @@ class MemoryOptimizer:
                 stacklevel=2,
             )
         self._budget_waits_noted = False
+        #: (step, counted steps) of :meth:`maybe_check_drift`'s last check: one per optimizer step
+        self._checked_at: tuple[int, int] | None = None
 
     # ----------------------------------------------------------------- public API
     @property
@@ -293,7 +295,6 @@ class MemoryOptimizer:
         hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
         hooks.memory = StepPeak(_device_of(weakref.ref(model)))
         self._hooks = hooks
-        self._load_noise()
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
         if targets:
@@ -308,11 +309,8 @@ class MemoryOptimizer:
                 ratio=storage_ratio(q.bits, q) if q.bits < OFF_BITS else None,
             )
             self._planner = planner
-            pending, self._pending_recompute = self._pending_recompute, None
-            if pending is not None:
-                planner.adopt(pending)
-            else:
-                planner.install()
+            planner.install()
+        self._lay_pending()
         compressed = self._table.compressed
         if compressed:
             log.info("memopt: %s", _scopes_line(model, compressed))
@@ -517,10 +515,12 @@ class MemoryOptimizer:
         bytes over the pass's. ``None`` for a budget in bytes before any training forward."""
         budget = self.config.quantize.budget
         group = self.config.quantize.group_size
-        widths = self.config.drift.ladder
+        ladder = self.config.drift.ladder
 
         def priced() -> Pricing | None:
             stats = self._hooks.stats
+            compressed = self._table.compressed
+            widths = priced_widths(ladder, [*compressed.values(), *self._drift.floor.values()])
             found, stats.modules = stats.modules, {}  # the next pass counts afresh
             if counts:
                 found, trained_here = counts, sum(m.original for m in counts.values())
@@ -529,7 +529,7 @@ class MemoryOptimizer:
             original = sum(m.original for m in found.values())
             costs = {
                 f: {b: float(found[f].bytes_at(b, group)) if f in found else 0.0 for b in widths}
-                for f in self._table.compressed
+                for f in compressed
             }
             if isinstance(budget, float):
                 scale = trained_here / original if trained_here and original else 1.0
@@ -555,10 +555,18 @@ class MemoryOptimizer:
         *,
         batch: Any = None,
     ) -> DriftReport | None:
-        """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due, else None."""
+        """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due and it has not
+        run at this optimizer step yet, else None: under gradient accumulation every micro-batch
+        of a step calls it with the same ``step`` (default: the steps :meth:`count_step` counted)
+        and the step is checked once."""
         if self._model is None or not self.should_check(step):
             return None
-        return self.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
+        at = (self.steps if step is None else step, self.steps)
+        if at == self._checked_at:
+            return None
+        report = self.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
+        self._checked_at = at
+        return report
 
     def metrics(self, drift: bool = True) -> dict[str, float]:
         """The ``memopt/*`` values for a logger: a compact set whatever the model's size
@@ -663,7 +671,9 @@ class MemoryOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Bits of every compressed module, step counter, drift history and this rank's rounding
-        generators (plain Python types)."""
+        generators (plain Python types); before :meth:`apply`, a state loaded meanwhile."""
+        if self._model is None and self._pending is not None:
+            return self._pending.state_dict()
         state = {"bits": self._table.compressed, "drift": self._drift.state_dict()}
         if self._hooks is not None and self._hooks.noise is not None:
             # this rank's rounding generators (a checkpoint written by rank 0 restores rank 0's)
@@ -673,47 +683,62 @@ class MemoryOptimizer:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore bits saved by :meth:`state_dict` (before or after :meth:`apply`)."""
-        bits = dict(state.get("bits", {}))
-        compressed = self._table.compressed
-        unknown = sorted(set(bits) - set(compressed)) if self._model is not None else []
+        """Restore what :meth:`state_dict` saved: now, or at :meth:`apply` when loaded before.
+
+        The state is checked whole first (a bad value, or a module the model does not have, is a
+        :class:`ConfigError` naming it) and a load that fails changes nothing. Where the
+        checkpoint's bits differ from the config's, the checkpoint's win unless the config's
+        bits for a module changed since the checkpoint's run started; then the config's win, or
+        the drift guard's escalation where it is higher (:mod:`.saved_state`). One INFO line says
+        which won.
+        """
+        saved = read_state(state, self._drift, self.config.recompute.auto is not None)
+        if self._model is None:
+            self._pending = saved
+        else:
+            self._lay(saved)
+
+    def _lay_pending(self) -> None:
+        """Lay the state loaded before :meth:`apply` (kept when it does not fit the model)."""
+        if self._pending is not None:
+            self._lay(self._pending)
+            self._pending = None
+
+    def _lay(self, saved: SavedState) -> None:
+        """Lay a read state on the patched model, after checking it names only its modules."""
+        model = self._require_model()
+        names = {f for f, _ in model.named_modules()}
+        unknown = sorted(saved.modules - names)
         if unknown:
             raise ConfigError(
-                f"state_dict names modules this model does not compress: {unknown[:5]}; "
-                f"compressed here: {sorted(compressed)[:5]}"
+                f"state_dict names modules this model does not have: {unknown[:5]}"
+                f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model?); "
+                f"modules here: {sorted(names - {''})[:5]}"
             )
-        if "drift" in state:
-            self._drift.load_state_dict(state["drift"])
-        if "recompute" in state:
-            self._load_recompute([str(f) for f in state["recompute"]])
-        if "noise" in state:
-            self._pending_noise = dict(state["noise"])
-            self._load_noise()
-        if self._model is None:
-            self._table.pending = {f: checked_bits(b) for f, b in bits.items()}
-            return
-        for fqn, b in bits.items():
-            self.set_bits(fqn, int(b))
-
-    def _load_noise(self) -> None:
-        """Restore the rounding generators loaded by :meth:`load_state_dict` once applied, on the
-        rank that saved them (the other ranks keep noise of their own)."""
-        state, hooks = self._pending_noise, self._hooks
-        if state is None or hooks is None or hooks.noise is None:
-            return
-        self._pending_noise = None
-        if int(state.get("rank", 0)) == process_rank():
-            hooks.noise.load_state_dict(state)
-
-    def _load_recompute(self, fqns: list[str]) -> None:
-        if self.config.recompute.auto is None:
-            raise ConfigError(
-                "state_dict holds a recompute plan, but this config has no recompute.auto"
+        if saved.recompute is not None:
+            problem = self._planner.misfit(saved.recompute)
+            if problem is not None:
+                raise ConfigError(problem)
+        # Checked: nothing below raises.
+        drift = self._drift
+        floors = dict(saved.drift.floor) if saved.drift is not None else None  # where it started
+        if saved.drift is not None:
+            drift.take(saved.drift)
+            drift.start(drift.configured)  # a module the checkpoint has no floor for: configured
+        if saved.recompute is not None:
+            self._planner.adopt(saved.recompute)
+        if saved.bits is not None:
+            bits, rebased, line = resumed_bits(
+                saved.bits, floors, drift.configured, self._table.compressed
             )
-        if self._planner is None:
-            self._pending_recompute = fqns
-        else:
-            self._planner.adopt(fqns)
+            for fqn, b in bits.items():
+                self.set_bits(fqn, b)
+            drift.floor.update(rebased)
+            if line is not None and self.speaks():
+                log.info(line)
+        noise = saved.noise
+        if noise is not None and self._hooks.noise is not None and noise["rank"] == process_rank():
+            self._hooks.noise.load_state_dict(noise)  # the other ranks keep noise of their own
 
     # ----------------------------------------------------------------- planning
     def _require_model(self) -> nn.Module:

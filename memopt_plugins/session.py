@@ -116,10 +116,10 @@ class MemOptSession:
         self._held = dict(state)
 
     def restore(self) -> None:
-        """Lay the kept state on the patched model now."""
+        """Lay the kept state on the patched model now (kept when it does not load)."""
         if self._held is not None and self.memopt.model is not None:
-            held, self._held = self._held, None
-            self.memopt.load_state_dict(held)
+            self.memopt.load_state_dict(self._held)
+            self._held = None
 
     def state_dict(self) -> dict[str, Any]:
         """Bits, step counter, drift history and planner choice (plain Python types)."""

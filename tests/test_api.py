@@ -121,3 +121,23 @@ def test_integrations_refuse_a_loss_fn_of_neither_form_when_built(callback):
     callback(CONFIG, loss_fn=lambda: 0)
     with pytest.raises(TypeError, match=r"loss_fn\(model, batch\)"):
         callback(CONFIG, loss_fn=lambda model, batch, extra: 0)
+
+
+# --------------------------------------------------------------------------- maybe_check_drift
+@pytest.mark.parametrize("pass_step", [True, False])
+def test_maybe_check_drift_checks_once_per_optimizer_step_under_accumulation(pass_step):
+    """Four micro-batches per optimizer step call it four times with the same step: one check
+    at each step that is due (check_every 2: steps 0 and 2 of 0..3)."""
+    opt = MemoryOptimizer({**CONFIG, "drift": {"sample_size": 3, "check_every": 2}})
+    model = opt.apply(mlp())
+    checks = []
+    for step in range(4):
+        for _ in range(4):
+            model(torch.randn(12, 16)).square().mean().backward()
+            given = step if pass_step else None
+            report = opt.maybe_check_drift(Recorder(), given, batch=torch.randn(12, 16))
+            checks.append(report is not None)
+        opt.count_step()
+    once = [True, False, False, False]
+    assert checks == once + [False] * 4 + once + [False] * 4
+    assert [h["step"] for h in opt._drift.history] == [0, 2]

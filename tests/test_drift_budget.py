@@ -200,3 +200,21 @@ def test_escalation_never_takes_the_bits_past_the_budget(caplog):
     assert stats.forward_stored <= 1.05 * 0.08 * stats.forward_original
     held = [r.getMessage() for r in caplog.records if "holds" in r.getMessage()]
     assert len(held) == 1 and "drift.threshold" in held[0] and "MiB more" in held[0]
+
+
+@pytest.mark.parametrize("ladder, set_to", [((4, 8, 16, 32), None), ((4, 8, 32), 16)])
+def test_bits_off_the_ladder_are_priced_and_solved_from(ladder, set_to):
+    """quantize.bits 2 under a ladder from 4 (the presets'), and a module set to a width the
+    ladder lacks: the check prices every width a module stands at, meets the budget and keeps
+    the start bits as a rung the solver may come back to."""
+    config = {"quantize": {"bits": 2, "budget": 0.08}, "drift": {"ladder": list(ladder)}}
+    opt, _, train, check = _gpt2(config)
+    if set_to is not None:
+        opt.set_bits("transformer.h.0.mlp.c_fc", set_to)
+    train().backward()
+    report = opt.check_drift(check)
+    target, kept = report.budget
+    assert kept <= 1.05 * target
+    assert min(opt.bits.values()) == 2 and set(opt.bits.values()) <= {2, set_to, *ladder}
+    train().backward()
+    assert opt.hooks.stats.forward_stored == pytest.approx(kept, rel=0.01)

@@ -142,3 +142,79 @@ def test_user_globs_match_a_peft_lora_model():
     assert _heads(opt.bits) == [] and not [f for f in opt.bits if ".mlp" in f]
     loss_fn(lora, batch).backward()
     opt.remove()
+
+
+# --------------------------------------------------------------------------- containers
+class Experts(nn.Module):
+    """A block whose experts sit in a ModuleList (an MoE layer; T5's ``layer`` list alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        return sum(torch.tanh(e(x)) for e in self.experts)
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Experts() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_blocks_glob_recomputes_the_blocks_whatever_lists_they_hold():
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(4, 8)
+    model(x).square().sum().backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    opt = MemoryOptimizer({"recompute": {"modules": ["blocks.*"]}})
+    opt.apply(model)
+    assert opt.recomputed == ("blocks.0", "blocks.1", "blocks.2")
+    model(x).square().sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), exact, strict=True))
+    opt.remove()
+
+
+def test_blocks_glob_recomputes_every_block_of_a_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=32,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        decoder_start_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config)
+    opt = MemoryOptimizer({"recompute": {"modules": ["encoder.block.*", "decoder.block.*"]}})
+    opt.apply(model)
+    assert opt.recomputed == tuple(
+        f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(2)
+    )
+    opt.remove()
+
+
+@pytest.mark.parametrize("named", ["blocks", "blocks.1.experts"])
+def test_a_list_named_alone_is_refused_with_a_glob_that_selects_its_elements(named):
+    model = Blocks()
+    with pytest.raises(ConfigError, match="never called") as error:
+        MemoryOptimizer({"recompute": {"modules": [named]}}).apply(model)
+    advice = str(error.value).split("e.g. ")[1].strip("'")
+    opt = MemoryOptimizer({"recompute": {"modules": [advice]}})
+    opt.apply(model)
+    elements = [f"{named}.{i}" for i in range(len(model.get_submodule(named)))]
+    assert list(opt.recomputed) == elements
+    opt.remove()
+
+
+def test_a_list_named_with_only_some_of_its_elements_is_refused():
+    with pytest.raises(ConfigError, match="'blocks' is a ModuleList, which is never called"):
+        MemoryOptimizer({"recompute": {"modules": ["blocks", "blocks.0"]}}).apply(Blocks())

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
+from memopt_plugins import ConfigError
 from memopt_plugins.engine import patched_by
 from memopt_plugins.session import MemOptSession
 
@@ -165,3 +167,13 @@ def test_an_eval_pass_without_gradients_leaves_the_training_steps_metrics():
     for _, row in rows.rows:
         assert row["memopt/kept_bytes"] == trained["memopt/kept_bytes"] > 0
         assert row["memopt/compression_ratio"] == trained["memopt/compression_ratio"] > 4.0
+
+
+def test_a_held_state_that_does_not_load_is_kept():
+    session = MemOptSession(TWO_BITS)
+    session.apply(mlp())
+    held = {**session.memopt.state_dict(), "bits": {"0": 16, "9": 4}}  # no module 9 here
+    session.hold(held)
+    with pytest.raises(ConfigError, match=r"does not have: \['9'\]"):
+        session.restore()
+    assert session.state_dict() == held and session.memopt.bits == {"0": 2}

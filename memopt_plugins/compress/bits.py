@@ -17,30 +17,26 @@ class BitTable:
     * ``scopes``: every module with a scope and its bits (a scope at :data:`OFF_BITS` shields its
       subtree from a compressing ancestor); the hooks read these.
     * :attr:`compressed`: the modules the optimizer reports and escalates (``opt.bits``): scopes
-      below 32 bits and modules restored from a checkpoint at 32, less those *parked* because they
-      lie inside a recompute region now (recompute wins; they come back when it ends).
-    * ``pending``: bits loaded from a state dict before the model was patched, taken at
-      :meth:`install`.
+      installed below 32 bits (one escalated or restored to 32 stays listed), less those *parked*
+      because they lie inside a recompute region now (recompute wins; they come back when it ends).
     """
 
     def __init__(self) -> None:
         self.scopes: dict[str, int] = {}
-        self.pending: dict[str, int] = {}
         self._listed: list[str] = []
         self._parked: frozenset[str] = frozenset()
         #: Counts changes of the scopes' bits: a compiled graph holds the bits of one version.
         self.version = 0
 
     def install(self, scopes: Mapping[str, int]) -> None:
-        """Take the scopes resolved from the config, with the pending bits on top."""
-        pending, self.pending = self.pending, {}
-        self.scopes = {f: int(pending.get(f, b)) for f, b in scopes.items()}
-        self._listed = [f for f, b in self.scopes.items() if b < OFF_BITS or f in pending]
+        """Take the scopes resolved from the config (a checkpoint's bits are set after)."""
+        self.scopes = {f: int(b) for f, b in scopes.items()}
+        self._listed = [f for f, b in self.scopes.items() if b < OFF_BITS]
         self._parked = frozenset()
         self.version += 1
 
     def clear(self) -> None:
-        """Forget everything but ``pending`` (the model was unpatched)."""
+        """Forget every scope (the model was unpatched)."""
         self.scopes = {}
         self._listed = []
         self._parked = frozenset()

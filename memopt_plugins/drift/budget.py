@@ -12,7 +12,7 @@ the hard cap (docs/drift.md, "A memory target").
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import HALF_BITS, OFF_BITS
@@ -45,9 +45,21 @@ class Pricing:
     target: float
     scale: float = 1.0
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Every width priced, narrowest first: what the solver chooses from."""
+        return tuple(sorted({b for c in self.costs.values() for b in c}))
+
     def total(self, bits: Mapping[str, int]) -> float:
         """The bytes kept at ``bits`` (modules not priced keep none)."""
         return sum(c[bits[f]] for f, c in self.costs.items() if f in bits)
+
+
+def priced_widths(ladder: Iterable[int], bits: Iterable[int]) -> tuple[int, ...]:
+    """The widths a budget prices: ``drift.ladder`` and every width a module starts from or stands
+    at (``quantize.bits`` under the ladder's first rung, a width set by hand), so that a module's
+    own bits are always one of the solver's choices, and its start bits a rung to come back to."""
+    return tuple(sorted({*ladder, *bits}))
 
 
 def solve(

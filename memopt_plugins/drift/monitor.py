@@ -3,7 +3,9 @@ bits, keeps counters and history."""
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -13,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import OFF_BITS, DriftConfig
+from ..config import OFF_BITS, DriftConfig, checked_bits
+from ..config_io import reading_state, state_count, state_list, state_map, state_name
 from ..distributed import is_rank_zero, max_over_ranks
 from ..measure import eagerly
 from .budget import Pricing, log_outcome, solve, step_size
@@ -72,6 +75,8 @@ class DriftMonitor:
         #: whether this process writes the checks' lines (rank 0; an integration's main process)
         self.speaks: Callable[[], bool] = is_rank_zero
         self._noted_no_variance = False
+        #: the bits the config gives each module now (:meth:`start`; no part of the state)
+        self.configured: dict[str, int] = {}
         # drift.lower: starting bits, calm checks in a row, checks to wait, lowered once, changes
         self.floor: dict[str, int] = {}
         self.calm: dict[str, int] = {}
@@ -86,10 +91,11 @@ class DriftMonitor:
         self.last: DriftReport | None = None
 
     def start(self, configured: Mapping[str, int]) -> None:
-        """The bits the config gives each module: ``drift.lower`` never goes under them (a
-        restored state keeps its own)."""
-        for fqn, bits in configured.items():
-            self.floor.setdefault(fqn, int(bits))
+        """The bits the config gives each module (:attr:`configured`): ``drift.lower`` never goes
+        under them (a restored state keeps its own floors)."""
+        self.configured = {fqn: int(bits) for fqn, bits in configured.items()}
+        for fqn, bits in self.configured.items():
+            self.floor.setdefault(fqn, bits)
 
     # ----------------------------------------------------------------- scheduling
     def should_check(self, step: int | None = None) -> bool:
@@ -469,7 +475,7 @@ class DriftMonitor:
             unknown = max(self.sensitivity.values(), default=1.0)  # never measured below 32
             sensitivity = {f: self.sensitivity.get(f, unknown) for f in current}
             floors = {f: w for f, (w, _) in self.held.items()}
-            plan = solve(current, priced, sensitivity, cfg.ladder, floors, cfg.threshold)
+            plan = solve(current, priced, sensitivity, priced.widths, floors, cfg.threshold)
             changes = {f: (current[f], b) for f, b in plan.items() if b != current[f]}
             if not changes and verified:
                 break
@@ -509,7 +515,7 @@ class DriftMonitor:
         if reverted and calm is not None:  # the last probe's bits are gone: the calm pass's
             found = calm
         kept = priced.total(current)
-        floor = cfg.ladder[0]
+        floor = min(priced.widths, default=cfg.ladder[0])
         held = sorted(f for f, (w, _) in self.held.items() if current.get(f, floor) > floor)
         log_outcome(priced, kept, held, floor, step)
         if short and self.speaks():
@@ -678,37 +684,92 @@ class DriftMonitor:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self.steps = int(state.get("steps", 0))
-        self.escalations = int(state.get("escalations", 0))
-        self.skipped = int(state.get("skipped", 0))
-        lowering = state.get("lowering", {})
-        self.deescalations = int(lowering.get("deescalations", 0))
-        self.floor = {k: int(v) for k, v in lowering.get("floor", {}).items()}
-        self.calm = {k: int(v) for k, v in lowering.get("calm", {}).items()}
-        self.wait = {k: int(v) for k, v in lowering.get("wait", {}).items()}
-        self.lowered = {str(f) for f in lowering.get("lowered", ())}
-        self.changes = {k: int(v) for k, v in lowering.get("changes", {}).items()}
-        budget = state.get("budget", {})
-        self.sensitivity = {k: float(v) for k, v in budget.get("sensitivity", {}).items()}
-        self.held = {k: (int(w), int(n)) for k, (w, n) in budget.get("held", {}).items()}
-        self.history = deque((dict(h) for h in state.get("history", ())), maxlen=HISTORY_LIMIT)
-        last = state.get("last")
-        self.last = (
-            None
-            if last is None
-            else DriftReport(
-                int(last["step"]),
-                {k: float(v) for k, v in last["per_module"].items()},
-                dict(last.get("unmeasured", {})),
-                {k: (int(a), int(b)) for k, (a, b) in last.get("escalated", {}).items()},
-                tuple(float(v) for v in last.get("round_max", ())),
-                {k: (int(a), int(b)) for k, (a, b) in last.get("lowered", {}).items()},
-                threshold=float(last.get("threshold", self.config.threshold)),
-                metric=str(last.get("metric", self.config.metric)),
-                budget=None if last.get("budget") is None else tuple(last["budget"]),
+        """Restore what :meth:`state_dict` saved; a bad state changes nothing (:meth:`read`)."""
+        self.take(self.read(state))
+
+    def read(self, state: Any) -> DriftMonitor:
+        """A monitor holding ``state`` (what :meth:`state_dict` saved), read whole: a value of
+        the wrong type or range is a :class:`ConfigError` naming its key, and this monitor is
+        left as it was. :meth:`take` lays what it holds on this one."""
+        other = DriftMonitor(self.config, self.budget)
+        with reading_state("drift"):
+            state = state_map(state)
+        for key in ("steps", "escalations", "skipped"):
+            with reading_state(f"drift.{key}"):
+                setattr(other, key, state_count(state.get(key, 0)))
+        with reading_state("drift.lowering"):
+            lowering = state_map(state.get("lowering", {}))
+            other.deescalations = state_count(lowering.get("deescalations", 0))
+            other.floor = {
+                k: checked_bits(v) for k, v in state_map(lowering.get("floor", {})).items()
+            }
+            for key in ("calm", "wait", "changes"):
+                counts = state_map(lowering.get(key, {}))
+                setattr(other, key, {k: state_count(v) for k, v in counts.items()})
+            other.lowered = {state_name(f) for f in state_list(lowering.get("lowered", ()))}
+        with reading_state("drift.budget"):
+            budget = state_map(state.get("budget", {}))
+            sensitivity = state_map(budget.get("sensitivity", {}))
+            other.sensitivity = {k: _finite(v) for k, v in sensitivity.items()}
+            held = state_map(budget.get("held", {}))
+            other.held = {k: (checked_bits(w), state_count(n)) for k, (w, n) in held.items()}
+        with reading_state("drift.history"):
+            other.history = deque(
+                (state_map(h) for h in state_list(state.get("history", ()))), maxlen=HISTORY_LIMIT
             )
+        with reading_state("drift.last"):
+            last = state.get("last")
+            other.last = None if last is None else self._report_of(state_map(last))
+        return other
+
+    def _report_of(self, last: dict[str, Any]) -> DriftReport:
+        return DriftReport(
+            state_count(last["step"]),
+            {k: float(v) for k, v in state_map(last["per_module"]).items()},
+            state_map(last.get("unmeasured", {})),
+            {k: (int(a), int(b)) for k, (a, b) in state_map(last.get("escalated", {})).items()},
+            tuple(float(v) for v in state_list(last.get("round_max", ()))),
+            {k: (int(a), int(b)) for k, (a, b) in state_map(last.get("lowered", {})).items()},
+            threshold=float(last.get("threshold", self.config.threshold)),
+            metric=str(last.get("metric", self.config.metric)),
+            budget=None if last.get("budget") is None else tuple(state_list(last["budget"])),
         )
+
+    def take(self, other: DriftMonitor) -> None:
+        """The state ``other`` holds (:meth:`read`), laid on this monitor (copied: the two
+        share nothing a later change could reach)."""
+        for key in _STATE:
+            setattr(self, key, copy.copy(getattr(other, key)))
+
+    @property
+    def modules(self) -> set[str]:
+        """Every module the state names (as a checkpoint of another model would show)."""
+        named = (self.floor, self.calm, self.wait, self.changes, self.sensitivity, self.held)
+        return {f for part in named for f in part} | self.lowered
+
+
+#: What :meth:`DriftMonitor.state_dict` saves, as attributes.
+_STATE = (
+    "steps",
+    "escalations",
+    "skipped",
+    "deescalations",
+    "floor",
+    "calm",
+    "wait",
+    "lowered",
+    "changes",
+    "sensitivity",
+    "held",
+    "history",
+    "last",
+)
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool) or not math.isfinite(out := float(value)):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return out
 
 
 def _reduced(
@@ -720,7 +781,7 @@ def _reduced(
     if priced is None:
         return None
     fqns = sorted(priced.costs)
-    widths = sorted({b for c in priced.costs.values() for b in c})
+    widths = priced.widths
     values = [priced.costs[f][b] for f in fqns for b in widths] + [priced.target, priced.scale]
     out = iter(_max_of(reduce_max, values, device))
     costs = {f: {b: next(out) for b in widths} for f in fqns}

@@ -302,18 +302,24 @@ class RecomputePlanner:
         budget = self.budget if budget is None else budget
         return self._apply(choose(measurement, budget, self.fixed, self.ratio))
 
-    def adopt(self, fqns: Sequence[str]) -> None:
-        """Recompute exactly these modules (a plan restored from a state dict), no measuring."""
+    def misfit(self, fqns: Sequence[str]) -> str | None:
+        """Why a plan restored from a state dict cannot be adopted (``None``: it can)."""
         names = {f for f, _ in self.recompute.model.named_modules()}
         bad = [f for f in fqns if f not in names or f == ""]
         overlap = [
             f for f in fqns if any(f == x or within(f, x) or within(x, f) for x in self.fixed)
         ]
         if bad or overlap or len(outermost(fqns)) != len(fqns):
-            raise ConfigError(
-                f"state_dict recompute plan {list(fqns)[:5]} does not fit this model: "
-                + (f"no module named {bad[:3]}" if bad else "its modules overlap")
+            return f"state_dict recompute plan {list(fqns)[:5]} does not fit this model: " + (
+                f"no module named {bad[:3]}" if bad else "its modules overlap"
             )
+        return None
+
+    def adopt(self, fqns: Sequence[str]) -> None:
+        """Recompute exactly these modules (a plan restored from a state dict), no measuring."""
+        problem = self.misfit(fqns)
+        if problem is not None:
+            raise ConfigError(problem)
         self.remove()
         self.recompute.unwrap(self.chosen)
         self.chosen = tuple(self.recompute.wrap(fqns))

@@ -67,10 +67,16 @@ def recompute_targets(
 ) -> list[str]:
     """The modules ``recompute.modules``/``types`` select, outermost only, after validation.
 
+    A container that is never called (``ModuleList``, ``ModuleDict``) has nothing to replay: it
+    leaves the selection where a selected module holds it or every one of its elements is
+    selected too (``blocks.*`` matches every module under ``blocks``, a T5 block's ``layer`` list
+    or an MoE layer's experts with them, and recomputes the blocks). Selected otherwise, the user
+    meant its elements and some would be left out: an error that names the glob of all of them.
+
     Raises:
         ConfigError: a glob or class name that matches nothing (one a preset wrote, as
             ``from_preset`` says, is logged instead), a selection that is the whole
-            model or a container that is never called (``ModuleList``), or a model that already
+            model or a never-called container alone (``transformer.h``), or a model that already
             checkpoints its activations (see :func:`existing_checkpointing`).
     """
     names = [fqn for fqn, _ in model.named_modules()]
@@ -89,20 +95,27 @@ def recompute_targets(
         )
     modules = dict(model.named_modules())
     selected = select_modules(model, config.modules, config.types)
-    for fqn in selected:
-        if fqn == "":
-            raise ConfigError(
-                f"recompute: the selection includes the whole model ({type(model).__name__}, "
-                "e.g. '*' matches the root); name submodules instead, e.g. 'transformer.h.*'"
-            )
-        if type(modules[fqn]).forward is nn.Module.forward:
+    if "" in selected:
+        raise ConfigError(
+            f"recompute: the selection includes the whole model ({type(model).__name__}, "
+            "e.g. '*' matches the root); name submodules instead, e.g. 'transformer.h.*'"
+        )
+    lists = [f for f in selected if type(modules[f]).forward is nn.Module.forward]
+    called = [f for f in selected if f not in lists]
+    chosen, picked = outermost(called), set(selected)
+    for fqn in lists:
+        elements = [f"{fqn}.{name}" for name, _ in modules[fqn].named_children()]
+        inside = any(within(fqn, c) for c in chosen)
+        if not inside and not (elements and all(e in picked for e in elements)):
             raise ConfigError(
                 f"recompute: {fqn!r} is a {type(modules[fqn]).__name__}, which is never called; "
                 f"select its elements instead, e.g. '{fqn}.*'"
             )
-    chosen = outermost(selected)
     if len(chosen) < len(selected):
-        log.debug("memopt: %d selected modules lie inside other selected ones", len(selected))
+        log.debug(
+            "memopt: %d selected modules lie inside other selected ones or are never called",
+            len(selected) - len(chosen),
+        )
     return chosen
 
 
