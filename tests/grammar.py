@@ -98,7 +98,6 @@ class Mlp(nn.Module):
         self.dropout = nn.Dropout(p)
         if zero_out:
             nn.init.zeros_(self.c_proj.weight)
-            nn.init.zeros_(self.c_proj.bias)
 
     def forward(self, x):
         return self.dropout(self.c_proj(_after_activation(self.kind, self.act(self.c_fc(x)))))
@@ -132,7 +131,6 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(p)
         if zero_out:
             nn.init.zeros_(self.o_proj.weight)
-            nn.init.zeros_(self.o_proj.bias)
 
     def forward(self, x):
         b, t, _ = x.shape
