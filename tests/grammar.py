@@ -251,6 +251,7 @@ class ModelSpec:
     head: str  # "regress": MSE outside the model; "lm": cross-entropy (inside or outside)
     loss_inside: bool
     tied: bool
+    probe: bool = False  # a second head (a value probe) reads the head's input first
 
     def summary(self) -> str:
         parts = []
@@ -268,6 +269,7 @@ class ModelSpec:
                 text += "x2"
             parts.append(text)
         head = self.head + ("+ce" if self.loss_inside else "") + ("+tied" if self.tied else "")
+        head += "+probe" if self.probe else ""
         return f"{'tok' if self.tokens else 'x'}|{','.join(parts)}|{self.final_norm}|{head}"
 
     @property
@@ -285,6 +287,8 @@ class Model(nn.Module):
         self.head = nn.Linear(D, V if spec.head == "lm" else 2)
         if spec.tied:
             self.head.weight = self.stem.weight
+        self.probe = nn.Linear(D, 1) if spec.probe else None
+        self.value: torch.Tensor | None = None
 
     def forward(self, x, targets=None):
         h = self.stem(x)
@@ -292,7 +296,10 @@ class Model(nn.Module):
             h = block(h)
             if self.spec.shared == i:
                 h = block(h)
-        out = self.head(self.final_norm(h))
+        h = self.final_norm(h)
+        if self.probe is not None:  # as an actor-critic's value head: before the policy head
+            self.value = self.probe(h)
+        out = self.head(h)
         aux = self.aux_loss()
         if targets is None:
             return out if aux is None else (out, aux)
@@ -300,7 +307,10 @@ class Model(nn.Module):
         return loss if aux is None else loss + 0.1 * aux
 
     def aux_loss(self) -> torch.Tensor | None:
+        """The MoE routers' load-balancing losses and the probe's (its values' mean square)."""
         auxes = [m.aux for m in self.modules() if isinstance(m, Moe) and m.aux is not None]
+        if self.probe is not None:
+            auxes.append(self.value.square().mean())
         return sum(auxes) if auxes else None
 
 
@@ -354,6 +364,7 @@ def draw_model(rng: random.Random, seed: int) -> ModelSpec:
         head=head,
         loss_inside=head == "lm" and rng.random() < 0.5,
         tied=head == "lm" and tokens and rng.random() < 0.5,
+        probe=rng.random() < 0.25,
     )
 
 
