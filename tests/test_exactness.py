@@ -14,7 +14,7 @@ compares like with like. The promises (docs/guarantees.md):
 - a ``KeyboardInterrupt`` in a forward or a drift check leaves no hooks or modes on the thread;
 - training with drift checks in which nothing escalates equals training without them, bit for bit.
 
-Cases: ``MEMOPT_EXACTNESS_CASES=N`` (default 16, seeds 0..N-1), ``MEMOPT_EXACTNESS_FIRST=K``
+Cases: ``MEMOPT_EXACTNESS_CASES=N`` (default 200, seeds 0..N-1), ``MEMOPT_EXACTNESS_FIRST=K``
 (seeds K..K+N-1), ``MEMOPT_EXACTNESS_SEEDS=3,17`` (just those).
 """
 
@@ -52,7 +52,7 @@ def _seeds() -> list[int]:
     if chosen:
         return [int(s) for s in chosen.split(",")]
     first = int(os.environ.get("MEMOPT_EXACTNESS_FIRST", "0"))
-    return list(range(first, first + int(os.environ.get("MEMOPT_EXACTNESS_CASES", "16"))))
+    return list(range(first, first + int(os.environ.get("MEMOPT_EXACTNESS_CASES", "200"))))
 
 
 CASES = [draw_case(seed) for seed in _seeds()]
