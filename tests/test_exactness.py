@@ -385,6 +385,20 @@ def _called(model: nn.Module, batch) -> list[str]:
     return called
 
 
+@cases
+def test_a_patched_model_inside_a_wrapper_is_not_patched_again(case):
+    """A model is patched once (``apply``), also when a wrapper holding it is applied to."""
+    model = build(case.model)
+    opt = _apply(case, model)
+    second = MemoryOptimizer({"quantize": {"bits": 8, "min_numel": 0}})
+    try:
+        with pytest.raises(RuntimeError, match="patched"):
+            second.apply(nn.Sequential(model))
+    finally:
+        second.remove()
+        opt.remove()
+
+
 def _raising(module: nn.Module, pre: bool) -> Callable[[], None]:
     """Arm ``module`` to raise KeyboardInterrupt at its next forward; returns the disarm."""
 
