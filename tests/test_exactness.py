@@ -10,9 +10,11 @@ compares like with like. The promises (docs/guarantees.md):
   own saved tensors are the only ones its parameters' gradients read keeps them exact;
 - the forward is never approximated, and parameters (nor weights computed from them) are never
   compressed;
-- ``remove()`` restores the model, and training afterwards is a never-patched model's;
+- ``remove()`` restores the model, and training afterwards is a never-patched model's; a model
+  is patched once, also inside a wrapper;
 - a ``KeyboardInterrupt`` in a forward or a drift check leaves no hooks or modes on the thread;
-- training with drift checks in which nothing escalates equals training without them, bit for bit.
+- training with drift checks in which nothing escalates equals training without them, bit for bit;
+- where nothing is compressed, a gradient penalty's double backward is the baseline's too.
 
 Cases: ``MEMOPT_EXACTNESS_CASES=N`` (default 200, seeds 0..N-1), ``MEMOPT_EXACTNESS_FIRST=K``
 (seeds K..K+N-1), ``MEMOPT_EXACTNESS_SEEDS=3,17`` (just those).
