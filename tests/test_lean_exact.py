@@ -225,3 +225,118 @@ def test_a_gradient_penalty_equals_torchs_through_lean_ops(kind):
     assert len(mine) == len(theirs) >= 2
     for a, b in zip(mine, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.5, max_position_embeddings=32,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _with_an_extra_term():
+    """A causal LM whose own forward adds a term (a penalty on its head) to the loss."""
+    model = _llama()
+    plain = type(model).forward
+
+    def forward(*args, **kwargs):
+        out = plain(model, *args, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss + 0.1 * model.lm_head.weight.square().sum()
+        return out
+
+    model.forward = forward
+    return model
+
+
+def _step(model, ids):
+    model.train()
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("build", [_mixtral, _with_an_extra_term])
+def test_the_chunked_loss_keeps_what_the_model_adds_to_its_loss_or_refuses(build, caplog):
+    """An MoE's router load-balancing loss (Mixtral, output_router_logits) and a term a model's
+    own forward adds: with ops.loss chunked the loss, its aux_loss and every gradient (the
+    router's too) equal the model's own."""
+    from memopt_plugins.config import OpsConfig
+    from memopt_plugins.lean import LeanOps
+
+    model = build()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    theirs, their_grads = _step(model, ids)
+    ops = LeanOps(OpsConfig(loss="chunked"))
+    with caplog.at_level("INFO", logger="memopt"):
+        actions = ops.apply(model)
+    mine, my_grads = _step(model, ids)
+    ops.remove()
+    torch.testing.assert_close(mine.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    assert my_grads.keys() == their_grads.keys()
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(my_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    if getattr(theirs, "aux_loss", None) is not None:
+        torch.testing.assert_close(mine.aux_loss, theirs.aux_loss)
+    if "lean loss" not in actions.values():
+        refusals = [r for r in caplog.records if "ops.loss chunked left" in r.getMessage()]
+        assert len(refusals) == 1
+        assert type(model).__name__ in refusals[0].getMessage()
+
+
+def test_the_chunked_loss_still_acts_on_a_plain_causal_lm():
+    from memopt_plugins.config import OpsConfig
+    from memopt_plugins.lean import LeanOps
+
+    model = _llama()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    theirs, their_grads = _step(model, ids)
+    ops = LeanOps(OpsConfig(loss="chunked"))
+    assert ops.apply(model) == {"": "lean loss"}
+    mine, my_grads = _step(model, ids)
+    ops.remove()
+    assert mine.logits is None
+    torch.testing.assert_close(mine.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(my_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_router_loss_asked_for_in_the_call_runs_the_models_own_forward():
+    """Mixtral with output_router_logits off in its config gets the chunked loss; a call that
+    turns it on gets the model's own output, aux_loss included."""
+    from memopt_plugins.config import OpsConfig
+    from memopt_plugins.lean import LeanOps
+
+    model = _mixtral()
+    model.config.output_router_logits = False
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.train()
+    torch.manual_seed(0)
+    theirs = model(input_ids=ids, labels=ids, output_router_logits=True)
+    ops = LeanOps(OpsConfig(loss="chunked"))
+    assert ops.apply(model) == {"": "lean loss"}
+    torch.manual_seed(0)
+    mine = model(input_ids=ids, labels=ids, output_router_logits=True)
+    assert model(input_ids=ids, labels=ids).logits is None  # the chunked loss acts otherwise
+    ops.remove()
+    assert float(theirs.aux_loss) > 0
+    torch.testing.assert_close(mine.aux_loss, theirs.aux_loss)
+    torch.testing.assert_close(mine.loss, theirs.loss)

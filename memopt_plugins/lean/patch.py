@@ -7,7 +7,10 @@ modules, gated MLPs (SwiGLU / GeGLU), Llama-style RMSNorm, a Hugging Face model'
 as SDPA (not with attention dropout: SDPA draws its own mask), and a CNN's batch norms,
 convolutions, ReLUs and max-pools (:mod:`.conv`). ``loss: chunked`` makes a Hugging Face causal LM
 compute its training loss with :func:`~.loss.linear_cross_entropy` (``logits`` is then ``None``);
-in eval, without labels or without gradients its own forward runs. ``cross_entropy: lean``
+in eval, without labels or without gradients its own forward runs. It is checked against the
+model's own forward on a probe batch: a model that adds to its loss (an MoE's router loss, any
+term of its forward) or returns what the chunked loss drops keeps its own loss (one logged
+line). ``cross_entropy: lean``
 routes ``F.cross_entropy`` called inside the model (:mod:`.entropy`). While any of these acts,
 ``no_cache`` turns a Hugging Face model's ``use_cache`` off (training needs no KV cache). A
 ``fuse`` name matching no module, or a model ``loss: chunked`` cannot patch (unless
@@ -592,20 +595,11 @@ class LeanOps:
         base = getattr(model, model.base_model_prefix)
         config = getattr(model, "config", None)
         softcap = getattr(config, "final_logit_softcapping", None)
-        outputs = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
-        names = {f.name for f in dataclasses.fields(outputs)} - {"loss", "logits"}
-        log.info(
-            "memopt: ops.loss chunked: %s computes its training loss in chunks of tokens; its "
-            "output's logits are None in training (eval mode and generation run the model's own "
-            "forward)",
-            type(model).__name__,
-        )
         original = model.forward
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            labels = kwargs.get("labels")
-            if labels is None or not model.training or not torch.is_grad_enabled() or len(args) > 1:
-                return original(*args, **kwargs)
+        def chunked(outputs: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+            """The model's training output with the chunked loss (``logits`` None)."""
+            names = {f.name for f in dataclasses.fields(outputs)} - {"loss", "logits"}
             kwargs = dict(kwargs)
             labels = kwargs.pop("labels")
             items = kwargs.pop("num_items_in_batch", None)
@@ -627,8 +621,99 @@ class LeanOps:
             )
             return outputs(loss=loss, logits=None, **{k: v for k, v in out.items() if k in names})
 
+        plain = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
+        outputs, why = _own_loss_only(model, original, chunked, plain)
+        if why is not None:
+            log.warning(
+                "memopt: ops.loss chunked left the loss of %s (%s) as it is: %s",
+                type(model).__name__,
+                fqn or "the model",
+                why,
+            )
+            return
+        log.info(
+            "memopt: ops.loss chunked: %s computes its training loss in chunks of tokens; its "
+            "output's logits are None in training (eval mode and generation run the model's own "
+            "forward)",
+            type(model).__name__,
+        )
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            labels = kwargs.get("labels")
+            own = labels is None or not model.training or not torch.is_grad_enabled()
+            if own or len(args) > 1 or any(kwargs.get(k) for k in _LOSS_TERMS):
+                return original(*args, **kwargs)
+            return chunked(outputs, args, kwargs)
+
         self._patched.append(_LeanForward(model, forward, "lean loss"))
         self.actions[fqn] = "lean loss"
+
+
+#: Arguments of a causal LM's forward that add terms to its loss (an MoE's router loss): with
+#: one of them on, the model's own forward runs.
+_LOSS_TERMS = ("output_router_logits",)
+#: Tokens of the batch on which the chunked loss is checked against the model's own.
+_PROBE_TOKENS = 8
+
+
+def _own_loss_only(
+    model: nn.Module, original: Callable[..., Any], chunked: Callable[..., Any], plain: type
+) -> tuple[type, str | None]:
+    """The output class of ``model``'s forward, and why the chunked loss would change what that
+    forward returns (``None``: it would not). Both run once on a probe batch in training mode,
+    with the randomness and buffers as they were after: the model's own output must hold nothing
+    the chunked one drops (an MoE's ``aux_loss``), its loss must be the cross-entropy of its own
+    logits (no term of its forward added), and the chunked loss must equal that. A model on the
+    meta device cannot run: its config is read instead."""
+    config = getattr(model, "config", None)
+    on = [k for k in _LOSS_TERMS if getattr(config, k, None)]
+    if on:
+        return plain, f"its config's {on[0]} adds terms to the loss that the chunked loss drops"
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return plain, None
+    head: Any = model.lm_head
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(head.out_features, (1, _PROBE_TOKENS), generator=generator)
+    ids = ids.to(head.weight.device)
+    modes = {m: m.training for m in model.modules()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    devices = [head.weight.device.index or 0] if head.weight.device.type == "cuda" else []
+    try:
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices):
+            torch.manual_seed(0)
+            own = original(input_ids=ids, labels=ids, return_dict=True)
+            outputs = type(own) if dataclasses.is_dataclass(own) else plain
+            torch.manual_seed(0)
+            mine = chunked(outputs, (), {"input_ids": ids, "labels": ids})
+    except Exception as error:  # a forward that needs more than ids and labels
+        return plain, f"its forward failed on a probe batch ({type(error).__name__}: {error})"
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    if not isinstance(own, dict) or own.get("loss") is None or own.get("logits") is None:
+        return plain, "its forward returned no loss and logits for labels on a probe batch"
+    dropped = [k for k, v in own.items() if v is not None and k != "logits" and mine.get(k) is None]
+    if dropped:
+        return outputs, f"its output holds {', '.join(dropped)}, which the chunked loss drops"
+    logits = own.logits.float()
+    target = F.pad(ids, (0, 1), value=-100)[..., 1:]
+    reference = F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1))
+    if not torch.allclose(own.loss.float(), reference, rtol=1e-5, atol=1e-6):
+        return outputs, (
+            f"its loss ({float(own.loss):.6g}) is not the cross-entropy of its logits "
+            f"({float(reference):.6g}): its forward adds a term the chunked loss would drop"
+        )
+    tolerance = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 2e-2
+    if not torch.allclose(mine.loss.float(), reference, rtol=tolerance, atol=tolerance):
+        return outputs, (
+            f"the chunked loss ({float(mine.loss):.6g}) differs from its own "
+            f"({float(reference):.6g})"
+        )
+    return outputs, None
 
 
 _WHAT = {
