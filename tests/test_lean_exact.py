@@ -340,3 +340,109 @@ def test_a_router_loss_asked_for_in_the_call_runs_the_models_own_forward():
     assert float(theirs.aux_loss) > 0
     torch.testing.assert_close(mine.aux_loss, theirs.aux_loss)
     torch.testing.assert_close(mine.loss, theirs.loss)
+
+
+class _ReluSquaredMlp(nn.Module):
+    """modded-nanoGPT's MLP (ReLU squared), its output projection zero at init; the GELU module
+    it was built with stays, unused."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(0.0)
+        nn.init.zeros_(self.c_proj.weight)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(torch.relu(self.c_fc(x)).square()))
+
+
+class _ClampedGatedMlp(nn.Module):
+    """A SwiGLU MLP whose gate is clamped, its down projection zero at init."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, 2 * width, bias=False)
+        self.up_proj = nn.Linear(width, 2 * width, bias=False)
+        self.down_proj = nn.Linear(2 * width, width, bias=False)
+        self.act_fn = nn.SiLU()
+        nn.init.zeros_(self.down_proj.weight)
+
+    def forward(self, x):
+        gate = self.act_fn(self.gate_proj(x)).clamp(max=1.0)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class _Residual(nn.Module):
+    def __init__(self, mlp: nn.Module, width: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.mlp = mlp
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.mlp(h))
+
+
+@pytest.mark.parametrize("mlp", [_ReluSquaredMlp, _ClampedGatedMlp])
+def test_a_zero_output_projection_hides_nothing_from_the_probe(mlp, caplog):
+    """An MLP whose forward is not the lean op's, behind a projection initialised to zero (its
+    output is zero either way at init): refused, one logged line, and the gradients equal the
+    model's own."""
+    from memopt_plugins.config import OpsConfig
+    from memopt_plugins.lean import LeanOps
+
+    torch.manual_seed(0)
+    model = _Residual(mlp())
+    x = torch.randn(4, 6, 16)
+
+    def grads():
+        model.zero_grad()
+        model(x).square().sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    theirs = grads()
+    assert (
+        theirs["mlp." + ("c_proj" if mlp is _ReluSquaredMlp else "down_proj") + ".weight"]
+        .abs()
+        .sum()
+        > 0
+    )
+    ops = LeanOps(OpsConfig(fuse=["all"]))
+    randomness = torch.get_rng_state()
+    with caplog.at_level("WARNING", logger="memopt"):
+        actions = ops.apply(model)
+    assert torch.equal(torch.get_rng_state(), randomness)
+    mine = grads()
+    ops.remove()
+    assert "mlp" not in actions
+    refusals = [r.getMessage() for r in caplog.records if "left" in r.getMessage()]
+    assert any("mlp" in m for m in refusals)
+    for name, grad in theirs.items():
+        assert torch.equal(mine[name], grad), name
+
+
+class _GeluMlp(_ReluSquaredMlp):
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class _SwiGluMlp(_ClampedGatedMlp):
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("mlp", [_GeluMlp, _SwiGluMlp])
+@pytest.mark.parametrize("zero", [False, True])
+def test_a_standard_mlp_is_swapped_whatever_its_projection_starts_at(mlp, zero):
+    from memopt_plugins.config import OpsConfig
+    from memopt_plugins.lean import LeanOps
+
+    torch.manual_seed(0)
+    module = mlp()
+    if not zero:
+        for p in module.parameters():
+            nn.init.normal_(p)
+    assert LeanOps(OpsConfig(fuse=["mlp"])).apply(_Residual(module)) == {"mlp": "lean mlp"}
