@@ -414,6 +414,14 @@ class _GatedProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():
+
+            def product(gate, up):
+                if ctx.tanh_gelu:
+                    return F.gelu(gate, approximate="tanh") * up
+                return F.silu(gate) * up
+
+            return *_graph_gradients(product, (gate, up), ctx.needs_input_grad[:2], grad), None
         act = _gelu_tanh if ctx.tanh_gelu else _silu
         grad_gate, grad_up = _grad_buffer(gate), _grad_buffer(up)
         flat = [t.reshape(-1) for t in (gate, up, grad, grad_gate, grad_up)]
@@ -551,15 +559,20 @@ class _BatchNorm(torch.autograd.Function):
         out, mean, invstd = torch.ops.aten.native_batch_norm(
             x, weight, bias, running_mean, running_var, True, momentum, eps
         )
+        ctx.save_for_backward(x, weight)
         ctx.stats = (mean, invstd)  # one value per channel, kept as they are
         ctx.eps = eps
-        ctx.save_for_backward(x, weight, bias)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         if torch.is_grad_enabled():
+            # the bias (not saved) only shifts the output: a zero one has its gradients
+            bias = None
+            if ctx.needs_input_grad[2]:
+                dtype = weight.dtype if weight is not None else x.dtype
+                bias = x.new_zeros(x.shape[1], dtype=dtype).requires_grad_()
 
             def norm(x, weight, bias):
                 return F.batch_norm(x, None, None, weight, bias, True, 0.0, ctx.eps)
