@@ -4,6 +4,7 @@ error."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import pkgutil
@@ -468,3 +469,52 @@ def test_a_standard_mlp_is_swapped_whatever_its_projection_starts_at(mlp, zero):
         for p in module.parameters():
             nn.init.normal_(p)
     assert LeanOps(OpsConfig(fuse=["mlp"])).apply(_Residual(module)) == {"mlp": "lean mlp"}
+
+
+class _RMSNorm(nn.Module):
+    """Llama's RMSNorm, by the names the rmsnorm chain matches."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (x.float() * rstd).to(x.dtype)
+
+
+def test_a_gradient_penalty_through_memopts_lean_ops_equals_torchs():
+    """The issue's repro through MemoryOptimizer: an R1 penalty on a model with batch norm, GELU
+    and RMSNorm swapped for the lean ops gives plain torch's gradients (BN's second derivative
+    was off by a quarter; RMSNorm's backward raised)."""
+    from memopt_plugins import MemoryOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 32), _RMSNorm(32),
+        nn.Linear(32, 1),
+    )  # fmt: skip
+    x = torch.randn(64, 16)
+
+    def grads(lean: bool) -> list[torch.Tensor | None]:
+        net = copy.deepcopy(model)
+        opt = MemoryOptimizer({"ops": {"fuse": ["batchnorm", "gelu", "rmsnorm"]}})
+        if lean:
+            opt.apply(net)
+            actions = {opt.plan[f].lean for f in ("1", "2", "4")}
+            assert actions == {"lean batchnorm", "lean gelu", "lean rmsnorm"}
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(net(xi).sum(), xi, create_graph=True)
+        penalty = g.square().sum()
+        grads = torch.autograd.grad(penalty, list(net.parameters()), allow_unused=True)
+        if lean:
+            opt.remove()
+        return grads
+
+    mine, theirs = grads(True), grads(False)
+    scale = max(float(t.abs().max()) for t in theirs if t is not None)
+    for a, b in zip(mine, theirs, strict=True):
+        assert (a is None) == (b is None)
+        if b is not None:  # the first bias's gradient is zero but for rounding (BN removes it)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * scale)
