@@ -125,6 +125,14 @@ def _cases() -> dict[str, tuple]:
             ),
             (_t(4, 3, 5), _t(3), _t(3)),
         ),
+        "memopt_plugins.dropout._DropoutFunction[regenerated, feature, alpha]": (
+            _seeded(
+                lambda x: _fn("memopt_plugins", "dropout._DropoutFunction").apply(
+                    x * 1, 0.3, True, True, True, True, True
+                )
+            ),
+            (_t(3, 4, 5),),
+        ),
         "memopt_plugins.dropout._DropoutFunction": (
             _seeded(
                 lambda x: _fn("memopt_plugins", "dropout._DropoutFunction").apply(
