@@ -526,3 +526,26 @@ def test_a_gradient_penalty_through_memopts_lean_ops_equals_torchs():
         assert (a is None) == (b is None)
         if b is not None:  # the first bias's gradient is zero but for rounding (BN removes it)
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize(
+    "build, chain, swapped",
+    [
+        (_SwiGluMlp, "mlp", True),
+        (_GeluMlp, "mlp", True),
+        (_ReluSquaredMlp, "mlp", False),
+        (_ClampedGatedMlp, "mlp", False),
+        (lambda: nn.BatchNorm1d(16), "batchnorm", True),
+        (lambda: _RMSNorm(16), "rmsnorm", True),
+    ],
+)
+def test_a_meta_device_module_is_probed_by_its_shapes(build, chain, swapped):
+    """A model on the meta device (materialized after sharding) is probed on a CPU twin: the
+    same decisions as for real parameters."""
+    from memopt_plugins.config import OpsConfig
+    from memopt_plugins.lean import LeanOps
+
+    with torch.device("meta"):
+        model = _Residual(build())
+    actions = LeanOps(OpsConfig(fuse=[chain])).apply(model)
+    assert (actions.get("mlp") == f"lean {chain}") == swapped

@@ -398,17 +398,18 @@ def _twin(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     [0.5, 1.5): norms' weights stay meaningful), drawn without the global generator, and its
     buffers; a meta-device module's on the CPU, its buffers made up (floats in [0.5, 1.5),
     integers zero). The user's parameters are never copied."""
-    generator = torch.Generator().manual_seed(0)
     meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
     first = next(module.parameters(), None)
     device = torch.device("cpu") if meta or first is None else first.device
+    generator = torch.Generator(device).manual_seed(0)  # drawn where the parameters live
     memo: dict[int, Any] = {}
     for p in module.parameters():
+        draw = {"generator": generator, "device": device, "dtype": dtype}
         if p.dim() > 1:
-            values = torch.randn(p.shape, generator=generator)
+            values = torch.randn(p.shape, **draw)
         else:
-            values = torch.rand(p.shape, generator=generator) + 0.5
-        memo[id(p)] = nn.Parameter(values.to(device, dtype))
+            values = torch.rand(p.shape, **draw) + 0.5
+        memo[id(p)] = nn.Parameter(values)
     if meta:
         for b in module.buffers():
             if b.is_floating_point():
