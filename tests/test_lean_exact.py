@@ -75,6 +75,10 @@ def _cases() -> dict[str, tuple]:
             lambda x: batch_norm(x, None, None, None, None, 0.1, 1e-5),
             (_t(4, 3, 5),),
         ),
+        f"{ce}.conv._Conv[the batch, kept as it is]": (
+            lambda x, w, b: _fn(ce, "conv._Conv").apply(x, w, b, *conv_args),
+            (_t(2, 2, 5, 5, grad=False), _t(3, 2, 3, 3), _t(3)),
+        ),
         f"{ce}.conv._Conv[strided, grouped]": (
             lambda x, w: _fn(ce, "conv._Conv").apply(x, w, None, (2, 2), (1, 1), (1, 1), 2),
             (_t(2, 4, 5, 5), _t(4, 2, 3, 3)),
@@ -199,10 +203,11 @@ def test_double_backward_is_right_or_raises(name, private):
     # first order only: refused even where the incoming gradient is a constant (the op ends the
     # model) and the second backward asks for some inputs only
     out = apply(*inputs)
+    wanted = [t for t in inputs if t.requires_grad]
     with pytest.raises(RuntimeError, match="once_differentiable"):
-        grads = torch.autograd.grad(out.sum(), inputs, create_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(out.sum(), wanted, create_graph=True, allow_unused=True)
         penalty = sum(g.square().sum() for g in grads if g is not None)
-        torch.autograd.grad(penalty, inputs[-1:], allow_unused=True)
+        torch.autograd.grad(penalty, wanted[-1:], allow_unused=True)
 
 
 class _Lean(nn.Module):
