@@ -1,6 +1,8 @@
-"""memopt's custom autograd functions never give a silently wrong second derivative: each one's
-double backward passes ``gradgradcheck`` in float64, or raises torch's ``once_differentiable``
-error."""
+"""The lean ops change a model's numerics nowhere silently: every custom autograd function's
+double backward passes ``gradgradcheck`` in float64 or raises an error naming
+``once_differentiable``; ``ops.loss: chunked`` keeps what a model adds to its loss (an MoE's
+router loss) or leaves the loss as it is, logged; ``ops.fuse`` probes forward and backward on
+random parameters, so a zero-initialised projection hides no difference."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import memopt_plugins
+from memopt_plugins import MemoryOptimizer
 from memopt_plugins.batchnorm_ops import _Link
 from memopt_plugins.buffers import mark_private
-from memopt_plugins.lean import batch_norm, gelu, rms_norm
+from memopt_plugins.config import OpsConfig
+from memopt_plugins.lean import LeanOps, batch_norm, gelu, rms_norm
 
 _D = torch.float64
 
@@ -264,8 +269,7 @@ def test_a_gradient_penalty_equals_torchs_through_lean_ops(kind):
 
 
 def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
+    """A tiny Mixtral training with its router load-balancing loss (output_router_logits)."""
     torch.manual_seed(0)
     config = MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -276,8 +280,6 @@ def _mixtral():
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -315,9 +317,6 @@ def test_the_chunked_loss_keeps_what_the_model_adds_to_its_loss_or_refuses(build
     """An MoE's router load-balancing loss (Mixtral, output_router_logits) and a term a model's
     own forward adds: with ops.loss chunked the loss, its aux_loss and every gradient (the
     router's too) equal the model's own."""
-    from memopt_plugins.config import OpsConfig
-    from memopt_plugins.lean import LeanOps
-
     model = build()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     theirs, their_grads = _step(model, ids)
@@ -339,9 +338,6 @@ def test_the_chunked_loss_keeps_what_the_model_adds_to_its_loss_or_refuses(build
 
 
 def test_the_chunked_loss_still_acts_on_a_plain_causal_lm():
-    from memopt_plugins.config import OpsConfig
-    from memopt_plugins.lean import LeanOps
-
     model = _llama()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     theirs, their_grads = _step(model, ids)
@@ -358,9 +354,6 @@ def test_the_chunked_loss_still_acts_on_a_plain_causal_lm():
 def test_a_router_loss_asked_for_in_the_call_runs_the_models_own_forward():
     """Mixtral with output_router_logits off in its config gets the chunked loss; a call that
     turns it on gets the model's own output, aux_loss included."""
-    from memopt_plugins.config import OpsConfig
-    from memopt_plugins.lean import LeanOps
-
     model = _mixtral()
     model.config.output_router_logits = False
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -427,9 +420,6 @@ def test_a_zero_output_projection_hides_nothing_from_the_probe(mlp, caplog):
     """An MLP whose forward is not the lean op's, behind a projection initialised to zero (its
     output is zero either way at init): refused, one logged line, and the gradients equal the
     model's own."""
-    from memopt_plugins.config import OpsConfig
-    from memopt_plugins.lean import LeanOps
-
     torch.manual_seed(0)
     model = _Residual(mlp())
     x = torch.randn(4, 6, 16)
@@ -473,9 +463,6 @@ class _SwiGluMlp(_ClampedGatedMlp):
 @pytest.mark.parametrize("mlp", [_GeluMlp, _SwiGluMlp])
 @pytest.mark.parametrize("zero", [False, True])
 def test_a_standard_mlp_is_swapped_whatever_its_projection_starts_at(mlp, zero):
-    from memopt_plugins.config import OpsConfig
-    from memopt_plugins.lean import LeanOps
-
     torch.manual_seed(0)
     module = mlp()
     if not zero:
@@ -501,8 +488,6 @@ def test_a_gradient_penalty_through_memopts_lean_ops_equals_torchs():
     """The issue's repro through MemoryOptimizer: an R1 penalty on a model with batch norm, GELU
     and RMSNorm swapped for the lean ops gives plain torch's gradients (BN's second derivative
     was off by a quarter; RMSNorm's backward raised)."""
-    from memopt_plugins import MemoryOptimizer
-
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 32), _RMSNorm(32),
@@ -547,9 +532,6 @@ def test_a_gradient_penalty_through_memopts_lean_ops_equals_torchs():
 def test_a_meta_device_module_is_probed_by_its_shapes(build, chain, swapped):
     """A model on the meta device (materialized after sharding) is probed on a CPU twin: the
     same decisions as for real parameters."""
-    from memopt_plugins.config import OpsConfig
-    from memopt_plugins.lean import LeanOps
-
     with torch.device("meta"):
         model = _Residual(build())
     actions = LeanOps(OpsConfig(fuse=[chain])).apply(model)
