@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from .first_order import first_order
+
 #: ``|γ|·PRECISION_RATIO ≤ β`` marks a channel whose input cannot be recovered from the ReLU output
 #: to full precision; such channels keep their own input slice.
 PRECISION_RATIO = 64.0
@@ -243,6 +245,7 @@ class _RunningBatchNorm(torch.autograd.Function):
         return z
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, dz: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         weight, bias, link, dim = ctx.weight, ctx.bias, ctx.link, ctx.dim
         for p, version in zip((weight, bias), ctx.versions, strict=True):

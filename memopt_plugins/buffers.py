@@ -32,9 +32,10 @@ def mark_private(t: torch.Tensor) -> torch.Tensor:
 
 
 def private(t: torch.Tensor) -> bool:
-    """Whether ``t`` may be overwritten: its storage marked, ``t`` dense in row-major order, and
-    outside a compiled graph (whose tensors are traced, never marked)."""
-    if torch.compiler.is_compiling() or not t.is_contiguous():
+    """Whether ``t`` may be overwritten: its storage marked, ``t`` dense in row-major order,
+    outside a compiled graph (whose tensors are traced, never marked), and in a backward that
+    builds no graph (with ``create_graph=True`` the second derivative reads ``t`` again)."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or not t.is_contiguous():
         return False
     storage = t.untyped_storage()
     let_go = getattr(storage, _LET_GO, None)

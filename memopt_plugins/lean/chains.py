@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..buffers import private
 from ..derived import derive
+from ..first_order import first_order
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -65,6 +66,19 @@ def _grad_buffer(saved: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(saved, memory_format=torch.contiguous_format)
 
 
+def _graph_gradients(reference, inputs: tuple, needs: tuple, grad: torch.Tensor) -> tuple:
+    """Where a backward builds a graph (``create_graph=True``: gradient penalties, Hessian-vector
+    products), the gradients of ``reference(*inputs)``, the plain torch ops over the saved
+    inputs: its higher derivatives are then torch's own, where the memory-lean backward keeps
+    statistics as constants and writes in place. ``None`` where no gradient is wanted."""
+    wanted = [t for t, need in zip(inputs, needs, strict=True) if need and t is not None]
+    grads = iter(torch.autograd.grad(reference(*inputs), wanted, grad, create_graph=True))
+    return tuple(
+        next(grads) if need and t is not None else None
+        for t, need in zip(inputs, needs, strict=True)
+    )
+
+
 class _Gelu(torch.autograd.Function):
     """``F.gelu(x, approximate)`` saving ``x``; its gradient goes into a decoded ``x``."""
 
@@ -107,6 +121,18 @@ class _GeluMlp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w_in, b_in, w_out = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # the output bias (not saved) only shifts the output: a zero one has its gradients
+            b_out = None
+            if ctx.needs_input_grad[4]:
+                b_out = grad.new_zeros(w_out.shape[0], dtype=ctx.out_bias_dtype).requires_grad_()
+
+            def mlp(x, w_in, b_in, w_out, b_out):
+                h = F.gelu(F.linear(x, w_in, b_in), approximate=ctx.approximate)
+                return F.linear(h, w_out, b_out)
+
+            inputs = (x, w_in, b_in, w_out, b_out)
+            return *_graph_gradients(mlp, inputs, ctx.needs_input_grad[:5], grad), None
         want_x, want_w_in, want_b_in, want_w_out, want_b_out = ctx.needs_input_grad[:5]
         dtype = grad.dtype
         g = grad.reshape(-1, grad.shape[-1])
@@ -235,6 +261,7 @@ class _TiledGeluMlp(torch.autograd.Function):
         )
 
     @staticmethod
+    @first_order
     def backward(ctx, grad):
         x, w_in, b_in, w_out = ctx.saved_tensors
         approximate, chunk, out_bias = ctx.args
@@ -348,6 +375,7 @@ class _TiledGatedMlp(torch.autograd.Function):
         return torch.ops.memopt.tiled_gated_mlp_forward(x, w_gate, w_up, w_down, tanh_gelu, chunk)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad):
         x, w_gate, w_up, w_down = ctx.saved_tensors
         grads = torch.ops.memopt.tiled_gated_mlp_backward(
@@ -386,6 +414,14 @@ class _GatedProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():
+
+            def product(gate, up):
+                if ctx.tanh_gelu:
+                    return F.gelu(gate, approximate="tanh") * up
+                return F.silu(gate) * up
+
+            return *_graph_gradients(product, (gate, up), ctx.needs_input_grad[:2], grad), None
         act = _gelu_tanh if ctx.tanh_gelu else _silu
         grad_gate, grad_up = _grad_buffer(gate), _grad_buffer(up)
         flat = [t.reshape(-1) for t in (gate, up, grad, grad_gate, grad_up)]
@@ -466,11 +502,18 @@ class _RMSNorm(torch.autograd.Function):
         normed = (xf * rstd).to(x.dtype)
         ctx.save_for_backward(x, weight)
         ctx.rstd = rstd  # one value per row, kept as it is: an error in it scales the row
+        ctx.eps = eps
         return weight * normed
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():
+
+            def norm(x, weight):
+                return _rms_norm_reference(x, weight, ctx.eps)
+
+            return *_graph_gradients(norm, (x, weight), ctx.needs_input_grad[:2], grad), None
         width = x.shape[-1]
         rows = [x.reshape(-1, width), grad.reshape(-1, width), ctx.rstd.reshape(-1, 1)]
         grad_x = _grad_buffer(x).view(-1, width)
@@ -486,6 +529,12 @@ class _RMSNorm(torch.autograd.Function):
             dot = (gn * normed).mean(-1, keepdim=True)
             grad_x[part] = gn.sub_(normed.mul_(dot)).mul_(rstd)
         return grad_x.view(x.shape), grad_w.to(weight.dtype), None
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`_RMSNorm`'s forward in plain torch ops."""
+    xf = _work(x)
+    return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -512,12 +561,24 @@ class _BatchNorm(torch.autograd.Function):
         )
         ctx.save_for_backward(x, weight)
         ctx.stats = (mean, invstd)  # one value per channel, kept as they are
-        ctx.has_bias = bias is not None
+        ctx.eps = eps
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # the bias (not saved) only shifts the output: a zero one has its gradients
+            bias = None
+            if ctx.needs_input_grad[2]:
+                dtype = weight.dtype if weight is not None else x.dtype
+                bias = x.new_zeros(x.shape[1], dtype=dtype).requires_grad_()
+
+            def norm(x, weight, bias):
+                return F.batch_norm(x, None, None, weight, bias, True, 0.0, ctx.eps)
+
+            inputs, needs = (x, weight, bias), ctx.needs_input_grad[:3]
+            return *_graph_gradients(norm, inputs, needs, grad), None, None, None, None
         mean, invstd = ctx.stats
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..buffers import private
+from ..first_order import first_order
 from .loss import _BITS_OF, chunk_gradient, chunk_losses, linear_cross_entropy
 
 #: Chunks of rows by default: each chunk's temporaries are this fraction of the logits.
@@ -60,6 +61,7 @@ class _CrossEntropy(torch.autograd.Function):
         return losses if divisor is None else losses.sum() / divisor
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_out):
         logits, target = ctx.saved_tensors
         ignore_index, smoothing, chunk, divisor = ctx.args

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..buffers import private
+from ..first_order import first_order
 
 #: The integer type that holds a float's bits (how the log-sum-exp is kept).
 _BITS_OF = {torch.float32: torch.int32, torch.float64: torch.int64}
@@ -150,6 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return losses if divisor is None else losses.sum() / divisor
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_out):
         hidden, weight, bias, target = ctx.saved_tensors
         ignore_index, smoothing, softcap, chunk, divisor = ctx.args
@@ -287,6 +289,7 @@ class _LinearCrossEntropyGradientsFirst(torch.autograd.Function):
         return losses.sum() / divisor
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_out):
         grads, ctx.grads = ctx.grads, None
         if grads is None:

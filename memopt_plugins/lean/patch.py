@@ -1,13 +1,17 @@
 """The ``ops`` section: swap a model's chains and loss head for the memory-lean operations.
 
 ``fuse`` (chain names, or ``[all]``) patches modules by what they are, and only where the swap is
-exact: each candidate's new ``forward`` runs beside its own on a probe input at
-:meth:`LeanOps.apply`, and one whose outputs differ is left as it is (logged). The chains: GELU
+exact: each candidate's new ``forward`` runs beside its own, forward and backward, on a probe
+input and a twin of the module with random parameters at :meth:`LeanOps.apply`, and one whose
+outputs or gradients differ is left as it is (logged). The chains: GELU
 modules, gated MLPs (SwiGLU / GeGLU), Llama-style RMSNorm, a Hugging Face model's eager attention
 as SDPA (not with attention dropout: SDPA draws its own mask), and a CNN's batch norms,
 convolutions, ReLUs and max-pools (:mod:`.conv`). ``loss: chunked`` makes a Hugging Face causal LM
 compute its training loss with :func:`~.loss.linear_cross_entropy` (``logits`` is then ``None``);
-in eval, without labels or without gradients its own forward runs. ``cross_entropy: lean``
+in eval, without labels or without gradients its own forward runs. It is checked against the
+model's own forward on a probe batch: a model that adds to its loss (an MoE's router loss, any
+term of its forward) or returns what the chunked loss drops keeps its own loss (one logged
+line). ``cross_entropy: lean``
 routes ``F.cross_entropy`` called inside the model (:mod:`.entropy`). While any of these acts,
 ``no_cache`` turns a Hugging Face model's ``use_cache`` off (training needs no KV cache). A
 ``fuse`` name matching no module, or a model ``loss: chunked`` cannot patch (unless
@@ -327,63 +331,92 @@ def _width(module: nn.Module) -> int:
 
 
 def _exact(module: nn.Module, chain: str) -> bool:
-    """The lean forward of ``chain`` gives the module's own outputs on a probe input. A module
-    on the meta device (to be materialized later, after sharding) is probed by its shapes: on a
-    CPU copy with made-up values."""
-    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        module = _cpu_twin(module)
-    forward = _lean_forward(chain, module)
+    """The lean op of ``chain`` is the module's own: on a twin of the module with random
+    parameters (not the user's: an output projection initialised to zero would hide whatever
+    precedes it), its forward's outputs and buffer updates, and its backward's input and
+    parameter gradients, equal the module's own, in float32 (or float64) at least; a module in
+    a lower precision is also compared forward in its own. A module on the meta device (to be
+    materialized later, after sharding) is probed on the CPU. Randomness is left as it was."""
     first = next(module.parameters(), None)
     dtype = first.dtype if first is not None else torch.float32
-    device = first.device if first is not None else torch.device("cpu")
+    work = torch.promote_types(dtype, torch.float32)
+    if not _agree(module, chain, work, backward=True):
+        return False
+    return work == dtype or _agree(module, chain, dtype, backward=False)
+
+
+def _agree(module: nn.Module, chain: str, dtype: torch.dtype, backward: bool) -> bool:
+    """:func:`_exact` in ``dtype``: outputs, buffers and (``backward``) gradients."""
+    twin = _twin(module, dtype)
+    forward = _lean_forward(chain, twin)
+    if forward is None:
+        return False
+    params = list(twin.parameters())
+    device = params[0].device if params else torch.device("cpu")
     generator = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn(*_probe_shape(module), generator=generator).to(device, dtype)
-    buffers = {n: b.clone() for n, b in module.named_buffers()}  # batch norm's running statistics
-    training = module.training
-    module.training = True  # the lean ops act in training, where gradients are on
-    randomness = _rng_state(device)  # both forwards draw the same dropout masks
-    with torch.enable_grad():
-        mine = _first(forward(probe.clone())).detach()  # clones: an in-place ReLU writes
-        after = [b.clone() for b in module.buffers()]
-        for name, b in module.named_buffers():
-            b.copy_(buffers[name])
-        _set_rng_state(device, randomness)
-        theirs = _first(module(probe.clone())).detach()
-        same = [torch.equal(a, b) for a, b in zip(after, module.buffers(), strict=True)]
-        for name, b in module.named_buffers():
-            b.copy_(buffers[name])
-    module.training = training
+    probe = torch.randn(*_probe_shape(twin), generator=generator).to(device, dtype)
+    buffers = {n: b.clone() for n, b in twin.named_buffers()}  # batch norm's running statistics
+    twin.train()  # the lean ops act in training, where gradients are on
+    runs = []
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices), torch.enable_grad():
+        for run in (forward, twin):
+            torch.manual_seed(0)  # both forwards draw the same dropout masks
+            for name, b in twin.named_buffers():
+                b.copy_(buffers[name])
+            x = probe.clone().requires_grad_(backward)
+            out = _first(run(x.clone()))  # a clone: an in-place ReLU writes
+            grads: list[torch.Tensor | None] = []
+            if backward:
+                draw = torch.Generator().manual_seed(1)  # the same upstream gradient twice
+                upstream = torch.randn(out.shape, generator=draw).to(out)
+                wanted = [x, *params]
+                grads = list(torch.autograd.grad(out, wanted, upstream, allow_unused=True))
+            runs.append((out.detach(), [b.clone() for b in twin.buffers()], grads))
     tolerance = 1e-5 if dtype in (torch.float32, torch.float64) else 1e-2
+    (out, buffers_after, grads), (ref, ref_buffers, ref_grads) = runs
+    same_buffers = all(torch.equal(a, b) for a, b in zip(buffers_after, ref_buffers, strict=True))
     return (
-        all(same)
-        and mine.shape == theirs.shape
-        and torch.allclose(mine, theirs, rtol=tolerance, atol=tolerance)
+        same_buffers
+        and _close(out, ref, tolerance)
+        and all(_close(a, b, tolerance) for a, b in zip(grads, ref_grads, strict=True))
     )
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+def _close(a: torch.Tensor | None, b: torch.Tensor | None, tolerance: float) -> bool:
+    """Equal shapes and values within ``tolerance`` of ``b``'s largest magnitude (a gradient
+    that is ``None`` is zeros)."""
+    if a is None or b is None:
+        other = b if a is None else a
+        return other is None or not bool(other.any())
+    scale = max(1.0, float(b.abs().max()) if b.numel() else 0.0)
+    return a.shape == b.shape and bool(((a - b).abs() <= tolerance * scale).all())
 
 
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
-def _cpu_twin(module: nn.Module) -> nn.Module:
-    """A CPU copy of a meta-device ``module`` with values in [0.5, 1.5) (positive: variances and
-    norms' weights stay meaningful) and integer buffers at zero."""
-    twin = copy.deepcopy(module).to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for t in (*twin.parameters(), *twin.buffers()):
-            if t.is_floating_point():
-                t.copy_(torch.rand(t.shape, generator=generator) + 0.5)
+def _twin(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``module`` in ``dtype`` with random parameters (matrices normal, vectors in
+    [0.5, 1.5): norms' weights stay meaningful), drawn without the global generator, and its
+    buffers; a meta-device module's on the CPU, its buffers made up (floats in [0.5, 1.5),
+    integers zero). The user's parameters are never copied."""
+    meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    first = next(module.parameters(), None)
+    device = torch.device("cpu") if meta or first is None else first.device
+    generator = torch.Generator(device).manual_seed(0)  # drawn where the parameters live
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        draw = {"generator": generator, "device": device, "dtype": dtype}
+        if p.dim() > 1:
+            values = torch.randn(p.shape, **draw)
+        else:
+            values = torch.rand(p.shape, **draw) + 0.5
+        memo[id(p)] = nn.Parameter(values)
+    if meta:
+        for b in module.buffers():
+            if b.is_floating_point():
+                memo[id(b)] = (torch.rand(b.shape, generator=generator) + 0.5).to(dtype)
             else:
-                t.zero_()
-    return twin
+                memo[id(b)] = torch.zeros(b.shape, dtype=b.dtype)
+    return copy.deepcopy(module, memo).to(dtype=dtype)
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -542,8 +575,8 @@ class LeanOps:
             found.append(fqn)
         if inexact:
             log.warning(
-                "memopt: ops.fuse %s left %d module(s) as they are: their outputs differ from the "
-                "lean op's (%s)",
+                "memopt: ops.fuse %s left %d module(s) as they are: on random parameters their "
+                "outputs or gradients differ from the lean op's (%s)",
                 chain,
                 len(inexact),
                 ", ".join(inexact[:3]) + (", ..." if len(inexact) > 3 else ""),
@@ -592,20 +625,11 @@ class LeanOps:
         base = getattr(model, model.base_model_prefix)
         config = getattr(model, "config", None)
         softcap = getattr(config, "final_logit_softcapping", None)
-        outputs = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
-        names = {f.name for f in dataclasses.fields(outputs)} - {"loss", "logits"}
-        log.info(
-            "memopt: ops.loss chunked: %s computes its training loss in chunks of tokens; its "
-            "output's logits are None in training (eval mode and generation run the model's own "
-            "forward)",
-            type(model).__name__,
-        )
         original = model.forward
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            labels = kwargs.get("labels")
-            if labels is None or not model.training or not torch.is_grad_enabled() or len(args) > 1:
-                return original(*args, **kwargs)
+        def chunked(outputs: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+            """The model's training output with the chunked loss (``logits`` None)."""
+            names = {f.name for f in dataclasses.fields(outputs)} - {"loss", "logits"}
             kwargs = dict(kwargs)
             labels = kwargs.pop("labels")
             items = kwargs.pop("num_items_in_batch", None)
@@ -627,8 +651,99 @@ class LeanOps:
             )
             return outputs(loss=loss, logits=None, **{k: v for k, v in out.items() if k in names})
 
+        plain = sys.modules["transformers"].modeling_outputs.CausalLMOutputWithPast
+        outputs, why = _own_loss_only(model, original, chunked, plain)
+        if why is not None:
+            log.warning(
+                "memopt: ops.loss chunked left the loss of %s (%s) as it is: %s",
+                type(model).__name__,
+                fqn or "the model",
+                why,
+            )
+            return
+        log.info(
+            "memopt: ops.loss chunked: %s computes its training loss in chunks of tokens; its "
+            "output's logits are None in training (eval mode and generation run the model's own "
+            "forward)",
+            type(model).__name__,
+        )
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            labels = kwargs.get("labels")
+            own = labels is None or not model.training or not torch.is_grad_enabled()
+            if own or len(args) > 1 or any(kwargs.get(k) for k in _LOSS_TERMS):
+                return original(*args, **kwargs)
+            return chunked(outputs, args, kwargs)
+
         self._patched.append(_LeanForward(model, forward, "lean loss"))
         self.actions[fqn] = "lean loss"
+
+
+#: Arguments of a causal LM's forward that add terms to its loss (an MoE's router loss): with
+#: one of them on, the model's own forward runs.
+_LOSS_TERMS = ("output_router_logits",)
+#: Tokens of the batch on which the chunked loss is checked against the model's own.
+_PROBE_TOKENS = 8
+
+
+def _own_loss_only(
+    model: nn.Module, original: Callable[..., Any], chunked: Callable[..., Any], plain: type
+) -> tuple[type, str | None]:
+    """The output class of ``model``'s forward, and why the chunked loss would change what that
+    forward returns (``None``: it would not). Both run once on a probe batch in training mode,
+    with the randomness and buffers as they were after: the model's own output must hold nothing
+    the chunked one drops (an MoE's ``aux_loss``), its loss must be the cross-entropy of its own
+    logits (no term of its forward added), and the chunked loss must equal that. A model on the
+    meta device cannot run: its config is read instead."""
+    config = getattr(model, "config", None)
+    on = [k for k in _LOSS_TERMS if getattr(config, k, None)]
+    if on:
+        return plain, f"its config's {on[0]} adds terms to the loss that the chunked loss drops"
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return plain, None
+    head: Any = model.lm_head
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(head.out_features, (1, _PROBE_TOKENS), generator=generator)
+    ids = ids.to(head.weight.device)
+    modes = {m: m.training for m in model.modules()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    devices = [head.weight.device.index or 0] if head.weight.device.type == "cuda" else []
+    try:
+        model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices):
+            torch.manual_seed(0)
+            own = original(input_ids=ids, labels=ids, return_dict=True)
+            outputs = type(own) if dataclasses.is_dataclass(own) else plain
+            torch.manual_seed(0)
+            mine = chunked(outputs, (), {"input_ids": ids, "labels": ids})
+    except Exception as error:  # a forward that needs more than ids and labels
+        return plain, f"its forward failed on a probe batch ({type(error).__name__}: {error})"
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    if not isinstance(own, dict) or own.get("loss") is None or own.get("logits") is None:
+        return plain, "its forward returned no loss and logits for labels on a probe batch"
+    dropped = [k for k, v in own.items() if v is not None and k != "logits" and mine.get(k) is None]
+    if dropped:
+        return outputs, f"its output holds {', '.join(dropped)}, which the chunked loss drops"
+    logits = own.logits.float()
+    target = F.pad(ids, (0, 1), value=-100)[..., 1:]
+    reference = F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1))
+    if not torch.allclose(own.loss.float(), reference, rtol=1e-5, atol=1e-6):
+        return outputs, (
+            f"its loss ({float(own.loss):.6g}) is not the cross-entropy of its logits "
+            f"({float(reference):.6g}): its forward adds a term the chunked loss would drop"
+        )
+    tolerance = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 2e-2
+    if not torch.allclose(mine.loss.float(), reference, rtol=tolerance, atol=tolerance):
+        return outputs, (
+            f"the chunked loss ({float(mine.loss):.6g}) differs from its own "
+            f"({float(reference):.6g})"
+        )
+    return outputs, None
 
 
 _WHAT = {
