@@ -35,6 +35,7 @@ from .lean import LeanOps
 from .logs import show_on_console
 from .loss_fn import bind_loss
 from .measure.process import StepPeak
+from .measure.scopes import InterruptGuard, ScopeTracker
 from .policy import resolve_bits
 from .recompute import (
     IN_RECOMPUTE,
@@ -187,6 +188,7 @@ class MemoryOptimizer:
         self._pending_noise: dict[str, Any] | None = None  # rounding generators loaded before apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
+        self._guard: InterruptGuard | None = None
         self._lean = LeanOps(
             self.config.ops, loss_from_preset=self.config.set_by_preset("ops.loss", "chunked")
         )
@@ -316,11 +318,18 @@ class MemoryOptimizer:
         compressed = self._table.compressed
         if compressed:
             log.info("memopt: %s", _scopes_line(model, compressed))
+        # Last on, first off: whatever interrupts the model's forward leaves its scopes.
+        self._guard = InterruptGuard(model)
 
     def remove(self) -> None:
-        """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers)."""
+        """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers), and the
+        calling thread holds none of the contexts its scopes entered (an interrupt left them)."""
         if self._model is None:
             return
+        ScopeTracker.leave_abandoned(self._model)
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if self._planner is not None:
             self._planner.remove()
         if self._recompute is not None:
