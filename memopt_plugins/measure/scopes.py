@@ -95,8 +95,8 @@ class _Hooked:
         entry = _Entry(self, module, args)
         entered.append(entry)
         for observer in tuple(self.observers):
+            entry.told.append(observer)  # one whose enter raised part-way leaves it too
             observer.enter(self.fqn, module, args, kwargs)
-            entry.told.append(observer)
         entry.top = _contexts_top()
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -259,6 +259,37 @@ class InterruptGuard(InstanceForward):
                 slots["forward"] = self.previous
 
 
+#: Models whose TorchScript modules were named in the log already (held weakly).
+_SCRIPTED_NOTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def scripted_modules(root: nn.Module) -> set[str]:
+    """The fqns of ``root``'s TorchScript modules and of everything inside them: they take no
+    hooks (``register_forward_hook`` refuses a ScriptModule, and a scripted forward calls its
+    children without hooks), so they run opaque, inside the scopes of the modules around them."""
+    return _scripted(dict(root.named_modules()))
+
+
+def _scripted(named: dict[str, nn.Module]) -> set[str]:
+    tops = [f for f, m in named.items() if isinstance(m, torch.jit.ScriptModule)]
+    return {f for f in named for top in tops if not top or f == top or f.startswith(f"{top}.")}
+
+
+def _note_scripted(root: nn.Module, scripted: set[str]) -> None:
+    """Say once per model which TorchScript modules run without scopes of their own."""
+    if not scripted or root in _SCRIPTED_NOTED:
+        return
+    _SCRIPTED_NOTED.add(root)
+    outer = sorted(f for f in scripted if f.rpartition(".")[0] not in scripted or not f)
+    log.info(
+        "memopt: %d TorchScript modules (%s%s) run as they are, without scopes of their own: "
+        "what they save for backward belongs to the scope of the module that calls them",
+        len(outer),
+        ", ".join(f or "<root>" for f in outer[:3]),
+        ", ..." if len(outer) > 3 else "",
+    )
+
+
 def _guard_on(key: str) -> bool:
     """Compares ``key``: read while torch.compile traces, the graph is guarded on its value."""
     return key == "\0"
@@ -313,20 +344,31 @@ class ScopeTracker:
         """Tell ``observer`` about the modules named ``fqns`` (default: every module).
 
         ``first``: the observer is told before those already watching (and left after them).
+        A TorchScript module takes no hooks: it and what lies inside it run opaque, inside the
+        scopes of the modules around them. All or nothing: a failure part-way takes off what
+        this call added.
         """
         named = dict(self.root.named_modules())
         names = list(named) if fqns is None else list(dict.fromkeys(fqns))
-        modules = []
-        for fqn in names:
-            module = named[fqn]
-            hooked = self._hooked.get(module)
-            if hooked is None:
-                hooked = self._hooked[module] = _Hooked(fqn, module, self)
-            if first:
-                hooked.observers.insert(0, observer)
-            else:
-                hooked.observers.append(observer)
-            modules.append(module)
+        scripted = _scripted(named)
+        _note_scripted(self.root, scripted)
+        modules: list[nn.Module] = []
+        try:
+            for fqn in names:
+                module = named[fqn]
+                if fqn in scripted:
+                    continue
+                hooked = self._hooked.get(module)
+                if hooked is None:
+                    hooked = self._hooked[module] = _Hooked(fqn, module, self)
+                if first:
+                    hooked.observers.insert(0, observer)
+                else:
+                    hooked.observers.append(observer)
+                modules.append(module)
+        except BaseException:
+            self._unwatch(observer, modules)
+            raise
         return Watch(self, observer, modules)
 
     def _unwatch(self, observer: ScopeObserver, modules: list[nn.Module]) -> None:
