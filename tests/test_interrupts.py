@@ -175,3 +175,40 @@ def test_an_interrupt_in_a_drift_checks_compressed_pass_leaves_nothing(interrupt
     _assert_equal(_step(model, x), _step(twin, x))
     opt.check_drift(loss_fn)  # and the check runs again
     _nothing_left_on_the_thread()
+
+
+def test_hooks_of_two_models_on_one_module_are_each_left_and_the_thread_holds_none():
+    """A module inside two hooked models (the model and a submodule measured on its own) carries
+    two hook pairs, whose exits torch runs in the order of their entries: each is left."""
+    from memopt_plugins.measure import ScopeTracker
+
+    inner = nn.Linear(4, 4)
+    outer = nn.Sequential(inner)
+    told = []
+
+    class Told:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def enter(self, fqn, module, args, kwargs) -> None:
+            told.append(("enter", self.name, fqn))
+
+        def exit(self, fqn, module, args, output) -> None:
+            told.append(("exit", self.name, fqn))
+
+    watches = [
+        ScopeTracker.of(outer).watch(Told("outer")),
+        ScopeTracker.of(inner).watch(Told("inner")),
+    ]
+    outer(torch.randn(2, 4))
+    for watch in watches:
+        watch.remove()
+    assert told == [
+        ("enter", "outer", ""),
+        ("enter", "outer", "0"),
+        ("enter", "inner", ""),
+        ("exit", "outer", "0"),
+        ("exit", "inner", ""),
+        ("exit", "outer", ""),
+    ]
+    assert ScopeTracker.depth() == 0

@@ -103,9 +103,16 @@ class _Hooked:
         if torch.compiler.is_compiling():
             return
         entered = _ENTERED.scopes
-        if not entered or entered[-1].hooked is not self:
-            return  # its entry never ran (a pre-hook before it raised), or was left already
-        entry = entered.pop()
+        # Innermost, but for hooks another tracker put on the same module, whose exits torch
+        # runs in the order of their entries.
+        for i in range(len(entered) - 1, -1, -1):
+            if entered[i].hooked is self:
+                break
+            if entered[i].module is not module:
+                return  # its entry never ran (a pre-hook before it raised), or was left already
+        else:
+            return
+        entry = entered.pop(i)
         for observer in reversed(entry.told):
             observer.exit(self.fqn, module, args, output)
 
@@ -239,7 +246,7 @@ class InterruptGuard(InstanceForward):
             return self.original(*args, **kwargs)
         entered = _ENTERED.scopes
         depth = len(entered)
-        if depth and entered[-1].module is self.module:  # the model's own scope
+        while depth and entered[depth - 1].module is self.module:  # the model's own scopes
             depth -= 1
         try:
             return self.original(*args, **kwargs)
