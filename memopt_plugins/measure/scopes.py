@@ -155,7 +155,7 @@ def _call_frame() -> FrameType | None:
     """The frame of the module call whose hook runs now (``None`` where it is not found: a call
     from compiled code, where the scope counts as alive)."""
     frame = sys._getframe(2)
-    for _ in range(6):
+    for _ in range(6):  # past the hook's own wrappers (EngineHook, dynamo's disable, torch's inner)
         if frame is None or frame.f_code is _CALL_CODE:
             return frame
         frame = frame.f_back
