@@ -35,6 +35,7 @@ from .lean import LeanOps
 from .logs import show_on_console
 from .loss_fn import bind_loss
 from .measure.process import StepPeak
+from .measure.scopes import InterruptGuard, ScopeTracker, scripted_modules
 from .policy import resolve_bits
 from .recompute import (
     IN_RECOMPUTE,
@@ -77,6 +78,34 @@ def patched_by(model: nn.Module) -> MemoryOptimizer | None:
     """The :class:`MemoryOptimizer` applied to ``model`` now, or ``None``."""
     ref = _PATCHED.get(model)
     return ref() if ref is not None else None
+
+
+def _refuse_nested(model: nn.Module) -> None:
+    """Raise when ``model``, a module inside it or a model holding it is patched already: the
+    scopes of both would act on the same modules, the innermost deciding, while each optimizer
+    reports and changes its own bits only."""
+    for fqn, module in model.named_modules():
+        opt = patched_by(module)
+        if opt is not None:
+            where = f"its submodule {fqn!r}" if fqn else "it"
+            raise RuntimeError(
+                f"{type(model).__name__}: {where} ({type(module).__name__}) is already patched "
+                f"by {_named(opt)}; call remove() on that one before applying another"
+            )
+    for outer, ref in list(_PATCHED.items()):
+        opt = ref()
+        if opt is None or outer is model:
+            continue
+        fqn = next((f for f, m in outer.named_modules() if m is model), None)
+        if fqn is not None:
+            raise RuntimeError(
+                f"{type(model).__name__} is module {fqn!r} of a {type(outer).__name__} already "
+                f"patched by {_named(opt)}; call remove() on that one before applying another"
+            )
+
+
+def _named(opt: MemoryOptimizer) -> str:
+    return f"MemoryOptimizer at {id(opt):#x}"
 
 
 #: ``{new name: name in memopt 0.1}`` of the metrics renamed, logged under both with
@@ -187,6 +216,7 @@ class MemoryOptimizer:
         self._pending: SavedState | None = None  # a state loaded before apply, laid at apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
+        self._guard: InterruptGuard | None = None
         self._lean = LeanOps(
             self.config.ops, loss_from_preset=self.config.set_by_preset("ops.loss", "chunked")
         )
@@ -242,15 +272,13 @@ class MemoryOptimizer:
         reach the console from here on unless logging is configured (:mod:`.logs`)."""
         if self._model is not None:
             raise RuntimeError("this MemoryOptimizer is already applied; call remove() first")
-        if patched_by(model) is not None:
-            raise RuntimeError(
-                f"{type(model).__name__} is already patched by a MemoryOptimizer; "
-                "call remove() on that one before applying another"
-            )
+        _refuse_nested(model)
         show_on_console()
         preset = self.config.set_by_preset  # a preset's glob may not apply to this model
         targets = recompute_targets(model, self.config.recompute, preset)  # validates first
         scopes = resolve_bits(model, self.config.quantize, preset)
+        scripted = scripted_modules(model)  # no scopes there: their callers' scopes hold them
+        scopes = {f: b for f, b in scopes.items() if f not in scripted}
         in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
         # All or nothing: a failure part-way takes off what went on (remove() undoes each part).
         self._model = model
@@ -291,10 +319,10 @@ class MemoryOptimizer:
             min_numel=self.config.quantize.min_numel,
             noise=NoiseGenerators(noise_seed(self.config.quantize.seed)),
         )
+        self._hooks = hooks  # before install: remove() takes off what a failing install put on
         hooks.install(model, list(self._table.scopes))
         hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
         hooks.memory = StepPeak(_device_of(weakref.ref(model)))
-        self._hooks = hooks
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
         if targets:
@@ -314,11 +342,19 @@ class MemoryOptimizer:
         compressed = self._table.compressed
         if compressed:
             log.info("memopt: %s", _scopes_line(model, compressed))
+        # Last on, first off: whatever interrupts the model's forward leaves its scopes.
+        if not isinstance(model, torch.jit.ScriptModule):  # opaque: no scopes (ScopeTracker)
+            self._guard = InterruptGuard(model)
 
     def remove(self) -> None:
-        """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers)."""
+        """Undo :meth:`apply`: the model is exactly as before (modules, hooks, buffers), and the
+        calling thread holds none of the contexts its scopes entered (an interrupt left them)."""
         if self._model is None:
             return
+        ScopeTracker.leave_abandoned(self._model)
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if self._planner is not None:
             self._planner.remove()
         if self._recompute is not None:

@@ -175,10 +175,13 @@ def in_foreign_region() -> bool:
     region memopt did not make, its recomputation, ``save_on_cpu``), inside a backward pass
     (a reentrant checkpoint replays its region there, unhooked, and hands what it saves straight
     to a nested backward) and inside a ``torch.func`` transform (``grad``, ``vjp``, ... refuse
-    saved-tensor hooks: the model runs there as without memopt). What such a region keeps -- a
-    checkpoint's inputs, saved before its hooks are pushed -- still meets the hooks around it,
-    memopt's included.
+    saved-tensor hooks: the model runs there as without memopt), and where the user disabled
+    saved-tensor hooks (``torch.autograd.graph.disable_saved_tensors_hooks``, which raises at a
+    push). What such a region keeps -- a checkpoint's inputs, saved before its hooks are pushed
+    -- still meets the hooks around it, memopt's included.
     """
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return True
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is not None and getattr(top[0], "__module__", None) in REGION_OWNERS:
         return True

@@ -509,3 +509,117 @@ def test_a_tensor_saved_again_after_an_in_place_change_is_encoded_again():
     config = {"quantize": {"bits": 8, "rounding": "nearest", "min_numel": 0}}
     got = gradients(model, x, lambda m, b: m(b).sum(), config)
     assert rel_error(got, exact) <= 0.02
+
+
+# --------------------------------------------------------------------------- one patch per module
+@pytest.mark.parametrize("first", ["inner", "outer"])
+def test_a_model_inside_a_patched_model_or_holding_one_is_not_patched_again(first):
+    """Two optimizers on one module: the innermost scope decides its bits while each optimizer
+    reports and changes its own. Refused, naming the module and the optimizer holding it."""
+    inner = _mlp()
+    outer = nn.Sequential(nn.Linear(64, 64), inner)
+    patched, other = (inner, outer) if first == "inner" else (outer, inner)
+    opt = MemoryOptimizer(INT8)
+    opt.apply(patched)
+    before = _state_of(outer)
+    second = MemoryOptimizer({"quantize": {"bits": 2}})
+    with pytest.raises(
+        RuntimeError, match=f"'1'.* already patched by MemoryOptimizer at {id(opt):#x}"
+    ):
+        second.apply(other)
+    assert _state_of(outer) == before
+    assert (
+        second.model is None and patched_by(other) is None and opt.bits == {f: 8 for f in opt.bits}
+    )
+    opt.remove()
+    second.apply(other)  # once the first is removed
+    assert patched_by(other) is second
+    second.remove()
+
+
+# --------------------------------------------------------------------------- around the model
+def test_under_disabled_saved_tensor_hooks_a_patched_model_runs_as_without_memopt():
+    """``disable_saved_tensors_hooks`` raises at any push: memopt pushes none there (compression,
+    the recompute planner's measurement), and compresses again outside."""
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(32, 64)
+    exact = _grads(model, x)
+    opt = MemoryOptimizer(
+        {"quantize": {"bits": 2, "min_numel": 1}, "recompute": {"auto": {"budget": 0.5}}}
+    )
+    opt.apply(model)
+    with torch.autograd.graph.disable_saved_tensors_hooks("the user's"):
+        inside = _grads(model, x)
+    assert all(torch.equal(inside[k], exact[k]) for k in exact)
+    assert opt.hooks.stats.forward_tensors == 0 and opt.recompute_plan is None
+    _grads(model, x)  # outside: measured by the planner, which suspends compression
+    assert opt.recompute_plan is not None
+    outside = _grads(model, x)
+    assert opt.hooks.stats.forward_tensors > 0 and rel_error(outside, exact) > 1e-3
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    opt.remove()
+
+
+class WithScripted(nn.Module):
+    """A TorchScript block between two Linear layers."""
+
+    def __init__(self, script: bool = True):
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        block = nn.Sequential(nn.Linear(128, 128), nn.GELU())
+        self.block = torch.jit.script(block) if script else block
+        self.b = nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.block(self.a(x)))
+
+
+def test_a_scripted_submodule_runs_opaque_in_the_scope_of_its_caller(caplog):
+    """A ScriptModule takes no hooks: apply leaves it and what is inside it without scopes,
+    says so once, and what it saves is compressed in the scope of the module calling it."""
+    torch.manual_seed(0)
+    model, x = WithScripted(), torch.randn(32, 64)
+    before = _state_of(model)
+    exact = _grads(model, x)
+    opt = MemoryOptimizer({"quantize": {"bits": 8, "min_numel": 1, "modules": ["*"]}})
+    with caplog.at_level("INFO", logger="memopt"):
+        opt.apply(model)
+    assert [r.getMessage() for r in caplog.records].count(
+        "memopt: 1 TorchScript modules (block) run as they are, without scopes of their own: "
+        "what they save for backward belongs to the scope of the module that calls them"
+    ) == 1
+    assert sorted(opt.bits) == ["", "a", "b"]
+    for _ in range(3):  # the profiling executor optimizes the scripted graph from the third run
+        got = _grads(model, x)
+        # the block's input (128 wide) and GELU's input, 16 KiB each, at 8 bits in the root's scope
+        saved = opt.hooks.stats.modules[""]
+        assert saved.original == 2 * 32 * 128 * 4 and saved.stored < saved.original / 3
+        assert 0 < rel_error(got, exact) < 0.02
+    opt.remove()
+    assert _state_of(model) == before
+    again = _grads(model, x)
+    assert all(torch.equal(again[k], exact[k]) for k in exact)
+
+
+def test_a_scope_that_fails_to_install_part_way_leaves_no_hook(monkeypatch):
+    """apply is all or nothing down to each module's hooks: a failure at the third module takes
+    off those put on the first two."""
+    from memopt_plugins.measure import scopes
+
+    model = _mlp()
+    before = _state_of(model)
+    made = []
+    real = scopes._Hooked.__init__
+
+    def third_fails(self, fqn, module, tracker):
+        made.append(fqn)
+        if len(made) == 3:
+            raise RuntimeError("no hooks for this one")
+        real(self, fqn, module, tracker)
+
+    monkeypatch.setattr(scopes._Hooked, "__init__", third_fails)
+    opt = MemoryOptimizer({"quantize": {"bits": 8, "modules": ["*"]}})
+    with pytest.raises(RuntimeError, match="no hooks for this one"):
+        opt.apply(model)
+    assert len(made) == 3 and _state_of(model) == before
+    assert patched_by(model) is None and scopes.ScopeTracker._of.get(model) is None

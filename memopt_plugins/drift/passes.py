@@ -101,6 +101,7 @@ class PassRecorder:
         self._ended = 0
         self._index: dict[int, int] = {}
         self._stack: list[saved_tensors_hooks | None] = []
+        self._depth = 0  # the thread's entered scopes when the pass began
         self._watch: Watch | None = None
         self._storages: ModelStorages | None = None
         self.running = RunningParameters(model)
@@ -133,17 +134,17 @@ class PassRecorder:
         watched = [*self.param_free, *(c for c in children if c in modules), *self.scopes]
         self._watch = ScopeTracker.of(self.model).watch(self, watched)
         self.running.sync()
+        self._depth = ScopeTracker.depth()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # An interrupt in the pass's forward (a KeyboardInterrupt, for which torch leaves no
+        # scope) left the scopes it was in, its own and compression's: left first, innermost first.
+        ScopeTracker.leave_from(self._depth)
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
         self.running.remove()  # its leaves stay readable, for the pass's gradients
-        while self._stack:  # only after an exception inside a forward
-            scope = self._stack.pop()
-            if scope is not None:
-                scope.__exit__(None, None, None)
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if fqn in self.inputs:

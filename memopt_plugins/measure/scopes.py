@@ -8,18 +8,33 @@ is watched and removes it when nobody watches it any more, so a module carries a
 memopt's hooks, whoever is listening. Observers are told in the order they started watching when a
 module is entered and in the reverse order when it is left (``always_call``: also when the forward
 raised), so contexts they open nest properly.
+
+torch runs ``always_call`` hooks only for an ``Exception``: a ``KeyboardInterrupt`` or
+``SystemExit`` inside a forward (Ctrl-C in a notebook, a trainer's graceful shutdown) would leave
+every context the observers opened -- saved-tensor hooks, ``TorchFunctionMode``'s -- on the thread,
+acting on whatever it runs next. So each thread keeps the scopes entered and not yet left, with
+the observers told of each, and every way out leaves them: an :class:`InterruptGuard` around the
+model's forward on any ``BaseException``, an outermost call finding scopes its thread abandoned
+outside any live call, and :meth:`ScopeTracker.leave_abandoned` (``MemoryOptimizer.remove``).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+import sys
+import threading
 import weakref
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..patching import forward_hook, forward_pre_hook
+from ..patching import InstanceForward, forward_hook, forward_pre_hook
+
+log = logging.getLogger("memopt")
 
 
 def eagerly() -> Any:
@@ -74,18 +89,212 @@ class _Hooked:
             if not UntracedRegions.depth:
                 _guard_on(self.key)
             return
+        entered = _ENTERED.scopes
+        if entered and not _within(self, entered[-1].hooked):  # not nested as modules nest:
+            _leave(_abandoned(entered, len(entered)))  # is the scope it runs in still alive?
+        entry = _Entry(self, module, args)
+        entered.append(entry)
         for observer in tuple(self.observers):
+            entry.told.append(observer)  # one whose enter raised part-way leaves it too
             observer.enter(self.fqn, module, args, kwargs)
+        entry.top = _contexts_top()
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        for observer in tuple(reversed(self.observers)):
+        entered = _ENTERED.scopes
+        # Innermost, but for hooks another tracker put on the same module, whose exits torch
+        # runs in the order of their entries.
+        for i in range(len(entered) - 1, -1, -1):
+            if entered[i].hooked is self:
+                break
+            if entered[i].module is not module:
+                return  # its entry never ran (a pre-hook before it raised), or was left already
+        else:
+            return
+        entry = entered.pop(i)
+        for observer in reversed(entry.told):
             observer.exit(self.fqn, module, args, output)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+class _Entry:
+    """A scope entered on this thread and not left yet: the observers told of it, the frame of
+    its module call (while that frame runs, the scope is alive), and the innermost saved-tensor
+    hooks and number of ``TorchFunctionMode``'s once they entered (it can be left only while
+    those are still innermost)."""
+
+    __slots__ = ("hooked", "module", "args", "told", "frame", "top")
+
+    def __init__(self, hooked: _Hooked, module: nn.Module, args: tuple):
+        self.hooked = hooked
+        self.module = module
+        self.args = args
+        self.told: list[ScopeObserver] = []
+        self.frame = _call_frame()
+        self.top: tuple = ()
+
+
+class _Entered(threading.local):
+    """Each thread's entered scopes, innermost last, across every model's tracker."""
+
+    def __init__(self) -> None:
+        self.scopes: list[_Entry] = []
+
+
+_ENTERED = _Entered()
+
+#: The code of ``nn.Module._call_impl``, whose frame runs for as long as a module call does.
+_CALL_CODE = nn.Module._call_impl.__code__
+
+
+def _call_frame() -> FrameType | None:
+    """The frame of the module call whose hook runs now (``None`` where it is not found: a call
+    from compiled code, where the scope counts as alive)."""
+    frame = sys._getframe(2)
+    for _ in range(6):  # past the hook's own wrappers (EngineHook, dynamo's disable, torch's inner)
+        if frame is None or frame.f_code is _CALL_CODE:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _within(inner: _Hooked, outer: _Hooked) -> bool:
+    """Whether ``inner``'s module lies inside ``outer``'s in the same model: how scopes nest in
+    a forward; anything else (a model's own call, a module again, another model) may find the
+    scopes an interrupt abandoned."""
+    if inner.tracker is not outer.tracker or inner.fqn == "":
+        return False
+    return outer.fqn == "" or inner.fqn.startswith(outer.fqn + ".")
+
+
+def _contexts_top() -> tuple:
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return (None if hooks is None else hooks[0], torch._C._len_torch_function_stack())
+
+
+def _abandoned(entered: list[_Entry], depth: int) -> list[_Entry]:
+    """The innermost of the thread's first ``depth`` scopes whose module calls no longer run
+    (an interrupt left them), innermost first, up to the first that still runs."""
+    running = set()
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    out = []
+    for entry in reversed(entered[:depth]):
+        if entry.frame is None or id(entry.frame) in running:
+            break
+        out.append(entry)
+    return out
+
+
+class ScopeAbandoned(Exception):
+    """What observers leaving an abandoned scope see as the exception in flight
+    (``sys.exc_info()``): its forward did not finish."""
+
+
+def _leave(entries: list[_Entry]) -> None:
+    """Leave ``entries`` (innermost first, each innermost on the thread) as torch leaves a scope
+    whose forward raised: its observers' ``exit``, in the reverse order of their ``enter``, with
+    no output. One whose contexts are no longer innermost (something entered since and did not
+    leave) is not left: its observers' contexts are beneath that, and leaving would close it."""
+    entered = _ENTERED.scopes
+    for entry in entries:
+        if not entered or entered[-1] is not entry:
+            continue
+        if entry.top and entry.top != _contexts_top():
+            log.warning(
+                "memopt: the scope of %s was left by an interrupt, but saved-tensor hooks or "
+                "torch function modes entered after it are still active; it stays entered",
+                entry.hooked.fqn or "<root>",
+            )
+            return
+        entered.pop()
+        try:
+            raise ScopeAbandoned(entry.hooked.fqn)
+        except ScopeAbandoned:
+            for observer in reversed(entry.told):
+                try:
+                    observer.exit(entry.hooked.fqn, entry.module, entry.args, None)
+                except Exception as error:  # the others still leave theirs
+                    log.warning(
+                        "memopt: leaving the scope of %s raised %r", entry.hooked.fqn, error
+                    )
+
+
+class InterruptGuard(InstanceForward):
+    """The ``forward`` instance attribute memopt sets on the model it patches: a ``BaseException``
+    other than an ``Exception`` (for which torch runs the scopes' exits itself) leaves every scope
+    entered since the model's call began, the model's own included, before it propagates."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.previous = module.__dict__.get("forward")
+        self.original = module.forward
+        try:  # what inspects the forward (the Trainer's unused-column filter) sees the model's own
+            self.__signature__ = inspect.signature(self.original)
+        except (TypeError, ValueError):
+            pass
+        module.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.original(*args, **kwargs)
+        entered = _ENTERED.scopes
+        depth = len(entered)
+        while depth and entered[depth - 1].module is self.module:  # the model's own scopes
+            depth -= 1
+        try:
+            return self.original(*args, **kwargs)
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                _leave(entered[depth:][::-1])
+            raise
+
+    def remove(self) -> None:
+        """Take the guard off; one wrapped since stays in place, as a plain pass-through (it
+        leaves only scopes entered inside it, which would be left anyway)."""
+        slots = self.module.__dict__
+        if slots.get("forward") is self:
+            if self.previous is None:
+                del slots["forward"]
+            else:
+                slots["forward"] = self.previous
+
+
+#: Models whose TorchScript modules were named in the log already (held weakly).
+_SCRIPTED_NOTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def scripted_modules(root: nn.Module) -> set[str]:
+    """The fqns of ``root``'s TorchScript modules and of everything inside them: they take no
+    hooks (``register_forward_hook`` refuses a ScriptModule, and a scripted forward calls its
+    children without hooks), so they run opaque, inside the scopes of the modules around them."""
+    return _scripted(dict(root.named_modules()))
+
+
+def _scripted(named: dict[str, nn.Module]) -> set[str]:
+    tops = [f for f, m in named.items() if isinstance(m, torch.jit.ScriptModule)]
+    return {f for f in named for top in tops if not top or f == top or f.startswith(f"{top}.")}
+
+
+def _note_scripted(root: nn.Module, scripted: set[str]) -> None:
+    """Say once per model which TorchScript modules run without scopes of their own."""
+    if not scripted or root in _SCRIPTED_NOTED:
+        return
+    _SCRIPTED_NOTED.add(root)
+    outer = sorted(f for f in scripted if f.rpartition(".")[0] not in scripted or not f)
+    log.info(
+        "memopt: %d TorchScript modules (%s%s) run as they are, without scopes of their own: "
+        "what they save for backward belongs to the scope of the module that calls them",
+        len(outer),
+        ", ".join(f or "<root>" for f in outer[:3]),
+        ", ..." if len(outer) > 3 else "",
+    )
 
 
 def _guard_on(key: str) -> bool:
@@ -142,20 +351,31 @@ class ScopeTracker:
         """Tell ``observer`` about the modules named ``fqns`` (default: every module).
 
         ``first``: the observer is told before those already watching (and left after them).
+        A TorchScript module takes no hooks: it and what lies inside it run opaque, inside the
+        scopes of the modules around them. All or nothing: a failure part-way takes off what
+        this call added.
         """
         named = dict(self.root.named_modules())
         names = list(named) if fqns is None else list(dict.fromkeys(fqns))
-        modules = []
-        for fqn in names:
-            module = named[fqn]
-            hooked = self._hooked.get(module)
-            if hooked is None:
-                hooked = self._hooked[module] = _Hooked(fqn, module, self)
-            if first:
-                hooked.observers.insert(0, observer)
-            else:
-                hooked.observers.append(observer)
-            modules.append(module)
+        scripted = _scripted(named)
+        _note_scripted(self.root, scripted)
+        modules: list[nn.Module] = []
+        try:
+            for fqn in names:
+                module = named[fqn]
+                if fqn in scripted:
+                    continue
+                hooked = self._hooked.get(module)
+                if hooked is None:
+                    hooked = self._hooked[module] = _Hooked(fqn, module, self)
+                if first:
+                    hooked.observers.insert(0, observer)
+                else:
+                    hooked.observers.append(observer)
+                modules.append(module)
+        except BaseException:
+            self._unwatch(observer, modules)
+            raise
         return Watch(self, observer, modules)
 
     def _unwatch(self, observer: ScopeObserver, modules: list[nn.Module]) -> None:
@@ -183,3 +403,24 @@ class ScopeTracker:
     def hooked(self, module: nn.Module) -> bool:
         """True while ``module`` carries the tracker's hooks."""
         return module in self._hooked
+
+    @classmethod
+    def leave_abandoned(cls, root: nn.Module) -> None:
+        """Leave the scopes of ``root``'s modules the calling thread still holds whose module
+        calls no longer run (an interrupt left them), with those entered after them; called
+        before observers stop watching, so that each leaves what it entered."""
+        entered = _ENTERED.scopes
+        mine = [i for i, e in enumerate(entered) if e.hooked.tracker._root() is root]
+        if mine:
+            _leave(_abandoned(entered, len(entered))[: len(entered) - mine[0]])
+
+    @staticmethod
+    def depth() -> int:
+        """How many scopes the calling thread has entered and not left."""
+        return len(_ENTERED.scopes)
+
+    @staticmethod
+    def leave_from(depth: int) -> None:
+        """Leave the calling thread's scopes beyond the first ``depth`` (after an interrupt in
+        code that entered them)."""
+        _leave(_ENTERED.scopes[depth:][::-1])

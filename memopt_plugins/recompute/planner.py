@@ -329,7 +329,9 @@ class RecomputePlanner:
             self.on_plan(None)
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._recorder is None and torch.is_grad_enabled() and module.training:
+        # Not where saved-tensor hooks are disabled: the recorder pushes some (measured later).
+        hooks = torch._C._autograd._saved_tensors_hooks_is_enabled()
+        if self._recorder is None and torch.is_grad_enabled() and module.training and hooks:
             for context in self._contexts_of_the_pass():
                 self._contexts.enter_context(context())
             batch = tensors_in((args, kwargs))
