@@ -34,10 +34,10 @@ from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.process import StepPeak
-from ..measure.storage import RunningParameters
+from ..measure.storage import ComputedWeights, RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
-from ..policy import encodable, in_foreign_region, kept_as_is, kept_in_graph
+from ..policy import computed_weight, encodable, in_foreign_region, kept_as_is, kept_in_graph
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
@@ -347,6 +347,7 @@ class CompressionHooks:
         self._last: weakref.ref | None = None  # the compressed save just before, if any
         self._storages: ModelStorages | None = None
         self._running: RunningParameters | None = None
+        self._computed: ComputedWeights | None = None
         self._watch: Watch | None = None
         self._compiled: CompiledGraphs | None = None
         self._compiled_noted = False
@@ -378,6 +379,7 @@ class CompressionHooks:
         self._keyed = None
         self._running = RunningParameters(root)
         self._running.sync()
+        self._computed = ComputedWeights(root)
 
     def _draw_graph_seed(self) -> int:
         """A seed for a compiled graph's rounding noise, from the CPU generator (on the host,
@@ -392,6 +394,9 @@ class CompressionHooks:
         if self._running is not None:
             self._running.remove()
             self._running = None
+        if self._computed is not None:
+            self._computed.remove()
+            self._computed = None
         self._cache.clear()
         self._last = None
         self._storages = None
@@ -562,6 +567,9 @@ class CompressionHooks:
             if key is not None:
                 self._cache[key] = (weakref.ref(base), weakref.ref(derived), t.stride())
             return derived, 0
+        if bits < OFF_BITS and t.is_floating_point() and self._computed is not None:
+            if computed_weight(t, model, self._computed):  # kept as the parameters it is made of
+                bits = OFF_BITS
         saved = self._compress(t, bits)
         if saved is not t:
             saved.watch(t)
