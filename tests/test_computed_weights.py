@@ -47,6 +47,10 @@ _KINDS = {
 }
 
 
+def _hook_counts(model: nn.Module) -> dict[str, tuple[int, int]]:
+    return {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+
+
 @pytest.mark.parametrize("kind", list(_KINDS))
 def test_a_weight_computed_in_the_forward_is_kept_as_it_is(kind):
     """At 2 bits, the weight of the second layer is made from parameters in the forward. It is
@@ -68,6 +72,7 @@ def test_a_weight_computed_in_the_forward_is_kept_as_it_is(kind):
         plain[0].load_state_dict(model[0].state_dict())
         plain[2].weight.copy_(weight)
     x = torch.randn(256, dim)
+    hooks = _hook_counts(model)
     grads, scopes = [], []
     for net in (model, plain):
         opt = MemoryOptimizer(_TWO_BITS)
@@ -78,6 +83,7 @@ def test_a_weight_computed_in_the_forward_is_kept_as_it_is(kind):
         loss.backward()
         opt.remove()
         grads.append(net[0].weight.grad)
+    assert _hook_counts(model) == hooks  # remove() took memopt's off the parametrizations too
     assert torch.equal(grads[0], grads[1])
     assert scopes == [(tensor_nbytes(weight), tensor_nbytes(weight)), None]  # a parameter: none
 

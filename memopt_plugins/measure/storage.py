@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .scopes import ScopeTracker, Watch
 
@@ -149,10 +152,6 @@ class ComputedWeights:
     """
 
     def __init__(self, model: nn.Module):
-        from torch.nn.utils.parametrize import ParametrizationList
-        from torch.nn.utils.spectral_norm import SpectralNorm
-        from torch.nn.utils.weight_norm import WeightNorm
-
         self._set_by_hooks = [
             (weakref.ref(module), hook.name)
             for module in model.modules()
