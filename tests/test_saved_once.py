@@ -31,11 +31,17 @@ class _SavedByTwo(nn.Module):
 
 
 def _run(quantize_config: dict, x: torch.Tensor) -> tuple[torch.Tensor, tuple, int, dict]:
+    return _run_model(_SavedByTwo(), quantize_config, x)
+
+
+def _run_model(
+    model: nn.Module, quantize_config: dict, x: torch.Tensor
+) -> tuple[torch.Tensor, tuple, int, dict]:
     """``x``'s gradient; the forward's (original, stored) bytes, the bytes held for backward and
     the per-scope (original, stored) bytes."""
     x = x.clone().requires_grad_()
     opt = MemoryOptimizer({"quantize": {"min_numel": 1, "rounding": "nearest", **quantize_config}})
-    loss = opt.apply(_SavedByTwo())(x)
+    loss = opt.apply(model)(x)
     stats = opt.hooks.stats
     scopes = {fqn: (m.original, m.stored) for fqn, m in stats.modules.items()}
     forward, held = (stats.forward_original, stats.forward_stored), stats.held_bytes
@@ -69,6 +75,42 @@ def test_the_shared_copy_is_made_at_the_most_precise_savers_bits(precise):
     assert forward == (tensor_nbytes(h), packed.nbytes)
     assert held == packed.nbytes
     assert scopes == {precise: (tensor_nbytes(h), packed.nbytes)}
+
+
+class _SavedByThree(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = _Sin(), _Sin(), _Sin()
+
+    def forward(self, x):
+        h = x * 2
+        return (self.a(h) + self.b(h) + self.c(h)).sum()
+
+
+@pytest.mark.parametrize(
+    "bits", [(2, 8, 4), (4, 2, 8), (16, 4, 2), (2, 4, 16), (4, 32, 8), (8, 2, 32), (32, 16, 2)]
+)
+def test_every_saver_decodes_the_copy_at_the_most_bits_asked_for_in_any_order(bits):
+    """Three scopes save one tensor at the bits given, in that order: each decodes what the
+    most precise of them keeps (a 16-bit copy: bfloat16; 32 bits: the original), so ``x``'s
+    gradient is, bit for bit, the one of a forward that saved that copy for all three."""
+    x = torch.randn(64, 256)
+    overrides = dict(zip("abc", bits, strict=True))
+    x_grad, *_ = _run_model(_SavedByThree(), {"bits": 8, "overrides": overrides}, x)
+    h = 2 * x
+    most = max(bits)
+    if most == 32:
+        kept = h
+    elif most == 16:
+        kept = h.bfloat16().float()
+    else:
+        kept = dequantize(quantize(h, most, group_size=256, stochastic=False))
+    expected = x.clone().requires_grad_()
+    swap = (lambda t: kept if t.shape == h.shape else t), (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(*swap):
+        loss = _SavedByThree()(expected)
+    loss.backward()
+    assert torch.equal(x_grad, expected.grad)
 
 
 def _llama_gradients(quantize_config: dict, exact: Callable[[str], bool] = lambda fqn: False):
