@@ -625,16 +625,16 @@ class CompressionHooks:
             view = view.as_strided(saved.shape, first, t.storage_offset())
         made = self._compress(view, bits)
         before = saved.nbytes if saved.counted else 0  # a recipe (_derived) added no bytes
+        original = tensor_nbytes(view)
         if made is view:
             saved.take(_Saved(view, _original, view.shape))
             saved.kept = True
-            stored, held = tensor_nbytes(view), 0
+            stored, held = original, 0
         else:
             saved.take(made)
             note_packed(view, saved, bits)
             stored = held = saved.nbytes
         stats = self.stats
-        original = tensor_nbytes(view)
         if saved.counted:
             self._uncount_module(saved.scope, view, original, before)
         else:
