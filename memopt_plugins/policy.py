@@ -6,9 +6,11 @@ Kept as it is (:func:`kept_as_is`): a parameter or buffer or a view of one (a co
 keep the weight and feed backward a compressed weight); anything the codec cannot take
 (:func:`encodable`: DTensor and other subclasses, non-strided layouts, meta, nested, quantized);
 fewer than ``quantize.min_numel`` elements; a broadcast view; autocast's cached cast copy of a
-parameter. Of the rest, floating tensors are what the bits act on (:func:`compressible`); the hooks
-narrow integer tensors losslessly and keep bool and complex ones. Compiled graphs have reasons of
-their own (:func:`kept_in_graph`). This module imports nothing of memopt's but the config and
+parameter. A weight the forward computes from parameters alone (:func:`computed_weight`) is kept
+at full width too, and counted as saved (the step's memory, not the model's). Of the rest,
+floating tensors are what the bits act on (:func:`compressible`); the hooks narrow integer
+tensors losslessly and keep bool and complex ones. Compiled graphs have reasons of their own
+(:func:`kept_in_graph`). This module imports nothing of memopt's but the config and
 module selection, so both compression and measurement can ask it.
 """
 
@@ -159,6 +161,91 @@ _VIEW_NODES = frozenset(
         "AliasBackward0",
     }
 )
+
+
+def computed_weight(
+    t: torch.Tensor,
+    parameters: Iterable[Container[object]] = (),
+    computed: Container[object] = (),
+) -> bool:
+    """Whether saved tensor ``t`` is a weight its forward computed from parameters alone, kept
+    as it is like the parameters it is made of (a compressed copy would feed backward a
+    compressed weight, as a compressed parameter would).
+
+    ``computed``: the weights the model's parametrizations and hook-style norms made
+    (:class:`~memopt_plugins.measure.storage.ComputedWeights`). Else ``t``'s autograd history
+    decides (``W = f(params)`` fed to ``F.linear``): every path from ``t.grad_fn`` ends, within
+    a few nodes, at the gradient accumulator of a tensor in ``parameters``, through the
+    operations of :data:`_WEIGHT_MATH` (data read by index -- an embedding's rows -- is not
+    among them), where only the elementwise ones may take inputs that need no gradient (a
+    constant, a buffer, a mask); and ``t`` is no larger than the largest of those parameters,
+    so keeping it costs no more than one. ``x @ W`` on a batch ``x`` needing no gradient is
+    data: its matmul takes an input with no gradient.
+    """
+    if t in computed:
+        return True
+    node = t.grad_fn
+    if node is None:
+        return False
+    largest, pending, budget = 0, [node], _WEIGHT_NODES
+    while pending:
+        node = pending.pop()
+        budget -= 1
+        if budget < 0:
+            return False
+        if type(node) is _ACCUMULATE:
+            leaf = node.variable
+            if not any(leaf in memory for memory in parameters):
+                return False  # an input that needs a gradient: data
+            largest = max(largest, leaf.numel())
+            continue
+        elementwise = _WEIGHT_MATH.get(node.name())
+        if elementwise is None:
+            return False
+        for following, _ in node.next_functions:
+            if following is not None:
+                pending.append(following)
+            elif not elementwise:
+                return False
+    return t.numel() <= largest
+
+
+#: The autograd node of a leaf: where a parameter's gradient goes.
+_ACCUMULATE = torch._C._functions.AccumulateGrad
+
+#: How many autograd nodes :func:`computed_weight` reads at most before it calls ``t`` data.
+_WEIGHT_NODES = 12
+
+#: The operations :func:`computed_weight` follows back to parameters, each with whether it is
+#: elementwise (its inputs that need no gradient are constants, buffers or masks, no larger
+#: than its output) or not (an input with no gradient may be a batch, as ``x @ W``'s).
+_WEIGHT_MATH = {
+    **dict.fromkeys(
+        (
+            "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0",
+            "RsubBackward1", "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
+            "DivBackward2", "DivBackward3", "NegBackward0", "PowBackward0", "PowBackward1",
+            "PowBackward2", "ExpBackward0", "LogBackward0", "SqrtBackward0", "RsqrtBackward0",
+            "ReciprocalBackward0", "TanhBackward0", "SigmoidBackward0", "AbsBackward0",
+            "ClampBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0",
+            "SoftplusBackward0", "MaximumBackward0", "MinimumBackward0", "WhereBackward0",
+            "MaskedFillBackward0", "ToCopyBackward0",
+        ),
+        True,
+    ),
+    **dict.fromkeys(
+        (
+            *_VIEW_NODES, "CloneBackward0", "CatBackward0", "StackBackward0", "TrilBackward0",
+            "TriuBackward0", "SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1",
+            "VarBackward0", "StdBackward0",
+            "NormBackward0", "NormBackward1", "LinalgVectorNormBackward0", "MmBackward0",
+            "MvBackward0", "DotBackward0", "VdotBackward0", "BmmBackward0", "AddmmBackward0",
+            "LinalgMatrixExpBackward0", "LinalgHouseholderProductBackward0",
+            "LinalgQrBackward0", "WeightNormInterfaceBackward0",
+        ),
+        False,
+    ),
+}  # fmt: skip
 
 
 #: The modules whose saved-tensor hooks give a region a meaning of its own: torch's checkpoint

@@ -34,10 +34,10 @@ from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
 from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.process import StepPeak
-from ..measure.storage import RunningParameters
+from ..measure.storage import ComputedWeights, RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
-from ..policy import encodable, in_foreign_region, kept_as_is, kept_in_graph
+from ..policy import computed_weight, encodable, in_foreign_region, kept_as_is, kept_in_graph
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
@@ -116,15 +116,25 @@ class _Saved:
     ``consumers``: the saves in a row of the same tensor that hold it (a layer norm's output
     saved by the query, key and value projections; the log-probabilities by the log-softmax and
     the NLL loss). Their nodes run one after another in backward, so the first decode is held
-    for the rest (:meth:`value`) instead of decoding, and allocating, once per node."""
+    for the rest (:meth:`value`) instead of decoding, and allocating, once per node.
+
+    The copy the dedup cache hands out (its first saver's) is shared by every saver of the
+    tensor, kept at the most precise width any of them asks for
+    (:meth:`CompressionHooks._keep_at`): ``bits`` is the width it decodes to (``OFF_BITS``:
+    losslessly), ``kept`` says its payload is the original itself, and ``scope`` names the scope
+    whose counts hold its bytes (``counted``: whether the forward's counts hold them at all)."""
 
     __slots__ = (
         "payload", "decode", "shape", "source", "version", "changed", "consumers", "held", "taken",
-        "shares", "__weakref__",
+        "shares", "bits", "kept", "counted", "scope", "__weakref__",
     )  # fmt: skip
 
     def __init__(
-        self, payload: object, decode: Callable[[object], torch.Tensor], shape: torch.Size
+        self,
+        payload: object,
+        decode: Callable[[object], torch.Tensor],
+        shape: torch.Size,
+        bits: int = OFF_BITS,
     ):
         self.payload = payload
         self.decode = decode
@@ -136,6 +146,10 @@ class _Saved:
         self.held: torch.Tensor | None = None
         self.taken = 0  # consumers that took a decode in this backward
         self.shares = False  # decodes through another's value(), which decides if it is private
+        self.bits = bits
+        self.kept = False
+        self.counted = False
+        self.scope: str | None = None
 
     def watch(self, t: torch.Tensor) -> _Saved:
         """Check at unpack that ``t`` was not changed in place since (views share its base's
@@ -165,7 +179,11 @@ class _Saved:
         """The decoded tensor for one of its counted consumers: for the last (or only) one,
         marked as one its node may overwrite (:func:`mark_private`) where nothing else holds
         it; else held for the next, unless its node takes it over to write into
-        (:func:`shared_until_written`)."""
+        (:func:`shared_until_written`). The original itself (:attr:`kept`, here or in the copy
+        this one decodes through) is neither: the model may hold it still."""
+        payload = self.payload
+        if self.kept or (type(payload) is _Saved and payload.kept):
+            return self.fresh()
         self.taken += 1
         last = self.taken == self.consumers
         if last:
@@ -191,6 +209,20 @@ class _Saved:
     def nbytes(self) -> int:
         payload = self.payload
         return tensor_nbytes(payload) if isinstance(payload, torch.Tensor) else payload.nbytes
+
+    def take(self, other: _Saved) -> None:
+        """Decode what ``other`` (a copy of the same tensor, made since) keeps from now on."""
+        self.payload, self.decode, self.bits = other.payload, other.decode, other.bits
+        self.held, self.taken = None, 0
+
+
+def _original(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _no_copy() -> None:
+    """The dedup cache's copy of a tensor kept as it is: none (a dead reference's answer)."""
+    return None
 
 
 def _address(t: torch.Tensor) -> int:
@@ -315,6 +347,7 @@ class CompressionHooks:
         self._last: weakref.ref | None = None  # the compressed save just before, if any
         self._storages: ModelStorages | None = None
         self._running: RunningParameters | None = None
+        self._computed: ComputedWeights | None = None
         self._watch: Watch | None = None
         self._compiled: CompiledGraphs | None = None
         self._compiled_noted = False
@@ -346,6 +379,7 @@ class CompressionHooks:
         self._keyed = None
         self._running = RunningParameters(root)
         self._running.sync()
+        self._computed = ComputedWeights(root)
 
     def _draw_graph_seed(self) -> int:
         """A seed for a compiled graph's rounding noise, from the CPU generator (on the host,
@@ -360,6 +394,9 @@ class CompressionHooks:
         if self._running is not None:
             self._running.remove()
             self._running = None
+        if self._computed is not None:
+            self._computed.remove()
+            self._computed = None
         self._cache.clear()
         self._last = None
         self._storages = None
@@ -516,25 +553,23 @@ class CompressionHooks:
         hit = self._cache.get(key) if key is not None else None
         # The cached tensor being alive proves its storage is, so the address is not a reused one.
         if hit is not None and hit[0]() is not None:
+            if hit[1] is _no_copy:  # kept as it is by an earlier saver: so for every saver
+                return t, 0
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
-                # by the save just before: a consumer of the same decode (_Saved.value)
-                shared = self._last is not None and self._last() is saved
-                if shared:
-                    saved.consumers += 1
-                if (saved.shape, hit[2]) != (t.shape, t.stride()):
-                    saved = _Saved(saved, _relaid(t, hit[2], shared), t.shape).watch(t)
-                    saved.shares = shared
-                elif not shared:
-                    saved = _Saved(saved, _Saved.fresh, t.shape).watch(t)
-                return saved, 0
+                return self._share(saved, t, hit[2], bits)
         derived = self._derived(t, bits)
         self._last = None
+        # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its base
+        # lives as long as the storage does, and so proves the address is not reused.
+        base = t._base if t._base is not None else t
         if derived is not None:
             if key is not None:
-                self._cache[key] = (weakref.ref(t._base if t._base is not None else t),
-                                    weakref.ref(derived), t.stride())  # fmt: skip
+                self._cache[key] = (weakref.ref(base), weakref.ref(derived), t.stride())
             return derived, 0
+        if bits < OFF_BITS and t.is_floating_point() and self._computed is not None:
+            if computed_weight(t, model, self._computed):  # kept as the parameters it is made of
+                bits = OFF_BITS
         saved = self._compress(t, bits)
         if saved is not t:
             saved.watch(t)
@@ -544,30 +579,85 @@ class CompressionHooks:
         stats.forward_original += original
         stats.forward_tensors += 1
         nbytes = original if saved is t else saved.nbytes
-        self._count_module(t, original, nbytes)
+        scope = self._count_module(t, original, nbytes)
         if saved is t:
             stats.forward_stored += original
+            if key is not None:
+                self._cache[key] = (weakref.ref(base), _no_copy, t.stride())
             return t, 0
         stats.forward_stored += nbytes
         stats.held_bytes += nbytes
+        saved.counted, saved.scope = True, scope
         self._last = weakref.ref(saved)
         weakref.finalize(saved, stats._release, nbytes)
         if key is not None:
-            # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its
-            # base lives as long as the storage does, and so proves the address is not reused.
-            base = t._base if t._base is not None else t
             self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
         return saved, nbytes
 
+    def _share(
+        self, saved: _Saved, t: torch.Tensor, first: tuple[int, ...], bits: int
+    ) -> tuple[object, int]:
+        """What a later save of ``t`` at ``bits`` keeps, where ``saved`` is the copy made of it
+        earlier in this forward (as a view whose strides were ``first``): that copy, made again
+        at ``bits`` first where they are more (:meth:`_keep_at`), or ``t`` itself where it is
+        kept as it is; and the bytes this save added."""
+        added = self._keep_at(saved, t, first, bits) if bits > saved.bits else 0
+        if saved.kept:
+            return t, 0
+        # by the save just before: a consumer of the same decode (_Saved.value)
+        shared = self._last is not None and self._last() is saved
+        if shared:
+            saved.consumers += 1
+        if (saved.shape, first) != (t.shape, t.stride()):
+            saved = _Saved(saved, _relaid(t, first, shared), t.shape).watch(t)
+            saved.shares = shared
+        elif not shared:
+            saved = _Saved(saved, _Saved.fresh, t.shape).watch(t)
+        return saved, added
+
+    def _keep_at(self, saved: _Saved, t: torch.Tensor, first: tuple[int, ...], bits: int) -> int:
+        """Make the shared copy ``saved`` of ``t`` again at ``bits``, more than it keeps: encoded
+        from the original (alive: the cache hit proved it), or, at ``OFF_BITS``, the original
+        itself, with no copy beside it. In place, so that every saver, the earlier ones too,
+        decodes it. Its bytes move to the counts of the scope that asked; returns those added."""
+        view = t.detach()
+        if (saved.shape, first) != (t.shape, t.stride()):  # as its first saver saw it
+            view = view.as_strided(saved.shape, first, t.storage_offset())
+        made = self._compress(view, bits)
+        before = saved.nbytes if saved.counted else 0  # a recipe (_derived) added no bytes
+        original = tensor_nbytes(view)
+        if made is view:
+            saved.take(_Saved(view, _original, view.shape))
+            saved.kept = True
+            stored, held = original, 0
+        else:
+            saved.take(made)
+            note_packed(view, saved, bits)
+            stored = held = saved.nbytes
+        stats = self.stats
+        if saved.counted:
+            self._uncount_module(saved.scope, view, original, before)
+        else:
+            stats.forward_original += original
+            stats.forward_tensors += 1
+        stats.forward_stored += stored - before
+        if held != before:
+            stats.held_bytes += held - before
+            weakref.finalize(saved, stats._release, held - before)
+        saved.counted, saved.scope = True, self._count_module(view, original, stored)
+        return stored - before
+
     def _derived(self, t: torch.Tensor, bits: int) -> _Saved | None:
         """For an output a lean op can make again from its input (:mod:`..derived`), whose input
-        was compressed: a recipe over that copy, adding no bytes."""
+        was compressed: a recipe over that copy, adding no bytes. As precise as that copy, and
+        never the original (a saver at ``OFF_BITS`` keeps that: :meth:`_keep_at`)."""
         found = derivation(t, bits)
         if found is None:
             return None
         packed, remake = found
         shape = t.shape
-        return _Saved(packed, lambda p: remake(p.fresh()).view(shape), shape).watch(t)
+        precision = min(packed.bits, HALF_BITS)
+        return _Saved(packed, lambda p: remake(p.fresh()).view(shape), shape, precision).watch(t)
 
     def _keep_unencodable(self, t: torch.Tensor) -> None:
         """Count a saved tensor the codec cannot take (policy.encodable); say so once per kind."""
@@ -583,11 +673,12 @@ class CompressionHooks:
                 kind,
             )
 
-    def _count_module(self, t: torch.Tensor, original: int, stored: int) -> None:
-        """Add ``t`` to the counts of the innermost entered scope (:attr:`SavedStats.modules`)."""
+    def _count_module(self, t: torch.Tensor, original: int, stored: int) -> str | None:
+        """Add ``t`` to the counts of the innermost entered scope (:attr:`SavedStats.modules`);
+        that scope's name."""
         counting = self._local.names
         if not counting:
-            return
+            return None
         fqn = counting[-1]
         saved = self.stats.modules.get(fqn)
         if saved is None:
@@ -598,6 +689,22 @@ class CompressionHooks:
             saved.floats.append((t.numel(), t.element_size()))
         else:
             saved.fixed += stored
+        return fqn
+
+    def _uncount_module(self, fqn: str | None, t: torch.Tensor, original: int, stored: int) -> None:
+        """Take ``t`` out of scope ``fqn``'s counts (its copy moved to another scope's bits); a
+        scope left with nothing is dropped."""
+        saved = self.stats.modules.get(fqn) if fqn is not None else None
+        if saved is None:
+            return
+        saved.original -= original
+        saved.stored -= stored
+        if t.is_floating_point():
+            saved.floats.remove((t.numel(), t.element_size()))
+        else:
+            saved.fixed -= stored
+        if not saved.original:
+            del self.stats.modules[fqn]
 
     def _compress(self, t: torch.Tensor, bits: int) -> object:
         if not t.is_floating_point():
@@ -611,7 +718,7 @@ class CompressionHooks:
         if bits == HALF_BITS:
             if t.element_size() <= 2:
                 return t
-            return _Saved(t.detach().to(torch.bfloat16), _from_half(t), t.shape)
+            return _Saved(t.detach().to(torch.bfloat16), _from_half(t), t.shape, HALF_BITS)
         # Groups run in ``t``'s own (row-major) index order whatever its layout, not in memory
         # order: a transposed view's groups then span its leading dim. CLIP's image embeddings,
         # saved transposed by the similarity matmul, are nearly alike across samples at init;
@@ -622,7 +729,7 @@ class CompressionHooks:
             t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic,
             generator=generator,
         )  # fmt: skip
-        return _Saved(packed, _decoder(t), t.shape)
+        return _Saved(packed, _decoder(t), t.shape, bits)
 
     def _pack_traced(
         self, t: torch.Tensor, node: torch.fx.Node, graph: torch.fx.Graph, default: str

@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .scopes import ScopeTracker, Watch
 
@@ -136,6 +139,58 @@ class RunningParameters:
         key = storage_key(t)
         ref = self._storages.get(key)
         return ref is not None and _holds(ref(), key)
+
+
+class ComputedWeights:
+    """The weights a model computes from its parameters in each forward, found when built: what
+    its parametrizations give (``torch.nn.utils.parametrize``: weight_norm, orthogonal,
+    spectral_norm), read from each :class:`~torch.nn.utils.parametrize.ParametrizationList`'s
+    output as it is made, and what hook-style norms set on their module before its forward
+    (``torch.nn.utils.spectral_norm``, ``weight_norm``), read where they set it. ``t in weights``
+    asks whether ``t`` shares memory with one of them, as made last. Call :meth:`remove` when
+    done.
+    """
+
+    def __init__(self, model: nn.Module):
+        self._set_by_hooks = [
+            (weakref.ref(module), hook.name)
+            for module in model.modules()
+            for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, (SpectralNorm, WeightNorm))
+        ]
+        lists = [f for f, m in model.named_modules() if isinstance(m, ParametrizationList)]
+        self._made: dict[str, StorageKey] = {}  # a parametrization's fqn -> its output's storage
+        self._storages: dict[StorageKey, weakref.ref] = {}
+        self._watch = ScopeTracker.of(model).watch(self, lists) if lists else None
+
+    def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pass
+
+    def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
+        key = storage_key(output) if isinstance(output, torch.Tensor) else None
+        self._storages.pop(self._made.pop(fqn, None), None)  # one output per parametrization
+        if key is not None:
+            self._made[fqn] = key
+            self._storages[key] = weakref.ref(output)
+
+    def remove(self) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+        self._made, self._storages = {}, {}
+
+    def __contains__(self, t: object) -> bool:
+        if not (self._storages or self._set_by_hooks) or not isinstance(t, torch.Tensor):
+            return False
+        key = storage_key(t)
+        ref = self._storages.get(key)
+        if ref is not None and _holds(ref(), key):
+            return True
+        for module, name in self._set_by_hooks:
+            weight = getattr(module(), name, None)
+            if isinstance(weight, torch.Tensor) and storage_key(weight) == key:
+                return True
+        return False
 
 
 def _holds(p: torch.Tensor | None, key: StorageKey) -> bool:
