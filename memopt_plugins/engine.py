@@ -523,6 +523,7 @@ class MemoryOptimizer:
                     self._table.compressed,
                     set_bits=self.set_bits,
                     suspend=hooks.suspend,
+                    as_training=hooks.as_training,
                     generators=[hooks.noise(d) for d in devices],
                     scopes=[f for f in self._table.scopes if f not in regions],
                     min_numel=self.config.quantize.min_numel,
