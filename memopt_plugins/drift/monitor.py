@@ -669,8 +669,8 @@ class DriftMonitor:
         """``memopt/escalations``, ``memopt/drift_skipped`` (modules skipped for a gradient
         that was not finite) and ``memopt/drift_blind`` (checks that measured nothing) so far,
         ``memopt/lowerings`` (with ``drift.lower`` or a budget), ``memopt/drift_max`` (the last
-        check's largest module drift) and, with ``per_module``, ``memopt/drift/<fqn>``
-        (the last check's drift of each module)."""
+        check's largest module drift, unless it measured nothing) and, with ``per_module``,
+        ``memopt/drift/<fqn>`` (the last check's drift of each module)."""
         out: dict[str, float] = {
             "memopt/escalations": float(self.escalations),
             "memopt/drift_skipped": float(self.skipped),
@@ -678,7 +678,7 @@ class DriftMonitor:
         }
         if self.config.lower or self.budget:
             out["memopt/lowerings"] = float(self.deescalations)
-        if self.last is not None:
+        if self.last is not None and not self.last.blind:  # measured nothing: no max to show
             out["memopt/drift_max"] = self.last.max
             if per_module:
                 for fqn, drift in self.last.per_module.items():

@@ -83,8 +83,9 @@ class DriftReport:
     def __str__(self) -> str:
         moved = ", ".join(f"{k or '<root>'} {a}->{b}" for k, (a, b) in self.escalated.items())
         down = ", ".join(f"{k or '<root>'} {a}->{b}" for k, (a, b) in self.lowered.items())
+        largest = "measured nothing" if self.blind else f"max={self.max:.4f}"
         return (
-            f"DriftReport(step={self.step}, max={self.max:.4f} ({self.metric}, threshold "
+            f"DriftReport(step={self.step}, {largest} ({self.metric}, threshold "
             f"{self.threshold}), rounds={self.rounds}, escalated: {moved or 'none'}"
             + (f", lowered: {down})" if down else ")")
         )
