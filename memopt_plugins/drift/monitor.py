@@ -931,7 +931,7 @@ def _warn_blind(report: DriftReport, modules: int, own_sizes: bool) -> None:
         )
     log.warning(
         "memopt: the drift check at step %d measured nothing: %d of %d compressed modules have "
-        "no measurable drift (%s); it judged no bits and counts in memopt/drift_blind%s",
+        "no measurable drift (%s); it judged no module and counts in memopt/drift_blind%s",
         report.step,
         len(report.unmeasured),
         modules,

@@ -109,7 +109,7 @@ def describe_check(report: DriftReport, trail: Mapping[str, Sequence[int]], modu
     threshold)."""
     threshold = report.threshold
     head = f"drift check at step {report.step} ({report.metric}, threshold {threshold:g})"
-    if report.blind:
+    if report.blind and not report.escalated and not report.lowered:
         return (
             f"{head}: measured nothing ({len(report.unmeasured)} of {modules} modules without "
             "a measurable drift); bits unchanged"
