@@ -142,9 +142,17 @@ def test_the_no_change_line_says_the_whole_gradient_decided():
     assert "no change: the model's gradient costs 3.1% of a step's progress (<= 5%)" in line
     assert "which is what the threshold judges; per-module figures for reference" in line
     assert "largest fc (costs 15.8% of a step's progress" in line
+    over = DriftReport(3, per_module={"fc": 0.158}, threshold=0.05, metric="sgd", total=(0.2, 0.2))
+    assert "costs 20.0% of a step's progress (> 5%), but no module can go up" in (
+        describe_check(over, {}, 4)
+    )
     other = DriftReport(3, per_module={"fc": 0.01}, threshold=0.05, metric="cosine")
     assert "no change: every module's drift <= 0.05; largest fc 0.0100" in describe_check(
         other, {}, 4
+    )
+    held = DriftReport(3, per_module={"fc": 0.2}, threshold=0.05, metric="cosine")
+    assert "no change: fc drifts 0.2000 (> 0.05), but no module can go up" in (
+        describe_check(held, {}, 4)
     )
 
 

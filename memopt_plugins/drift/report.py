@@ -138,20 +138,26 @@ def describe_check(report: DriftReport, trail: Mapping[str, Sequence[int]], modu
     if not moves and not report.lowered:
         top = max(report.per_module.items(), key=lambda kv: kv[1], default=None)
         if after is not None:  # sgd: the whole gradient decided
-            side = "<=" if after <= threshold else ">, with no module left to raise,"
-            text = (
-                f"no change: the model's gradient costs {100 * after:.1f}% of a step's progress "
-                f"({side} {100 * threshold:g}%), which is what the threshold judges"
+            text = f"no change: the model's gradient costs {100 * after:.1f}% of a step's progress "
+            text += (
+                f"(<= {100 * threshold:g}%), which is what the threshold judges"
+                if after <= threshold
+                else f"(> {100 * threshold:g}%), but no module can go up"
             )
             if top:
                 text += (
                     f"; per-module figures for reference: largest {top[0] or '<root>'} "
                     f"({_why(report, top[0])})"
                 )
-        else:
+        elif top is None or top[1] <= threshold:
             text = f"no change: every module's drift <= {threshold:g}"
             if top:
                 text += f"; largest {top[0] or '<root>'} {top[1]:.4f}"
+        else:
+            text = (
+                f"no change: {top[0] or '<root>'} drifts {top[1]:.4f} (> {threshold:g}), but no "
+                "module can go up"
+            )
         parts.append(text)
     elif report.round_max:
         parts.append(f"largest drift {report.round_max[0]:.4f} -> {report.max:.4f}")
