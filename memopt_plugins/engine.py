@@ -508,8 +508,11 @@ class MemoryOptimizer:
         ``batch_size`` defaults to ``batch``'s. A closure ``loss_fn()`` is accepted too: it
         returns the loss on a small batch and calls the patched model itself (under DDP:
         ``ddp.module``). ``batch_size``: samples in the training batch the small one was cut
-        from (``drift.metric: sgd`` judges the cost at that batch; default: the small batch's
-        own, which overstates it). Training is unaffected:
+        from: the check compresses what a training forward on that batch does (its small
+        tensors are judged against ``quantize.min_numel`` at their training size) and
+        ``drift.metric: sgd`` judges the cost at that batch; default: the small batch's own,
+        which overstates the cost and may leave the check nothing compressed to measure (it then
+        warns and counts in ``memopt/drift_blind``). Training is unaffected:
         RNG streams, buffers, ``.grad`` and the saved-bytes statistics are as before the call.
         ``max_rounds=None`` re-checks until no module escalates (one compressed pass per round;
         a check that escalates nothing costs one exact and one compressed pass); ``1`` escalates
@@ -541,6 +544,7 @@ class MemoryOptimizer:
                     self._table.compressed,
                     set_bits=self.set_bits,
                     suspend=hooks.suspend,
+                    as_training=hooks.as_training,
                     generators=[hooks.noise(d) for d in devices],
                     scopes=[f for f in self._table.scopes if f not in inside],
                     min_numel=self.config.quantize.min_numel,
