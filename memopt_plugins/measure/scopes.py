@@ -93,6 +93,7 @@ class _Hooked:
         if entered and not _within(self, entered[-1].hooked):  # not nested as modules nest:
             _leave(_abandoned(entered, len(entered)))  # is the scope it runs in still alive?
         entry = _Entry(self, module, args)
+        entry.below = _contexts_top()
         entered.append(entry)
         for observer in tuple(self.observers):
             entry.told.append(observer)  # one whose enter raised part-way leaves it too
@@ -124,10 +125,10 @@ class _Hooked:
 class _Entry:
     """A scope entered on this thread and not left yet: the observers told of it, the frame of
     its module call (while that frame runs, the scope is alive), and the innermost saved-tensor
-    hooks and number of ``TorchFunctionMode``'s once they entered (it can be left only while
-    those are still innermost)."""
+    hooks and number of ``TorchFunctionMode``'s before and once they entered (one that entered
+    contexts can be left only while those are still innermost)."""
 
-    __slots__ = ("hooked", "module", "args", "told", "frame", "top")
+    __slots__ = ("hooked", "module", "args", "told", "frame", "below", "top")
 
     def __init__(self, hooked: _Hooked, module: nn.Module, args: tuple):
         self.hooked = hooked
@@ -135,7 +136,15 @@ class _Entry:
         self.args = args
         self.told: list[ScopeObserver] = []
         self.frame = _call_frame()
+        self.below: tuple = ()
         self.top: tuple = ()
+
+    def entered_contexts(self) -> bool:
+        """Whether its observers left saved-tensor hooks or modes on the thread (unknown, so
+        assumed, while their enter has not finished). A scope inside someone else's region (a
+        recompute checkpoint) enters none: what the region pushed is gone once it unwound, and
+        such a scope is left whatever is innermost now."""
+        return not self.top or self.top != self.below
 
 
 class _Entered(threading.local):
@@ -206,7 +215,7 @@ def _leave(entries: list[_Entry]) -> None:
     for entry in entries:
         if not entered or entered[-1] is not entry:
             continue
-        if entry.top and entry.top != _contexts_top():
+        if entry.top and entry.entered_contexts() and entry.top != _contexts_top():
             log.warning(
                 "memopt: the scope of %s was left by an interrupt, but saved-tensor hooks or "
                 "torch function modes entered after it are still active; it stays entered",
