@@ -162,11 +162,11 @@ class _Entry:
         self.top: tuple = ()
 
     def entered_contexts(self) -> bool:
-        """Whether its observers left saved-tensor hooks or modes on the thread (unknown, so
-        assumed, while their enter has not finished). A scope inside someone else's region (a
-        recompute checkpoint) enters none: what the region pushed is gone once it unwound, and
-        such a scope is left whatever is innermost now."""
-        return not self.top or self.top != self.below
+        """Whether its observers' enter finished and left saved-tensor hooks or modes on the
+        thread: those must still be innermost when it is left. A scope inside someone else's
+        region (a recompute checkpoint) enters none of its own (what the region pushed is gone
+        once it unwound), and is left whatever is innermost then."""
+        return bool(self.top) and self.top != self.below
 
 
 class _Entered(threading.local):
@@ -237,7 +237,7 @@ def _leave(entries: list[_Entry]) -> None:
     for entry in entries:
         if not entered or entered[-1] is not entry:
             continue
-        if entry.top and entry.entered_contexts() and entry.top != _contexts_top():
+        if entry.entered_contexts() and entry.top != _contexts_top():
             log.warning(
                 "memopt: the scope of %s was left by an interrupt, but saved-tensor hooks or "
                 "torch function modes entered after it are still active; it stays entered",
