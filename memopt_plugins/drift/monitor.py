@@ -8,7 +8,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -23,15 +23,18 @@ from .budget import Pricing, log_outcome, solve, step_size
 from .judges import NOT_FINITE, PARAMS, TENSORS, Judge, Whole, find_judges, module_drifts
 from .passes import (
     CheckedParameters,
+    PassGradients,
     PassRecorder,
     SignedHalves,
     gradients,
+    merged,
     preserved_state,
     scalar_loss,
     summed_over_shards,
 )
 from .report import (
     BUDGET_TOLERANCE,
+    CALLS_DIFFER,
     HISTORY_LIMIT,
     NEGLIGIBLE,
     NON_FINITE,
@@ -124,6 +127,8 @@ class DriftMonitor:
         pricing: Callable[[], Pricing | None] | None = None,
         batch_size: int | None = None,
         speaks: Callable[[], bool] | None = None,
+        cut: Callable[[int], Sequence[Callable[[], torch.Tensor]]] | None = None,
+        most: int = 0,
     ) -> DriftReport:
         """Measure the drift of the modules in ``bits`` and escalate those over the threshold.
 
@@ -150,6 +155,10 @@ class DriftMonitor:
             batch_size: samples in the training batch the check's sample was cut from (metric
                 ``sgd``; default: the sample's own).
             speaks: whether this process writes the check's lines (default: :attr:`speaks`).
+            cut: ``cut(n)``: the loss on equal pieces of at most ``n`` samples of the sample
+                (:func:`~.passes.cut_sample`), run in turn by every pass in place of
+                ``loss_fn``, so that no pass holds more than a piece's activations; ``most``:
+                that ``n`` (:func:`~.passes.piece_samples`, the least over ranks is taken).
         """
         if speaks is not None:
             self.speaks = speaks
@@ -173,25 +182,69 @@ class DriftMonitor:
         lowered_now: dict[str, tuple[int, int]] = {}
         skipped: set[str] = set()
         round_max: list[float] = []
+        # Every pass runs the same pieces, in order: the gradients compared are of one function.
+        pieces: Sequence[Callable[[], torch.Tensor]] = [loss_fn]
+        if cut is not None and most > 0:  # every rank cuts alike (sharded folds are collectives)
+            pieces = cut(int(-_max_of(reduce_max, [-float(most)], device)[0]))
+        wanted: list[int] = []
+        layout: tuple = ()
+        judged = False  # the exact pass's first piece has said what judges each module
+
+        def run(
+            rec_of: Callable[[], PassRecorder],
+            halves_of: Callable[[int], SignedHalves] | None = None,
+            squares_only: bool = False,
+        ) -> PassGradients:
+            """One pass over the pieces: their gradients merged (:func:`merged`)."""
+            nonlocal wanted, layout, judges, unmeasured, finished, judged
+            parts = []
+            for index, piece in enumerate(pieces):
+                rec = rec_of()
+                with rec, halves_of(index) if halves_of else nullcontext():
+                    loss = scalar_loss(piece)
+                if not judged:
+                    judged = True
+                    judges, unmeasured = find_judges(fqns, checked, rec)
+                    wanted = sorted(
+                        {i for j in judges.values() if j.kind == TENSORS for i in j.indices}
+                    )
+                    layout = rec.layout()
+                    # when each module that saved something for compression finished
+                    # (inherited drift)
+                    finished = {f: t for f, t in rec.finished.items() if rec.saved.get(f, 0)}
+                tensors = [rec.tensors[i] for i in wanted] if rec.layout() == layout else []
+                targets = checked.targets(rec.running) + tensors
+                only = squares_only and len(pieces) == 1  # pieces merge by their folds
+                parts.append(gradients(loss, targets, sharded, squares_only=only))
+                del loss, rec, tensors, targets
+            return merged(parts, len(params), len(wanted))
+
+        judges: dict[str, Judge] = {}
+        unmeasured: dict[str, str] = {}
+        finished: dict[str, int] = {}
         # Eagerly: modules inside compiled graphs are judged too (their hooks fire).
         with eagerly(), preserved_state(model, generators) as one_pass:
             with one_pass(), suspend():
-                rec = PassRecorder(model, param_free, fqns if scopes is None else scopes, min_numel)
-                with rec:
-                    loss = scalar_loss(loss_fn)
-                judges, unmeasured = find_judges(fqns, checked, rec)
-                wanted = sorted(
-                    {i for j in judges.values() if j.kind == TENSORS for i in j.indices}
+                exact = run(
+                    lambda: PassRecorder(
+                        model, param_free, fqns if scopes is None else scopes, min_numel
+                    )
                 )
-                layout = rec.layout()
-                # when each module that saved something for compression finished (inherited drift)
-                finished = {f: t for f, t in rec.finished.items() if rec.saved.get(f, 0)}
-                targets = checked.targets(rec.running) + [rec.tensors[i] for i in wanted]
-                exact = gradients(loss, targets, sharded)
-                del loss, rec, targets
+            if len(exact.folds) < len(params) + len(pieces) * len(wanted):
+                # a piece's exact pass recorded other tensors than the first's
+                for f in [f for f, j in judges.items() if j.kind == TENSORS]:
+                    del judges[f]
+                    unmeasured[f] = CALLS_DIFFER
             position = {i: len(params) + k for k, i in enumerate(wanted)}
             judges = {
-                f: j if j.kind == PARAMS else Judge(j.kind, tuple(position[i] for i in j.indices))
+                f: j
+                if j.kind == PARAMS
+                else Judge(
+                    j.kind,
+                    tuple(
+                        position[i] + n * len(wanted) for n in range(len(pieces)) for i in j.indices
+                    ),
+                )
                 for f, j in judges.items()
             }
             exact_sq = summed_over_shards(exact.sq, sharded)
@@ -202,15 +255,18 @@ class DriftMonitor:
             }
             variance, halves = None, None
             if cfg.metric in ("noise", "sgd"):  # an exact pass, its halves weighted +1 and -1
+                signed: list[SignedHalves] = []
+
+                def halves_of(index: int) -> SignedHalves:
+                    signed.append(
+                        SignedHalves(model, cfg.metric == "noise", piece=(index, len(pieces)))
+                    )
+                    return signed[-1]
+
                 with one_pass(), suspend():
-                    rec = PassRecorder(model, param_free)
-                    with rec, SignedHalves(model, required=cfg.metric == "noise") as halves:
-                        loss = scalar_loss(loss_fn)
-                    tensors = [rec.tensors[i] for i in wanted] if rec.layout() == layout else []
-                    targets = checked.targets(rec.running) + tensors
-                    spread = gradients(loss, targets, sharded, squares_only=True)
-                    del loss, rec, tensors, targets
-                if halves.scale:
+                    spread = run(lambda: PassRecorder(model, param_free), halves_of, True)
+                halves = signed[-1]
+                if all(h.scale for h in signed):
                     variance = summed_over_shards(spread.sq, sharded) * halves.scale
 
             metric = cfg.metric
@@ -230,14 +286,7 @@ class DriftMonitor:
                 """One compressed pass at the current bits: each module's drift (max over
                 ranks), the unmeasured and the skipped."""
                 with one_pass():
-                    rec = PassRecorder(model, param_free)
-                    with rec:
-                        loss = scalar_loss(loss_fn)
-                    aligned = rec.layout() == layout
-                    tensors = [rec.tensors[i] for i in wanted] if aligned else []
-                    targets = checked.targets(rec.running) + tensors
-                    approx = gradients(loss, targets, sharded)
-                    del loss, rec, tensors, targets
+                    approx = run(lambda: PassRecorder(model, param_free))
                 found = module_drifts(
                     fqns,
                     judges,

@@ -15,7 +15,7 @@ from ..distributed import rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
 from ..measure.storage import RunningParameters, is_sharded
 from ..policy import compressible, in_foreign_region
-from ..tree import tensors_in
+from ..tree import batch_size_of, map_tensors, tensors_in
 
 
 def own_parameters(module: nn.Module, recurse: bool = False) -> list[nn.Parameter]:
@@ -197,11 +197,16 @@ class SignedHalves:
     covariance ``Σ``. (BatchNorm in training mode couples the samples; the estimate is then
     approximate.) A parameter-free module's input gradient holds each sample's own rows: its
     "variance" is its squared norm (for equal halves), and the metric its squared relative error.
+
+    ``piece``: ``(index, count)`` when the pass runs the sample in ``count`` equal pieces
+    (:func:`cut_sample`): the output holds piece ``index``'s rows, weighted by their places in
+    the whole sample, so the pieces' gradients averaged are the whole pass's.
     """
 
-    def __init__(self, model: nn.Module, required: bool = True):
+    def __init__(self, model: nn.Module, required: bool = True, piece: tuple[int, int] = (0, 1)):
         self.model = model
         self.required = required  # else a model without such an output leaves scale at 0
+        self.piece = piece
         self.scale = 0.0
         self.samples = 0  # in the sample (the model output's dim 0)
         self._handles: list[Any] = []
@@ -232,21 +237,26 @@ class SignedHalves:
         self._depth -= 1
         if self._depth:
             return  # called inside another module: not the model's output
+        index, count = self.piece
         found = [
             t
             for t in tensors_in(output)
-            if t.requires_grad and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2
+            if t.requires_grad
+            and t.is_floating_point()
+            and t.dim() >= 1
+            and t.shape[0] * count >= 2
         ]
         if not found:
             return
         if self._weighted is not None:  # a later outermost call: its output is the model's
             self._weighted.remove()
         out = found[0]
-        n = out.shape[0]
+        rows = out.shape[0]
+        n = rows * count  # the whole sample's
         a, b = (n + 1) // 2, n // 2
-        weights = torch.full((n,), -n / (2 * b), dtype=out.dtype, device=out.device)
-        weights[:a] = n / (2 * a)
-        weights = weights.view(n, *([1] * (out.dim() - 1)))
+        weights = torch.full((rows,), -n / (2 * b), dtype=out.dtype, device=out.device)
+        weights[: max(0, min(rows, a - index * rows))] = n / (2 * a)  # this piece's rows in A
+        weights = weights.view(rows, *([1] * (out.dim() - 1)))
         self.scale = 4.0 / (n * (1 / a + 1 / b))
         self.samples = n
         self._weighted = out.register_hook(lambda grad: grad * weights)
@@ -291,6 +301,50 @@ def scalar_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
             "under torch.no_grad() or with frozen parameters only?"
         )
     return loss
+
+
+def piece_samples(samples: int, batch_size: int | None, stored: int, original: int) -> int:
+    """The most samples a piece of the check's exact passes may hold: those whose uncompressed
+    saved bytes fit in what the compressed training forward of ``batch_size`` samples kept
+    (``stored`` of its ``original`` bytes), so that no pass holds more for its backward than the
+    step the check guards. The whole sample where no training forward was counted yet."""
+    if not batch_size or not stored or not original:
+        return samples
+    return max(1, min(samples, batch_size * stored // original))
+
+
+def couples_samples(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` mixes its samples: a BatchNorm normalizing with the
+    statistics of the batch (training mode). Cut in pieces, its sample would be normalized by
+    each piece's statistics: a function training never runs."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()
+    )
+
+
+def cut_sample(
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor], model: nn.Module, sample: Any, most: int
+) -> list[Callable[[], torch.Tensor]]:
+    """``loss_fn(model, sample)`` as closures over equal pieces of ``sample`` (dim 0 of every
+    tensor with the sample's count there; other leaves whole), each of at most ``most`` samples:
+    the pieces' count divides the sample's, so the mean of their gradients is the sample's for
+    a loss that is a mean over samples (for a sum, a scale no metric sees). One closure over
+    the whole sample when it fits, or when the model couples its samples
+    (:func:`couples_samples`)."""
+    samples = batch_size_of(sample)
+    whole = [lambda: loss_fn(model, sample)]
+    if samples is None or samples <= most or couples_samples(model):
+        return whole
+    size = max(d for d in range(1, most + 1) if samples % d == 0)
+
+    def piece(start: int) -> Callable[[], torch.Tensor]:
+        cut = map_tensors(
+            lambda t: t[start : start + size] if t.dim() > 0 and t.shape[0] == samples else t,
+            sample,
+        )
+        return lambda: loss_fn(model, cut)
+
+    return [piece(start) for start in range(0, samples, size)]
 
 
 #: A gradient of more elements than this is folded into this many: element ``i`` is added, with a
@@ -427,6 +481,32 @@ def gradients(
                 fold_i = torch.zeros(size if size <= SKETCH else SKETCH, dtype=torch.float32)
             folds[i] = sum_over_ranks(fold_i.to(_device_of(targets[i]))).cpu()
     return PassGradients(folds, sq, torch.isfinite(sq))
+
+
+def merged(parts: Sequence[PassGradients], params: int, tensors: int) -> PassGradients:
+    """One pass's gradients from its pieces' (:func:`cut_sample`): the mean of the first
+    ``params`` targets' folds (folding is linear), each recorded tensor of each piece a target
+    of its own (``tensors`` a piece, all dropped when a piece recorded other ones). A parameter's
+    squared norm is then its mean fold's (exact up to :data:`SKETCH` elements, else the fold's
+    estimate): the pieces' exact norms do not add up to the mean's."""
+    if len(parts) == 1:
+        return parts[0]
+    weight = 1.0 / len(parts)
+    folds: list[torch.Tensor | None] = []
+    for i in range(params):
+        found = [p.folds[i] for p in parts if p.folds[i] is not None]
+        folds.append(sum(f.double() for f in found).mul_(weight).float() if found else None)
+    sq = torch.tensor(
+        [0.0 if f is None else float(f.double().square().sum()) for f in folds],
+        dtype=torch.float64,
+    )
+    finite = torch.stack([p.finite[:params] for p in parts]).all(0) & torch.isfinite(sq)
+    if all(len(p.folds) == params + tensors for p in parts):  # the recorded tensors, piece by piece
+        for p in parts:
+            folds += [None if f is None else f * weight for f in p.folds[params:]]
+        sq = torch.cat([sq, *(p.sq[params:] * weight**2 for p in parts)])
+        finite = torch.cat([finite, *(p.finite[params:] for p in parts)])
+    return PassGradients(folds, sq, finite)
 
 
 def _device_of(t: torch.Tensor) -> torch.device:
