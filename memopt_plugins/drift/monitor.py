@@ -4,6 +4,7 @@ bits, keeps counters and history."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -20,7 +21,16 @@ from ..config_io import reading_state, state_count, state_list, state_map, state
 from ..distributed import is_rank_zero, max_over_ranks
 from ..measure import eagerly
 from .budget import Pricing, log_outcome, solve, step_size
-from .judges import NOT_FINITE, PARAMS, TENSORS, Judge, Whole, find_judges, module_drifts
+from .judges import (
+    NOT_FINITE,
+    PARAMS,
+    TENSORS,
+    Judge,
+    NoiseScale,
+    Whole,
+    find_judges,
+    module_drifts,
+)
 from .passes import (
     CheckedParameters,
     PassGradients,
@@ -78,6 +88,7 @@ class DriftMonitor:
         #: whether this process writes the checks' lines (rank 0; an integration's main process)
         self.speaks: Callable[[], bool] = is_rank_zero
         self._noted_no_variance = False
+        self._noted_no_scale = False
         #: the bits the config gives each module now (:meth:`start`; no part of the state)
         self.configured: dict[str, int] = {}
         # drift.lower: starting bits, calm checks in a row, checks to wait, lowered once, changes
@@ -90,6 +101,10 @@ class DriftMonitor:
         # at (checks left)
         self.sensitivity: dict[str, float] = {}
         self.held: dict[str, tuple[int, int]] = {}
+        # metric sgd: the gradient noise scale smoothed across checks, the whole parameter
+        # gradient's and each module's
+        self.noise_whole = NoiseScale()
+        self.noise: dict[str, NoiseScale] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self.last: DriftReport | None = None
 
@@ -280,7 +295,26 @@ class DriftMonitor:
                         "0 (or sample_size is 1); these checks judge by cosine instead"
                     )
             samples = halves.samples if variance is not None else 0
-            batch_ratio = samples / batch_size if samples and batch_size else 1.0
+            scales = None
+            if metric == "sgd":
+                scales = self._noise_scales(
+                    judges,
+                    exact_sq,
+                    exact.finite,
+                    variance,
+                    samples,
+                    batch_size or samples,
+                    len(params),
+                )
+                if scales[None] == float("inf") and not self._noted_no_scale and self.speaks():
+                    self._noted_no_scale = True
+                    log.info(
+                        "memopt: at step %d the gradient noise scale is not known yet (the "
+                        "gradient's signal has not stood above its sampling noise in the checks "
+                        "so far): until it is, sgd judges costs at their bound for any noise "
+                        "scale, error / (1 + error)",
+                        step,
+                    )
 
             def measured() -> Round:
                 """One compressed pass at the current bits: each module's drift (max over
@@ -296,7 +330,7 @@ class DriftMonitor:
                     approx,
                     metric,
                     variance,
-                    batch_ratio,
+                    scales,
                     len(params),
                 )
                 del approx
@@ -385,6 +419,31 @@ class DriftMonitor:
         if self.speaks():
             _log_check(report, trail, len(fqns))
         return self._record(report)
+
+    def _noise_scales(
+        self,
+        judges: Mapping[str, Judge],
+        exact_sq: torch.Tensor,
+        finite: torch.Tensor,
+        variance: torch.Tensor,
+        samples: int,
+        batch: int,
+        params: int,
+    ) -> dict[str | None, float]:
+        """This check's measurement added to the smoothed noise scales (:class:`NoiseScale`) of
+        the whole parameter gradient (key ``None``) and of each judged module, and each one's
+        last good ``B_noise / batch`` (``inf`` where none has been finite and positive yet:
+        one check's infinite, NaN or negative estimate is never decided on). The first
+        ``params`` targets are the model's parameters."""
+        groups: dict[str | None, list[int]] = {None: [i for i in range(params) if bool(finite[i])]}
+        groups.update({f: list(j.indices) for f, j in judges.items()})
+        out: dict[str | None, float] = {}
+        for key, idx in groups.items():
+            noise = self.noise_whole if key is None else self.noise.setdefault(key, NoiseScale())
+            if idx and max(idx) < len(variance):
+                noise.update(float(exact_sq[idx].sum()), float(variance[idx].sum()), samples)
+            out[key] = float("inf") if noise.good is None else noise.good / batch
+        return out
 
     def _escalate(
         self,
@@ -716,6 +775,10 @@ class DriftMonitor:
                 "sensitivity": dict(self.sensitivity),
                 "held": {f: list(v) for f, v in self.held.items()},
             },
+            "noise": {
+                "whole": dataclasses.asdict(self.noise_whole),
+                "modules": {f: dataclasses.asdict(n) for f, n in self.noise.items()},
+            },
             "history": [dict(h) for h in self.history],
             "last": None
             if last is None
@@ -762,6 +825,13 @@ class DriftMonitor:
             other.sensitivity = {k: _finite(v) for k, v in sensitivity.items()}
             held = state_map(budget.get("held", {}))
             other.held = {k: (checked_bits(w), state_count(n)) for k, (w, n) in held.items()}
+        with reading_state("drift.noise"):
+            noise = state_map(state.get("noise", {}))
+            other.noise_whole = _noise_scale(noise.get("whole", {}))
+            other.noise = {
+                state_name(f): _noise_scale(n)
+                for f, n in state_map(noise.get("modules", {})).items()
+            }
         with reading_state("drift.history"):
             other.history = deque(
                 (state_map(h) for h in state_list(state.get("history", ()))), maxlen=HISTORY_LIMIT
@@ -788,12 +858,20 @@ class DriftMonitor:
         """The state ``other`` holds (:meth:`read`), laid on this monitor (copied: the two
         share nothing a later change could reach)."""
         for key in _STATE:
-            setattr(self, key, copy.copy(getattr(other, key)))
+            setattr(self, key, copy.deepcopy(getattr(other, key)))
 
     @property
     def modules(self) -> set[str]:
         """Every module the state names (as a checkpoint of another model would show)."""
-        named = (self.floor, self.calm, self.wait, self.changes, self.sensitivity, self.held)
+        named = (
+            self.floor,
+            self.calm,
+            self.wait,
+            self.changes,
+            self.sensitivity,
+            self.held,
+            self.noise,
+        )
         return {f for part in named for f in part} | self.lowered
 
 
@@ -810,6 +888,8 @@ _STATE = (
     "changes",
     "sensitivity",
     "held",
+    "noise_whole",
+    "noise",
     "history",
     "last",
 )
@@ -819,6 +899,18 @@ def _finite(value: Any) -> float:
     if isinstance(value, bool) or not math.isfinite(out := float(value)):
         raise ValueError(f"expected a finite number, got {value!r}")
     return out
+
+
+def _noise_scale(value: Any) -> NoiseScale:
+    """A :class:`NoiseScale` from its saved fields: finite averages (the trace's not negative)
+    and a last good ratio that is ``None`` or finite and positive."""
+    fields = state_map(value)
+    trace, signal = _finite(fields.get("trace", 0.0)), _finite(fields.get("signal", 0.0))
+    good = fields.get("good")
+    good = None if good is None else _finite(good)
+    if trace < 0 or (good is not None and good <= 0):
+        raise ValueError(f"expected a noise scale's averages, got {fields!r}")
+    return NoiseScale(trace, signal, good)
 
 
 def _reduced(
