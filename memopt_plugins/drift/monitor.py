@@ -232,7 +232,7 @@ class DriftMonitor:
                 only = squares_only and len(pieces) == 1  # pieces merge by their folds
                 parts.append(gradients(loss, targets, sharded, squares_only=only))
                 del loss, rec, tensors, targets
-            return merged(parts, len(params), len(wanted))
+            return merged(parts, len(params), len(wanted), sharded)
 
         judges: dict[str, Judge] = {}
         unmeasured: dict[str, str] = {}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..distributed import rank_share, sum_over_ranks
+from ..distributed import distributed, rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
 from ..measure.storage import RunningParameters, is_sharded
 from ..policy import compressible, in_foreign_region
@@ -483,12 +483,16 @@ def gradients(
     return PassGradients(folds, sq, torch.isfinite(sq))
 
 
-def merged(parts: Sequence[PassGradients], params: int, tensors: int) -> PassGradients:
+def merged(
+    parts: Sequence[PassGradients], params: int, tensors: int, shares: Sequence[int] = ()
+) -> PassGradients:
     """One pass's gradients from its pieces' (:func:`cut_sample`): the mean of the first
     ``params`` targets' folds (folding is linear), each recorded tensor of each piece a target
     of its own (``tensors`` a piece, all dropped when a piece recorded other ones). A parameter's
     squared norm is then its mean fold's (exact up to :data:`SKETCH` elements, else the fold's
-    estimate): the pieces' exact norms do not add up to the mean's."""
+    estimate): the pieces' exact norms do not add up to the mean's. A sharded parameter's fold
+    is already the whole gradient's on every rank: each rank holds its squared norm over the
+    world size, so the sum over ranks (:func:`summed_over_shards`) is the whole's."""
     if len(parts) == 1:
         return parts[0]
     weight = 1.0 / len(parts)
@@ -500,6 +504,8 @@ def merged(parts: Sequence[PassGradients], params: int, tensors: int) -> PassGra
         [0.0 if f is None else float(f.double().square().sum()) for f in folds],
         dtype=torch.float64,
     )
+    if shares and distributed():
+        sq[list(shares)] /= torch.distributed.get_world_size()
     finite = torch.stack([p.finite[:params] for p in parts]).all(0) & torch.isfinite(sq)
     if all(len(p.folds) == params + tensors for p in parts):  # the recorded tensors, piece by piece
         for p in parts:
