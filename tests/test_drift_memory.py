@@ -1,4 +1,4 @@
-"""A drift check's memory: streamed gradients, never a second set of them."""
+"""A drift check's memory: streamed gradients, never a second set of them; passes in pieces."""
 
 from __future__ import annotations
 

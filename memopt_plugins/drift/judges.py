@@ -162,7 +162,7 @@ def module_drifts(
     approx: PassGradients,
     metric: str,
     variance: torch.Tensor | None = None,
-    scales: Mapping[str | None, float | None] | None = None,
+    scales: Mapping[str | None, float] | None = None,
     params: int = 0,
 ) -> Drifts:
     """Per-module drift from the exact and the compressed pass.
