@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,10 +31,11 @@ from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
 from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing, priced_widths
+from .drift.passes import cut_sample, piece_samples
 from .dropout import DropoutPatch
 from .lean import LeanOps
 from .logs import show_on_console
-from .loss_fn import bind_loss
+from .loss_fn import bind_loss, takes_model_and_batch
 from .measure.process import StepPeak
 from .measure.scopes import InterruptGuard, ScopeTracker, scripted_modules
 from .policy import resolve_bits
@@ -520,11 +522,17 @@ class MemoryOptimizer:
         :meth:`should_check`). See :mod:`memopt_plugins.drift`.
         """
         model = self._require_model()
+        hooks = self._hooks
+        cut, most = None, 0
         if batch is not None:
             batch_size = batch_size_of(batch) if batch_size is None else batch_size
             batch = slice_batch(batch, self.config.drift.sample_size)
+            if takes_model_and_batch(loss_fn):  # the check's passes may run it in pieces
+                samples = batch_size_of(batch) or 1
+                stats = hooks.stats
+                most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
+                cut = partial(cut_sample, loss_fn, model, batch)
         loss_fn = bind_loss(loss_fn, model, batch)
-        hooks = self._hooks
         kept = hooks.stats.snapshot()
         step_ended = hooks.step_ended  # the check's passes are no training forward
         trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
@@ -553,6 +561,8 @@ class MemoryOptimizer:
                     step=step,
                     max_rounds=max_rounds,
                     batch_size=batch_size,
+                    cut=cut,
+                    most=most,
                     pricing=None
                     if self.config.quantize.budget is None
                     else self._pricing(trained, kept_modules if eager else {}),

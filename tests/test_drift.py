@@ -18,7 +18,7 @@ from transformers import BatchEncoding
 from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.config import DriftConfig
+from memopt_plugins.config import ConfigError, DriftConfig
 from memopt_plugins.drift import (
     HISTORY_LIMIT,
     NEGLIGIBLE_GRADIENT,
@@ -179,6 +179,54 @@ def test_noise_drift_matches_the_two_halves_computed_by_hand(unfolded):
     assert report.per_module["transformer.h.0.mlp.c_fc"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_a_check_in_pieces_judges_the_mean_of_the_pieces_gradients(unfolded, monkeypatch):
+    """A sample of 4 cut in pieces of 1 (the room the step left, forced): every pass runs the
+    pieces, the signed pass weights each piece's rows by their half of the whole sample, and
+    noise = |mean q_s - g|^2 / (|g_A - g_B|^2 / 4), the halves spanning pieces; a
+    parameter-free module is judged by its pieces' input gradients together (rel_l2)."""
+    monkeypatch.setattr("memopt_plugins.engine.piece_samples", lambda *args: 1)
+    model, batch, loss_fn = hf_gpt2(batch_size=4, seq=32, layers=1)
+    config = {"quantize": {"bits": 4, "rounding": "nearest"}}
+    opt = MemoryOptimizer({**config, "drift": {"metric": "noise", "threshold": 1.0}})
+    opt.apply(model)
+    report = opt.check_drift(loss_fn, batch=batch, max_rounds=1)
+    own = list(model.transformer.h[0].mlp.c_fc.parameters())
+
+    def grad(part, exact=True, wrt=own):
+        with opt.hooks.suspend() if exact else contextlib.nullcontext():
+            loss = loss_fn(model, part)
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, wrt)]).double()
+
+    pieces = [batch[i : i + 1] for i in range(4)]
+    g = grad(batch)
+    q = sum(grad(p, exact=False) for p in pieces) / 4
+    halves = grad(batch[:2]) - grad(batch[2:])
+    expected = float((q - g).square().sum() / (halves.square().sum() / 4))
+    assert expected > 1e-3
+    assert report.per_module["transformer.h.0.mlp.c_fc"] == pytest.approx(expected, rel=1e-5)
+
+    opt.remove()
+    opt = MemoryOptimizer({**config, "drift": {"metric": "rel_l2", "threshold": 1.0}})
+    opt.apply(model)
+    report = opt.check_drift(loss_fn, batch=batch, max_rounds=1)
+    inputs = []
+    handle = model.transformer.h[0].mlp.act.register_forward_pre_hook(
+        lambda m, args: inputs.append(args[0])
+    )
+    exact, approx = [], []
+    for p in pieces:
+        for out, flag in ((exact, True), (approx, False)):
+            inputs.clear()
+            with opt.hooks.suspend() if flag else contextlib.nullcontext():
+                loss = loss_fn(model, p)
+            out.append(torch.autograd.grad(loss, inputs)[0].flatten().double())
+    handle.remove()
+    g, q = torch.cat(exact), torch.cat(approx)
+    expected = float((q - g).norm() / g.norm())
+    assert expected > 1e-4
+    assert report.per_module["transformer.h.0.mlp.act"] == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize("batch_size", [None, 64])
 def test_sgd_drift_is_the_progress_cost_computed_by_hand(unfolded, batch_size):
     """sgd = e k / (1 + (1 + e) k): e = |g_q - g|^2 / Var(g), k = Var(g) / (|g|^2 - Var(g)) x
@@ -207,6 +255,59 @@ def test_sgd_drift_is_the_progress_cost_computed_by_hand(unfolded, batch_size):
     assert expected > 1e-4
     assert report.per_module["transformer.h.0.mlp.c_fc"] == pytest.approx(expected, rel=1e-5)
     assert report.parts["transformer.h.0.mlp.c_fc"][0] == pytest.approx(error, rel=1e-5)
+
+
+def test_the_noise_scale_is_the_ratio_of_moving_averages_and_skips_what_is_not_finite():
+    """B_noise = EMA(n Var) / EMA(|g|^2 - Var), each averaged from zero with NOISE_DECAY; a
+    check whose numbers are not finite is left out; while the averaged signal is not positive
+    the last good ratio stands."""
+    from memopt_plugins.drift.judges import NOISE_DECAY, NoiseScale
+
+    noise, d = NoiseScale(), NOISE_DECAY
+    assert noise.update(norm_sq=5.0, spread=1.0, samples=8) == pytest.approx(8.0 / 4.0)
+    assert noise.update(norm_sq=float("inf"), spread=1.0, samples=8) == pytest.approx(2.0)
+    assert noise.update(norm_sq=0.5, spread=3.0, samples=8) == pytest.approx(
+        (d * (1 - d) * 8 + (1 - d) * 24) / (d * (1 - d) * 4 + (1 - d) * -2.5)
+    )
+    assert (noise.trace, noise.signal) == pytest.approx(
+        (d * (1 - d) * 8 + (1 - d) * 24, d * (1 - d) * 4 + (1 - d) * -2.5)
+    )
+    good = noise.good
+    noise.update(norm_sq=0.0, spread=100.0, samples=8)  # the averaged signal goes negative
+    assert noise.signal < 0 and noise.good == good
+
+
+def test_a_check_whose_noise_scale_is_infinite_raises_nothing_on_it():
+    """Check 1 measures a gradient standing above its noise; check 2's sample cancels its own
+    mean gradient (each sample's twin with the opposite sign): its noise scale alone is
+    negative or infinite, which judged a 2-bit model's cost at e / (1 + e) and raised it. The
+    smoothed one, at a training batch far above it, costs nothing: no module moves. Its
+    averages survive a state_dict round trip; a negative trace is refused on load."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    drift = {"metric": "sgd", "threshold": 0.005}  # under what 2 bits cost this sample
+    opt = MemoryOptimizer({"quantize": {"bits": 2, "min_numel": 0}, "drift": drift})
+    opt.apply(model)
+    x, target = torch.randn(8, 16), torch.full((8, 4), 5.0)
+    first = opt.check_drift(lambda: F.mse_loss(model(x), target), batch_size=10**6)
+    assert first.escalated == {} and first.total[0] is not None
+    twins, sign = torch.cat([x[:4], x[:4]]), torch.tensor([1.0] * 4 + [-1.0] * 4)
+    second = opt.check_drift(
+        lambda: (model(twins).sum(1) * sign).mean(), max_rounds=1, batch_size=10**6
+    )
+    assert second.escalated == {}, second.escalated
+    noise = opt._drift.noise
+    for f, (_, scale) in second.parts.items():  # each module's smoothed scale over the batch
+        good = noise[f].good
+        assert scale == (float("inf") if good is None else pytest.approx(good / 10**6))
+    assert opt._drift.noise_whole.good is not None  # what the whole gradient was judged by
+    state = json.loads(json.dumps(opt.state_dict()))
+    other = MemoryOptimizer({"quantize": {"bits": 2}})
+    other.load_state_dict(state)
+    assert other.state_dict()["drift"]["noise"] == state["drift"]["noise"]
+    state["drift"]["noise"]["whole"]["trace"] = -1.0
+    with pytest.raises(ConfigError, match="drift.noise"):
+        other.load_state_dict(state)
 
 
 def test_sgd_metric_on_llama_lets_4_bits_through_and_stops_2_bits():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -87,8 +88,8 @@ class Drifts:
         values: per ``fqns`` entry: the drift, ``UNMEASURED`` or ``NOT_FINITE``.
         missing: ``{fqn: reason}`` of the modules without measurable drift.
         parts: metric ``sgd``: ``{fqn: (error, scale)}``: the compression error's energy over
-            the gradient's sampling variance, and the gradient noise scale over the training
-            batch (``inf``: no signal measured above the noise).
+            the gradient's sampling variance, and the smoothed gradient noise scale over the
+            training batch (:class:`NoiseScale`; ``inf``: none known yet).
         total: metric ``sgd``: the whole model's parameter gradient, the one the optimizer
             steps with (``None``: other metrics, or not measurable).
         errors: per target, the squared error of its gradient.
@@ -110,10 +111,46 @@ def progress_cost(error: float, scale: float) -> float:
     times as much (``tr(Σ)`` grows by ``1 + error``), so it costs
     ``error k / (1 + (1 + error) k)`` of the progress, with ``k = B_noise / B`` (``scale``).
     Small next to the noise SGD already has, or at a batch far above the noise scale, it costs
-    little; large against it, most of the step (``k`` infinite: ``error / (1 + error)``)."""
+    little; large against it, most of the step. ``k`` infinite (no noise scale known yet): the
+    bound for every noise scale, ``error / (1 + error)``."""
     if scale == float("inf"):
         return error / (1 + error)
     return error * scale / (1 + (1 + error) * scale)
+
+
+#: Weight of the past in the noise scale's moving averages (about the last ten checks count).
+NOISE_DECAY = 0.9
+
+
+@dataclass
+class NoiseScale:
+    """The gradient noise scale ``B_noise = tr(Σ) / |G|^2`` of one gradient, smoothed across
+    checks: exponential moving averages of its numerator and denominator, each estimated
+    without bias from one check (``tr(Σ) = n Var(g_n)``, ``|G|^2 = |g_n|^2 - Var(g_n)``, which
+    may come out negative), as McCandlish et al. (2018) do. One check's ratio from a few
+    samples swings by orders of magnitude and is often infinite; the averages' ratio does not.
+
+    Attributes:
+        trace, signal: the moving averages (from zero: their ratio needs no bias correction).
+        good: the last ratio that was finite and positive; ``None``: none yet.
+    """
+
+    trace: float = 0.0
+    signal: float = 0.0
+    good: float | None = None
+
+    def update(self, norm_sq: float, spread: float, samples: int) -> float | None:
+        """Add one check's squared norm ``|g_n|^2`` and sampling variance ``Var(g_n)`` of the
+        mean gradient of ``samples``; returns :attr:`good`. A value that is not finite is left
+        out (it would poison every later average)."""
+        trace, signal = spread * samples, norm_sq - spread
+        if not (math.isfinite(trace) and math.isfinite(signal)) or trace < 0:
+            return self.good
+        self.trace = NOISE_DECAY * self.trace + (1 - NOISE_DECAY) * trace
+        self.signal = NOISE_DECAY * self.signal + (1 - NOISE_DECAY) * signal
+        if self.signal > 0 and math.isfinite(ratio := self.trace / self.signal) and ratio > 0:
+            self.good = ratio
+        return self.good
 
 
 def module_drifts(
@@ -125,7 +162,7 @@ def module_drifts(
     approx: PassGradients,
     metric: str,
     variance: torch.Tensor | None = None,
-    batch_ratio: float = 1.0,
+    scales: Mapping[str | None, float] | None = None,
     params: int = 0,
 ) -> Drifts:
     """Per-module drift from the exact and the compressed pass.
@@ -135,8 +172,10 @@ def module_drifts(
     parameter, as unsharded. ``variance``
     (metrics ``noise`` and ``sgd``): per target, the sampling variance of the sample's mean exact
     gradient; a module whose variance is at most ``floors[kind] ** 2`` has no measurable drift.
-    ``batch_ratio`` (``sgd``): the check's samples over the training batch's; ``params``: the
-    first ``params`` targets are the model's parameters (the whole model's cost, ``sgd``).
+    ``scales`` (``sgd``): per module, and for the whole parameter gradient under ``None``, the
+    smoothed noise scale over the training batch (:class:`NoiseScale`; ``inf`` where none is
+    known yet: the cost is then its bound for any noise scale).
+    ``params``: the first ``params`` targets are the model's parameters (the whole model's cost).
     """
     n = len(approx.folds)  # recorded tensors are missing when the passes ran differently
     # per target: |q - g|^2, <q, g>, |q|^2, |g|^2 (of the folds: for cosine, a fold's errors
@@ -149,13 +188,14 @@ def module_drifts(
     finite = exact.finite[:n] & approx.finite[:n]  # sharded gradients' folds are whole
     diff_sq, dot, approx_sq, exact_fold_sq = stats.unbind()
     total = None
+    scales = scales or {}
     if metric == "sgd" and variance is not None:
         own = [i for i in range(min(n, params)) if bool(finite[i])]
         spread = float(variance[own].sum())
         if own and spread > floors[PARAMS] ** 2:
             error_sq = float(diff_sq[own].sum())
-            cost, (_, scale) = _cost(error_sq, float(exact_sq[own].sum()), spread, batch_ratio)
-            total = Whole(cost, error_sq, spread, scale)
+            scale = scales.get(None, float("inf"))
+            total = Whole(progress_cost(error_sq / spread, scale), error_sq, spread, scale)
     drift = [UNMEASURED] * len(fqns)
     missing: dict[str, str] = {}
     parts: dict[str, tuple[float, float]] = {}
@@ -186,21 +226,12 @@ def module_drifts(
             if metric == "noise":
                 drift[k] = float(diff_sq[idx].sum()) / spread
                 continue
-            drift[k], parts[fqn] = _cost(float(diff_sq[idx].sum()), norm_sq, spread, batch_ratio)
+            scale = scales.get(fqn, float("inf"))
+            error = float(diff_sq[idx].sum()) / spread
+            drift[k], parts[fqn] = progress_cost(error, scale), (error, scale)
         elif metric == "cosine":
             denom = float((approx_sq[idx].sum() * exact_fold_sq[idx].sum()).sqrt())
             drift[k] = max(0.0, 1.0 - float(dot[idx].sum()) / denom) if denom > 0 else 1.0
         else:
             drift[k] = float(diff_sq[idx].sum().sqrt()) / norm
     return Drifts(drift, missing, parts, total, diff_sq)
-
-
-def _cost(
-    error_sq: float, norm_sq: float, spread: float, batch_ratio: float
-) -> tuple[float, tuple[float, float]]:
-    """:func:`progress_cost` of a gradient from its squared error and norm and its sampling
-    variance: ``B_noise / B = n Var(g_n) / (|G|^2 B)``, with ``|G|^2 ~ |g_n|^2 - Var(g_n)``."""
-    error = error_sq / spread
-    signal = norm_sq - spread
-    scale = float("inf") if signal <= 0 else spread / signal * batch_ratio
-    return progress_cost(error, scale), (error, scale)

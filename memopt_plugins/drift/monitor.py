@@ -4,6 +4,7 @@ bits, keeps counters and history."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -20,19 +21,31 @@ from ..config_io import reading_state, state_count, state_list, state_map, state
 from ..distributed import is_rank_zero, max_over_ranks
 from ..measure import eagerly
 from .budget import Pricing, log_outcome, solve, step_size
-from .judges import NOT_FINITE, PARAMS, TENSORS, Judge, Whole, find_judges, module_drifts
+from .judges import (
+    NOT_FINITE,
+    PARAMS,
+    TENSORS,
+    Judge,
+    NoiseScale,
+    Whole,
+    find_judges,
+    module_drifts,
+)
 from .passes import (
     CheckedParameters,
+    PassGradients,
     PassRecorder,
     SampleInputs,
     SignedHalves,
     gradients,
+    merged,
     preserved_state,
     scalar_loss,
     summed_over_shards,
 )
 from .report import (
     BUDGET_TOLERANCE,
+    CALLS_DIFFER,
     HISTORY_LIMIT,
     NEGLIGIBLE,
     NON_FINITE,
@@ -78,6 +91,7 @@ class DriftMonitor:
         #: whether this process writes the checks' lines (rank 0; an integration's main process)
         self.speaks: Callable[[], bool] = is_rank_zero
         self._noted_no_variance = False
+        self._noted_no_scale = False
         #: the bits the config gives each module now (:meth:`start`; no part of the state)
         self.configured: dict[str, int] = {}
         # drift.lower: starting bits, calm checks in a row, checks to wait, lowered once, changes
@@ -90,6 +104,10 @@ class DriftMonitor:
         # at (checks left)
         self.sensitivity: dict[str, float] = {}
         self.held: dict[str, tuple[int, int]] = {}
+        # metric sgd: the gradient noise scale smoothed across checks, the whole parameter
+        # gradient's and each module's
+        self.noise_whole = NoiseScale()
+        self.noise: dict[str, NoiseScale] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LIMIT)
         self.last: DriftReport | None = None
 
@@ -128,6 +146,8 @@ class DriftMonitor:
         pricing: Callable[[], Pricing | None] | None = None,
         batch_size: int | None = None,
         speaks: Callable[[], bool] | None = None,
+        cut: Callable[[int], Sequence[Callable[[], torch.Tensor]]] | None = None,
+        most: int = 0,
     ) -> DriftReport:
         """Measure the drift of the modules in ``bits`` and escalate those over the threshold.
 
@@ -159,6 +179,11 @@ class DriftMonitor:
             batch_size: samples in the training batch the check's sample was cut from (metric
                 ``sgd``; default: the sample's own).
             speaks: whether this process writes the check's lines (default: :attr:`speaks`).
+            cut: ``cut(n)``: the loss on equal pieces of at most ``n`` samples of the sample
+                (:func:`~.passes.cut_sample`), run in turn by every pass in place of
+                ``loss_fn``, so that no pass holds more than a piece's activations (a piece's
+                saves judged at its training size, :class:`_Passes`); ``most``: that ``n``
+                (:func:`~.passes.piece_samples`, the least over ranks is taken).
         """
         if speaks is not None:
             self.speaks = speaks
@@ -182,31 +207,17 @@ class DriftMonitor:
         lowered_now: dict[str, tuple[int, int]] = {}
         skipped: set[str] = set()
         round_max: list[float] = []
+        pieces: Sequence[Callable[[], torch.Tensor]] = [loss_fn]
+        if cut is not None and most > 0:  # every rank cuts alike (sharded folds are collectives)
+            pieces = cut(int(-_max_of(reduce_max, [-float(most)], device)[0]))
+        passes = _Passes(model, checked, param_free, pieces)
         # Eagerly: modules inside compiled graphs are judged too (their hooks fire).
         with eagerly(), preserved_state(model, generators) as one_pass:
             with one_pass(), suspend():
-                rec = PassRecorder(model, param_free, fqns if scopes is None else scopes, min_numel)
-                with rec, SampleInputs(model) as inputs:
-                    loss = scalar_loss(loss_fn)
-                # the check compresses what training does: tensors judged at the training size
-                if batch_size and 2 <= inputs.samples < batch_size:
-                    rec.sample = (inputs.samples, batch_size)
-                sample = rec.sample
-                judges, unmeasured = find_judges(fqns, checked, rec)
-                wanted = sorted(
-                    {i for j in judges.values() if j.kind == TENSORS for i in j.indices}
+                exact = passes.exact(
+                    fqns, fqns if scopes is None else scopes, min_numel, batch_size
                 )
-                layout = rec.layout()
-                # when each module that saved something for compression finished (inherited drift)
-                finished = {f: t for f, t in rec.finished.items() if rec.saved.get(f, 0)}
-                targets = checked.targets(rec.running) + [rec.tensors[i] for i in wanted]
-                exact = gradients(loss, targets, sharded)
-                del loss, rec, targets
-            position = {i: len(params) + k for k, i in enumerate(wanted)}
-            judges = {
-                f: j if j.kind == PARAMS else Judge(j.kind, tuple(position[i] for i in j.indices))
-                for f, j in judges.items()
-            }
+            judges, unmeasured, finished = passes.judges, passes.unmeasured, passes.finished
             exact_sq = summed_over_shards(exact.sq, sharded)
             usable = torch.where(torch.isfinite(exact_sq), exact_sq, torch.zeros_like(exact_sq))
             floors = {
@@ -216,21 +227,10 @@ class DriftMonitor:
             variance, samples = None, 0
             if cfg.metric in ("noise", "sgd"):  # an exact pass, its halves weighted +1 and -1
                 with one_pass(), suspend():
-                    rec = PassRecorder(model, param_free)
-                    with rec, SignedHalves(model) as halves:
-                        loss = scalar_loss(loss_fn)
-                    if halves.scale:
-                        tensors = [rec.tensors[i] for i in wanted] if rec.layout() == layout else []
-                        targets = checked.targets(rec.running) + tensors
-                        spread = gradients(loss, targets, sharded, squares_only=True)
-                        variance = summed_over_shards(spread.sq, sharded) * halves.scale
-                        samples = halves.samples
-                        del tensors, targets
-                    del loss, rec
+                    variance, samples = passes.signed_halves()
                 if variance is None:  # no output with the samples: the halves run on their own
-                    variance, samples = _halves_apart(
-                        model, loss_fn, one_pass, suspend, checked, exact_sq[len(params) :]
-                    )
+                    with one_pass(), suspend():
+                        variance, samples = passes.halves_apart(exact_sq[len(params) :])
                 if variance is None and cfg.metric == "noise":
                     raise ValueError(
                         "drift.metric noise needs two halves of the sample: the model was called "
@@ -248,23 +248,33 @@ class DriftMonitor:
                         "model was called with no tensor of 2 or more samples along dim 0 (or "
                         "sample_size is 1); these checks judge by cosine instead"
                     )
-            batch_ratio = samples / batch_size if samples and batch_size else 1.0
-
-            def training_sizes() -> AbstractContextManager:
-                return nullcontext() if as_training is None else as_training(sample)
+            scales = None
+            if metric == "sgd":
+                scales = self._noise_scales(
+                    judges,
+                    exact_sq,
+                    exact.finite,
+                    variance,
+                    samples,
+                    batch_size or samples,
+                    len(params),
+                )
+                if scales[None] == float("inf") and not self._noted_no_scale and self.speaks():
+                    self._noted_no_scale = True
+                    log.info(
+                        "memopt: at step %d the gradient noise scale is not known yet (the "
+                        "gradient's signal has not stood above its sampling noise in the checks "
+                        "so far): until it is, sgd judges costs at their bound for any noise "
+                        "scale, error / (1 + error)",
+                        step,
+                    )
 
             def measured() -> Round:
-                """One compressed pass at the current bits: each module's drift (max over
-                ranks), the unmeasured and the skipped."""
-                with one_pass(), training_sizes():
-                    rec = PassRecorder(model, param_free)
-                    with rec:
-                        loss = scalar_loss(loss_fn)
-                    aligned = rec.layout() == layout
-                    tensors = [rec.tensors[i] for i in wanted] if aligned else []
-                    targets = checked.targets(rec.running) + tensors
-                    approx = gradients(loss, targets, sharded)
-                    del loss, rec, tensors, targets
+                """One compressed pass at the current bits, each piece judged at its training
+                size: each module's drift (max over ranks), the unmeasured and the skipped."""
+                training = nullcontext() if as_training is None else as_training(passes.sample)
+                with one_pass(), training:
+                    approx = passes.run()
                 found = module_drifts(
                     fqns,
                     judges,
@@ -274,7 +284,7 @@ class DriftMonitor:
                     approx,
                     metric,
                     variance,
-                    batch_ratio,
+                    scales,
                     len(params),
                 )
                 del approx
@@ -369,8 +379,33 @@ class DriftMonitor:
         if self.speaks():
             _log_check(report, trail, len(fqns))
             if blind:
-                _warn_blind(report, len(fqns), sample is None)
+                _warn_blind(report, len(fqns), passes.sample is None)
         return self._record(report)
+
+    def _noise_scales(
+        self,
+        judges: Mapping[str, Judge],
+        exact_sq: torch.Tensor,
+        finite: torch.Tensor,
+        variance: torch.Tensor,
+        samples: int,
+        batch: int,
+        params: int,
+    ) -> dict[str | None, float]:
+        """This check's measurement added to the smoothed noise scales (:class:`NoiseScale`) of
+        the whole parameter gradient (key ``None``) and of each judged module, and each one's
+        last good ``B_noise / batch`` (``inf`` where none has been finite and positive yet:
+        one check's infinite, NaN or negative estimate is never decided on). The first
+        ``params`` targets are the model's parameters."""
+        groups: dict[str | None, list[int]] = {None: [i for i in range(params) if bool(finite[i])]}
+        groups.update({f: list(j.indices) for f, j in judges.items()})
+        out: dict[str | None, float] = {}
+        for key, idx in groups.items():
+            noise = self.noise_whole if key is None else self.noise.setdefault(key, NoiseScale())
+            if idx and max(idx) < len(variance):
+                noise.update(float(exact_sq[idx].sum()), float(variance[idx].sum()), samples)
+            out[key] = float("inf") if noise.good is None else noise.good / batch
+        return out
 
     def _escalate(
         self,
@@ -705,6 +740,10 @@ class DriftMonitor:
                 "sensitivity": dict(self.sensitivity),
                 "held": {f: list(v) for f, v in self.held.items()},
             },
+            "noise": {
+                "whole": dataclasses.asdict(self.noise_whole),
+                "modules": {f: dataclasses.asdict(n) for f, n in self.noise.items()},
+            },
             "history": [dict(h) for h in self.history],
             "last": None
             if last is None
@@ -751,6 +790,13 @@ class DriftMonitor:
             other.sensitivity = {k: _finite(v) for k, v in sensitivity.items()}
             held = state_map(budget.get("held", {}))
             other.held = {k: (checked_bits(w), state_count(n)) for k, (w, n) in held.items()}
+        with reading_state("drift.noise"):
+            noise = state_map(state.get("noise", {}))
+            other.noise_whole = _noise_scale(noise.get("whole", {}))
+            other.noise = {
+                state_name(f): _noise_scale(n)
+                for f, n in state_map(noise.get("modules", {})).items()
+            }
         with reading_state("drift.history"):
             other.history = deque(
                 (state_map(h) for h in state_list(state.get("history", ()))), maxlen=HISTORY_LIMIT
@@ -777,12 +823,20 @@ class DriftMonitor:
         """The state ``other`` holds (:meth:`read`), laid on this monitor (copied: the two
         share nothing a later change could reach)."""
         for key in _STATE:
-            setattr(self, key, copy.copy(getattr(other, key)))
+            setattr(self, key, copy.deepcopy(getattr(other, key)))
 
     @property
     def modules(self) -> set[str]:
         """Every module the state names (as a checkpoint of another model would show)."""
-        named = (self.floor, self.calm, self.wait, self.changes, self.sensitivity, self.held)
+        named = (
+            self.floor,
+            self.calm,
+            self.wait,
+            self.changes,
+            self.sensitivity,
+            self.held,
+            self.noise,
+        )
         return {f for part in named for f in part} | self.lowered
 
 
@@ -800,6 +854,8 @@ _STATE = (
     "changes",
     "sensitivity",
     "held",
+    "noise_whole",
+    "noise",
     "history",
     "last",
 )
@@ -811,38 +867,171 @@ def _finite(value: Any) -> float:
     return out
 
 
-def _halves_apart(
-    model: nn.Module,
-    loss_fn: Callable[[], torch.Tensor],
-    one_pass: Callable[[], AbstractContextManager],
-    suspend: Callable[[], AbstractContextManager],
-    checked: CheckedParameters,
-    tensors_sq: torch.Tensor,
-) -> tuple[torch.Tensor | None, int]:
-    """The sampling variance of the exact gradient from the sample's two halves run on their own
-    (:class:`SampleInputs`), for a model whose output holds no tensor with the samples (a loss
-    computed inside it): for a loss that is a mean over samples, ``(L_A - L_B) / 2`` has the
-    gradient ``(g_A - g_B) / 2``, as :class:`SignedHalves` weights it. Per target, after the
-    parameters the recorded tensors, whose rows are each sample's own: their exact squared norms
-    ``tensors_sq`` (as :class:`SignedHalves` gives for equal halves). ``(None, samples)`` when
-    the model was called with fewer than 2 samples."""
-    with one_pass(), suspend():
-        rec = PassRecorder(model, ())  # the parameters the halves ran with
-        losses = []
-        with rec:
-            for half in (0, 1):
-                with SampleInputs(model, half) as inputs:
-                    losses.append(scalar_loss(loss_fn))
-        n = inputs.samples
+def _noise_scale(value: Any) -> NoiseScale:
+    """A :class:`NoiseScale` from its saved fields: finite averages (the trace's not negative)
+    and a last good ratio that is ``None`` or finite and positive."""
+    fields = state_map(value)
+    trace, signal = _finite(fields.get("trace", 0.0)), _finite(fields.get("signal", 0.0))
+    good = fields.get("good")
+    good = None if good is None else _finite(good)
+    if trace < 0 or (good is not None and good <= 0):
+        raise ValueError(f"expected a noise scale's averages, got {fields!r}")
+    return NoiseScale(trace, signal, good)
+
+
+class _Passes:
+    """The check's passes, each over the same equal pieces of its sample in turn (one piece:
+    the whole sample), so that the gradients compared are of one function and no pass holds more
+    than a piece's activations; a pass's gradients are its pieces' merged (:func:`merged`).
+
+    :meth:`exact` runs first: it says what judges each module (:attr:`judges`, by its first
+    piece), and the size training judges a piece's saved tensors at (:attr:`sample`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        checked: CheckedParameters,
+        param_free: Sequence[str],
+        pieces: Sequence[Callable[[], torch.Tensor]],
+    ):
+        self.model, self.checked, self.param_free, self.pieces = model, checked, param_free, pieces
+        self.wanted: list[int] = []  # the recorded tensors a piece's judges read
+        self.layout: tuple = ()
+        self.judges: dict[str, Judge] = {}
+        self.unmeasured: dict[str, str] = {}
+        #: when each module that saved something for compression finished (inherited drift)
+        self.finished: dict[str, int] = {}
+        self.samples = 0  # in a piece
+        #: ``(samples in a piece, training batch)``: a piece's saves judged at training's sizes
+        #: (:func:`~memopt_plugins.policy.min_numel_at`); ``None``: at their own
+        self.sample: tuple[int, int] | None = None
+
+    def run(
+        self,
+        loss_of: Callable[[int, Callable[[], torch.Tensor]], torch.Tensor | None] | None = None,
+        recorder: Callable[[], PassRecorder] | None = None,
+        squares_only: bool = False,
+        first: Callable[[PassRecorder], None] | None = None,
+    ) -> PassGradients | None:
+        """One pass: ``loss_of(index, piece)`` per piece (default: the piece's loss), recorded by
+        ``recorder()``; ``first(rec)`` after the first piece's forward. ``None`` where
+        ``loss_of`` returns ``None``: the pass ends there, with no backward."""
+        params, sharded = self.checked.params, self.checked.sharded
+        parts = []
+        for index, piece in enumerate(self.pieces):
+            rec = recorder() if recorder else PassRecorder(self.model, self.param_free)
+            with rec:
+                loss = loss_of(index, piece) if loss_of else scalar_loss(piece)
+            if loss is None:
+                return None
+            if first is not None and not index:
+                first(rec)
+            tensors = [rec.tensors[i] for i in self.wanted] if rec.layout() == self.layout else []
+            targets = self.checked.targets(rec.running) + tensors
+            only = squares_only and len(self.pieces) == 1  # pieces merge by their folds
+            parts.append(gradients(loss, targets, sharded, squares_only=only))
+            del loss, rec, tensors, targets
+        return merged(parts, len(params), len(self.wanted), sharded)
+
+    def exact(
+        self, fqns: Sequence[str], scopes: Sequence[str], min_numel: int, batch_size: int | None
+    ) -> PassGradients:
+        """The exact pass (compression suspended by the caller). A piece of ``n`` samples cut
+        from a training batch of ``batch_size`` is judged at its training size: ``(n,
+        batch_size)`` where the sample holds 2 or more samples and a piece fewer than the batch.
+        A piece's recorded tensors are targets of their own (a judge's indices, piece by piece);
+        a piece that recorded other tensors than the first leaves them unjudged."""
+        inputs = SampleInputs(self.model)
+
+        def counted(index: int, piece: Callable[[], torch.Tensor]) -> torch.Tensor:
+            with inputs:
+                return scalar_loss(piece)
+
+        def first(rec: PassRecorder) -> None:
+            self.samples = inputs.samples
+            if batch_size and self.samples * len(self.pieces) >= 2 and self.samples < batch_size:
+                rec.sample = self.sample = (self.samples, batch_size)
+            self.judges, self.unmeasured = find_judges(fqns, self.checked, rec)
+            self.wanted = sorted(
+                {i for j in self.judges.values() if j.kind == TENSORS for i in j.indices}
+            )
+            self.layout = rec.layout()
+            self.finished = {f: t for f, t in rec.finished.items() if rec.saved.get(f, 0)}
+
+        exact = self.run(
+            counted,
+            lambda: PassRecorder(self.model, self.param_free, scopes, min_numel),
+            first=first,
+        )
+        assert exact is not None
+        params, count, wanted = len(self.checked.params), len(self.pieces), self.wanted
+        if len(exact.folds) < params + count * len(wanted):
+            for f in [f for f, j in self.judges.items() if j.kind == TENSORS]:
+                del self.judges[f]
+                self.unmeasured[f] = CALLS_DIFFER
+        position = {i: params + k for k, i in enumerate(wanted)}
+        self.judges = {
+            f: j
+            if j.kind == PARAMS
+            else Judge(
+                j.kind,
+                tuple(position[i] + n * len(wanted) for n in range(count) for i in j.indices),
+            )
+            for f, j in self.judges.items()
+        }
+        return exact
+
+    def signed_halves(self) -> tuple[torch.Tensor | None, int]:
+        """The sampling variance of the exact gradient per target and the sample's count, from
+        one exact pass with its halves weighted +1 and -1 (:class:`SignedHalves`, each piece's
+        rows by their half of the whole sample); ``(None, 0)`` where the model's output holds
+        no tensor with the samples."""
+        signed: list[SignedHalves] = []
+
+        def weighted(index: int, piece: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+            with SignedHalves(self.model, piece=(index, len(self.pieces))) as halves:
+                loss = scalar_loss(piece)
+            signed.append(halves)
+            return loss if halves.scale else None
+
+        spread = self.run(weighted, squares_only=True)
+        if spread is None:
+            return None, 0
+        variance = summed_over_shards(spread.sq, self.checked.sharded) * signed[-1].scale
+        return variance, signed[-1].samples
+
+    def halves_apart(self, tensors_sq: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """:meth:`signed_halves` for a model whose output holds no tensor with the samples (a
+        loss computed inside it): each piece's rows in the whole sample's first half ``A`` and
+        in its second ``B`` run on their own (:class:`SampleInputs`), their losses weighted so
+        that the pieces' mean gradient is ``(g_A - g_B) / 2`` for a loss that is a mean over
+        samples. After the parameters, the recorded tensors, whose rows are each sample's own:
+        their exact squared norms ``tensors_sq`` (as :class:`SignedHalves` gives for equal
+        halves). ``(None, samples)`` when the sample holds fewer than 2."""
+        rows, count = self.samples, len(self.pieces)
+        n = rows * count
         if n < 2:
             return None, n
-        targets = checked.targets(rec.running)
-        spread = gradients((losses[0] - losses[1]) / 2, targets, checked.sharded, squares_only=True)
-        del losses, rec, targets
-    a, b = inputs.halves()
-    scale = 4.0 / (n * (1 / a + 1 / b))
-    params = summed_over_shards(spread.sq, checked.sharded) * scale
-    return torch.cat([params, tensors_sq]), n
+        a, b = (n + 1) // 2, n // 2
+
+        def apart(index: int, piece: Callable[[], torch.Tensor]) -> torch.Tensor:
+            split = min(rows, max(0, a - index * rows))  # this piece's rows in A
+            halves = (
+                (slice(0, split), split / (2 * a)),
+                (slice(split, rows), (split - rows) / (2 * b)),
+            )
+            losses = []
+            for part, weight in halves:
+                if part.stop > part.start:
+                    with SampleInputs(self.model, part):
+                        losses.append(scalar_loss(piece) * (weight * count))
+            return sum(losses[1:], losses[0])
+
+        spread = self.run(apart, lambda: PassRecorder(self.model, ()), squares_only=True)
+        assert spread is not None
+        scale = 4.0 / (n * (1 / a + 1 / b))
+        params = summed_over_shards(spread.sq, self.checked.sharded) * scale
+        return torch.cat([params[: len(self.checked.params)], tensors_sq]), n
 
 
 def _reduced(

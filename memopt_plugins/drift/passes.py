@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..distributed import rank_share, sum_over_ranks
+from ..distributed import distributed, rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
 from ..measure.storage import RunningParameters, is_sharded
 from ..policy import compressible, in_foreign_region, min_numel_at
@@ -194,14 +194,14 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 class SampleInputs:
     """The check's sample, read where the model is called from outside every module: how many
     samples it holds (:attr:`samples`: dim 0 of the first such call's first tensor of one
-    dimension or more), and, with ``half`` 0 or 1, each such call run on one half of them: its
-    tensors with the samples along dim 0 cut to the first ``(n + 1) // 2`` samples, or the rest.
-    Run on its two halves, a loss that is a mean over samples gives each half's mean gradient
-    whatever the model returns (a loss computed inside it, no logits)."""
+    dimension or more), and, with ``part`` (a slice of them), each such call run on that part:
+    its tensors with the samples along dim 0 cut to it. Run on the two halves of the sample, a
+    loss that is a mean over samples gives each half's mean gradient whatever the model returns
+    (a loss computed inside it, no logits)."""
 
-    def __init__(self, model: nn.Module, half: int | None = None):
+    def __init__(self, model: nn.Module, part: slice | None = None):
         self.model = model
-        self.half = half
+        self.part = part
         self.samples = 0
         self._depth = 0  # module calls in progress
         self._handles: list[Any] = []
@@ -219,20 +219,14 @@ class SampleInputs:
             handle.remove()
         self._handles.clear()
 
-    def halves(self) -> tuple[int, int]:
-        """Samples in the first half and in the second."""
-        return (self.samples + 1) // 2, self.samples // 2
-
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._depth += 1
         if self._depth > 1:
             return None
         self.samples = self.samples or batch_size_of((args, kwargs)) or 0
-        n = self.samples
-        if self.half is None or n < 2:
+        n, part = self.samples, self.part
+        if part is None or not n:
             return None
-        a = self.halves()[0]
-        part = slice(0, a) if self.half == 0 else slice(a, n)
 
         def cut(t: torch.Tensor) -> torch.Tensor:
             return t[part] if t.dim() > 0 and t.shape[0] == n else t
@@ -260,10 +254,15 @@ class SignedHalves:
     covariance ``Σ``. (BatchNorm in training mode couples the samples; the estimate is then
     approximate.) A parameter-free module's input gradient holds each sample's own rows: its
     "variance" is its squared norm (for equal halves), and the metric its squared relative error.
+
+    ``piece``: ``(index, count)`` when the pass runs the sample in ``count`` equal pieces
+    (:func:`cut_sample`): the output holds piece ``index``'s rows, weighted by their places in
+    the whole sample, so the pieces' gradients averaged are the whole pass's.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, piece: tuple[int, int] = (0, 1)):
         self.model = model
+        self.piece = piece
         self.scale = 0.0  # stays 0 where the model's output has no such tensor
         self.samples = 0  # in the sample (the model output's dim 0)
         self._handles: list[Any] = []
@@ -288,21 +287,26 @@ class SignedHalves:
         self._depth -= 1
         if self._depth:
             return  # called inside another module: not the model's output
+        index, count = self.piece
         found = [
             t
             for t in tensors_in(output)
-            if t.requires_grad and t.is_floating_point() and t.dim() >= 1 and t.shape[0] >= 2
+            if t.requires_grad
+            and t.is_floating_point()
+            and t.dim() >= 1
+            and t.shape[0] * count >= 2
         ]
         if not found:
             return
         if self._weighted is not None:  # a later outermost call: its output is the model's
             self._weighted.remove()
         out = found[0]
-        n = out.shape[0]
+        rows = out.shape[0]
+        n = rows * count  # the whole sample's
         a, b = (n + 1) // 2, n // 2
-        weights = torch.full((n,), -n / (2 * b), dtype=out.dtype, device=out.device)
-        weights[:a] = n / (2 * a)
-        weights = weights.view(n, *([1] * (out.dim() - 1)))
+        weights = torch.full((rows,), -n / (2 * b), dtype=out.dtype, device=out.device)
+        weights[: max(0, min(rows, a - index * rows))] = n / (2 * a)  # this piece's rows in A
+        weights = weights.view(rows, *([1] * (out.dim() - 1)))
         self.scale = 4.0 / (n * (1 / a + 1 / b))
         self.samples = n
         self._weighted = out.register_hook(lambda grad: grad * weights)
@@ -347,6 +351,50 @@ def scalar_loss(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
             "under torch.no_grad() or with frozen parameters only?"
         )
     return loss
+
+
+def piece_samples(samples: int, batch_size: int | None, stored: int, original: int) -> int:
+    """The most samples a piece of the check's exact passes may hold: those whose uncompressed
+    saved bytes fit in what the compressed training forward of ``batch_size`` samples kept
+    (``stored`` of its ``original`` bytes), so that no pass holds more for its backward than the
+    step the check guards. The whole sample where no training forward was counted yet."""
+    if not batch_size or not stored or not original:
+        return samples
+    return max(1, min(samples, batch_size * stored // original))
+
+
+def couples_samples(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` mixes its samples: a BatchNorm normalizing with the
+    statistics of the batch (training mode). Cut in pieces, its sample would be normalized by
+    each piece's statistics: a function training never runs."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()
+    )
+
+
+def cut_sample(
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor], model: nn.Module, sample: Any, most: int
+) -> list[Callable[[], torch.Tensor]]:
+    """``loss_fn(model, sample)`` as closures over equal pieces of ``sample`` (dim 0 of every
+    tensor with the sample's count there; other leaves whole), each of at most ``most`` samples:
+    the pieces' count divides the sample's, so the mean of their gradients is the sample's for
+    a loss that is a mean over samples (for a sum, a scale no metric sees). One closure over
+    the whole sample when it fits, or when the model couples its samples
+    (:func:`couples_samples`)."""
+    samples = batch_size_of(sample)
+    whole = [lambda: loss_fn(model, sample)]
+    if samples is None or samples <= most or couples_samples(model):
+        return whole
+    size = max(d for d in range(1, most + 1) if samples % d == 0)
+
+    def piece(start: int) -> Callable[[], torch.Tensor]:
+        cut = map_tensors(
+            lambda t: t[start : start + size] if t.dim() > 0 and t.shape[0] == samples else t,
+            sample,
+        )
+        return lambda: loss_fn(model, cut)
+
+    return [piece(start) for start in range(0, samples, size)]
 
 
 #: A gradient of more elements than this is folded into this many: element ``i`` is added, with a
@@ -483,6 +531,38 @@ def gradients(
                 fold_i = torch.zeros(size if size <= SKETCH else SKETCH, dtype=torch.float32)
             folds[i] = sum_over_ranks(fold_i.to(_device_of(targets[i]))).cpu()
     return PassGradients(folds, sq, torch.isfinite(sq))
+
+
+def merged(
+    parts: Sequence[PassGradients], params: int, tensors: int, shares: Sequence[int] = ()
+) -> PassGradients:
+    """One pass's gradients from its pieces' (:func:`cut_sample`): the mean of the first
+    ``params`` targets' folds (folding is linear), each recorded tensor of each piece a target
+    of its own (``tensors`` a piece, all dropped when a piece recorded other ones). A parameter's
+    squared norm is then its mean fold's (exact up to :data:`SKETCH` elements, else the fold's
+    estimate): the pieces' exact norms do not add up to the mean's. A sharded parameter's fold
+    is already the whole gradient's on every rank: each rank holds its squared norm over the
+    world size, so the sum over ranks (:func:`summed_over_shards`) is the whole's."""
+    if len(parts) == 1:
+        return parts[0]
+    weight = 1.0 / len(parts)
+    folds: list[torch.Tensor | None] = []
+    for i in range(params):
+        found = [p.folds[i] for p in parts if p.folds[i] is not None]
+        folds.append(sum(f.double() for f in found).mul_(weight).float() if found else None)
+    sq = torch.tensor(
+        [0.0 if f is None else float(f.double().square().sum()) for f in folds],
+        dtype=torch.float64,
+    )
+    if shares and distributed():
+        sq[list(shares)] /= torch.distributed.get_world_size()
+    finite = torch.stack([p.finite[:params] for p in parts]).all(0) & torch.isfinite(sq)
+    if all(len(p.folds) == params + tensors for p in parts):  # the recorded tensors, piece by piece
+        for p in parts:
+            folds += [None if f is None else f * weight for f in p.folds[params:]]
+        sq = torch.cat([sq, *(p.sq[params:] * weight**2 for p in parts)])
+        finite = torch.cat([finite, *(p.finite[params:] for p in parts)])
+    return PassGradients(folds, sq, finite)
 
 
 def _device_of(t: torch.Tensor) -> torch.device:
