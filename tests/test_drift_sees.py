@@ -187,3 +187,45 @@ def test_halves_run_apart_measure_the_noise_the_weighted_halves_do():
         prefix = "net." if inside else ""
         found.append([report.parts[prefix + f][1] for f in ("0", "2")])
     assert found[1] == pytest.approx(found[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("most", [1, 2])
+def test_a_check_in_pieces_judges_each_piece_at_its_training_size(monkeypatch, most):
+    """A check run in pieces (the room the step left, forced) compresses what training does too:
+    a piece of ``n`` samples of a batch of 32 has its saves judged at ``32 / n`` times their
+    size, so the pieces' 2-bit activations are compressed as the whole sample's are, and the
+    same modules are measured and raised."""
+    found = {}
+    for pieces in (False, True):
+        if pieces:
+            monkeypatch.setattr("memopt_plugins.engine.piece_samples", lambda *args: most)
+        opt, model, x, y = _mlp_2_bits()
+        report = opt.check_drift(lambda m, b: F.cross_entropy(m(b[0]), b[1]), batch=(x, y))
+        assert not report.blind and report.total[0] > 0.05
+        found[pieces] = (set(report.first), set(report.escalated))
+    assert found[True] == found[False] == ({"1", "2", "3", "4"}, {"2", "4"})
+
+
+@pytest.mark.parametrize(("samples", "most"), [(7, 1), (6, 2)])
+def test_halves_run_apart_in_pieces_measure_the_noise_the_weighted_halves_do(
+    monkeypatch, samples, most
+):
+    """In pieces, a loss computed inside the model runs each piece's rows of the whole sample's
+    two halves on their own (a piece may straddle them): the same sampling noise, so the same
+    noise scale per module, as weighting each piece's logits by their half."""
+    monkeypatch.setattr("memopt_plugins.engine.piece_samples", lambda *args: most)
+    found = []
+    for inside in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        model = _LossInside(net) if inside else net
+        opt = MemoryOptimizer({"quantize": {"bits": 2, "min_numel": 0}})
+        opt.apply(model)
+        torch.manual_seed(1)
+        x, y = torch.randn(samples, 64), torch.randint(0, 10, (samples,))
+        loss = (lambda m, b: m(*b)) if inside else (lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+        report = opt.check_drift(loss, batch=(x, y), batch_size=32, max_rounds=1)
+        assert report.metric == "sgd" and report.total[0] > 0.05
+        prefix = "net." if inside else ""
+        found.append([report.parts[prefix + f][1] for f in ("0", "2")])
+    assert found[1] == pytest.approx(found[0], rel=1e-5)
