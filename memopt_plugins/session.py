@@ -35,6 +35,8 @@ __all__ = ["MemOptSession"]
 log = logging.getLogger("memopt")
 
 _MIB = 1024 * 1024
+#: Bytes kept as they are get a line of their own from this share of all the step kept.
+_LARGE_SHARE = 0.1
 
 
 class MemOptSession:
@@ -170,6 +172,7 @@ class MemOptSession:
         framework's logging step) or a check ran in it; drift values only then. Returns the
         metrics logged, or ``None``."""
         self.memopt.count_step()
+        self.log_memory()  # the first step's line, once its peak is known
         report, self._report, self._checked = self._report, None, False
         if self.log_metrics is None or (report is None and not log_due):
             return None
@@ -204,21 +207,53 @@ class MemOptSession:
         )
 
     def log_memory(self) -> None:
-        """Between the first forward and its backward after a patch: one line with what the
-        hooks keep for backward against what the model saves, and how many times larger a batch
-        fits (:attr:`.MemoryOptimizer.batch_fits`)."""
+        """At the end of the first optimizer step after a patch (:meth:`end_step`): one line with
+        what the hooks kept for backward against what the model saved, what of it they kept as
+        it is, and how many times larger a batch fits (:attr:`.MemoryOptimizer.batch_fits`, the
+        figure ``memopt/batch_fits_x`` logs for the same step)."""
         hooks = self.memopt.hooks
         if self._told_memory or hooks is None or not self.is_main():
             return
-        self._told_memory = True
         stats = hooks.stats
-        if stats.saved_original:
-            fits = self.memopt.batch_fits
-            log.info(
-                "memopt: first training step kept %.2f MiB for backward where the model saves "
-                "%.2f MiB (%.1fx less)%s",
-                stats.saved_stored / _MIB,
-                stats.saved_original / _MIB,
-                stats.forward_ratio,
-                "" if fits is None else f"; a batch about {fits:.1f}x as large fits now",
+        if not stats.saved_original:
+            return
+        self._told_memory = True
+        fits = self.memopt.batch_fits
+        log.info(
+            "memopt: first training step kept %.2f MiB for backward where the model saves "
+            "%.2f MiB (%.1fx less; %.2f MiB of it kept as it is)%s",
+            stats.saved_stored / _MIB,
+            stats.saved_original / _MIB,
+            stats.forward_ratio,
+            stats.kept_as_is / _MIB,
+            "" if fits is None else f"; a batch {fits:.1f}x as large fits",
+        )
+        for line in self._kept_whole_lines():
+            log.info("memopt: %s", line)
+
+    def _kept_whole_lines(self) -> list[str]:
+        """A line for each scope's dtype whose bytes kept as they are make a large share of what
+        the first step kept (:attr:`.SavedStats.kept_whole`): why that scope barely shrank."""
+        stats = self.memopt.hooks.stats
+        named = dict(self.memopt.model.named_modules())
+        lines = []
+        ranked = sorted(stats.kept_whole.items(), key=lambda item: -item[1][1])
+        for (scope, dtype), (tensors, nbytes) in ranked:
+            if nbytes < _LARGE_SHARE * stats.saved_stored:
+                break
+            module = named.get(scope)
+            label = scope or "<root>"
+            if isinstance(module, nn.RNNBase) and dtype == "uint8":
+                what = f"the {type(module).__name__}'s oneDNN workspace in {label}"
+                why = "the CPU kernel's record of its forward for the backward, no activation"
+            elif dtype == "bool":
+                what, why = f"bool tensors in {label}", "masks are stored as they are"
+            else:
+                what = f"{dtype} tensors in {label}"
+                why = "the codec keeps integer tensors exactly"
+            lines.append(
+                f"{what} ({dtype}, {tensors} tensor{'s' if tensors > 1 else ''}, "
+                f"{nbytes / _MIB:.1f} MiB) is kept as it is: {why}; memopt/kept_as_is_bytes "
+                "counts it"
             )
+        return lines
