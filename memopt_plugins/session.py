@@ -245,7 +245,7 @@ class MemOptSession:
             label = scope or "<root>"
             if isinstance(module, nn.RNNBase) and dtype == "uint8":
                 what = f"the {type(module).__name__}'s oneDNN workspace in {label}"
-                why = "the CPU kernel's record of its forward for the backward, no activation"
+                why = "oneDNN keeps its gates there as raw bytes, which the codec cannot read"
             elif dtype == "bool":
                 what, why = f"bool tensors in {label}", "masks are stored as they are"
             else:
