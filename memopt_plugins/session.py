@@ -208,8 +208,10 @@ class MemOptSession:
 
     def log_memory(self) -> None:
         """At the end of the first optimizer step after a patch (:meth:`end_step`): one line with
-        what the hooks kept for backward against what the model saved, what of it they kept as
-        it is, and how many times larger a batch fits (:attr:`.MemoryOptimizer.batch_fits`, the
+        what the hooks kept for backward against the bytes of what they were handed (every
+        save in a compression scope over ``min_numel``, parameters left out: not the profile's
+        count of the distinct storages the whole model saves), what of it they kept as it is,
+        and how many times larger a batch fits (:attr:`.MemoryOptimizer.batch_fits`, the
         figure ``memopt/batch_fits_x`` logs for the same step)."""
         hooks = self.memopt.hooks
         if self._told_memory or hooks is None or not self.is_main():
@@ -220,8 +222,8 @@ class MemOptSession:
         self._told_memory = True
         fits = self.memopt.batch_fits
         log.info(
-            "memopt: first training step kept %.2f MiB for backward where the model saves "
-            "%.2f MiB (%.1fx less; %.2f MiB of it kept as it is)%s",
+            "memopt: first training step kept %.2f MiB for backward of the %.2f MiB its hooks "
+            "were handed (%.1fx less; %.2f MiB of it kept as it is)%s",
             stats.saved_stored / _MIB,
             stats.saved_original / _MIB,
             stats.forward_ratio,
