@@ -674,7 +674,8 @@ class MemoryOptimizer:
         """How many times larger a batch fits than without memopt (:func:`.process.batch_fits`):
         the step's peak above its start without memopt over the same with it.
 
-        With it: the last step's (:attr:`.StepPeak.peak`; the step's so far while one is open).
+        With it: the last step's (:attr:`.StepPeak.peak`; the step's so far while one is open),
+        never under the bytes its forward kept for backward.
         Without it: that peak plus what the hooks freed, the saved activations uncompressed less
         as kept (the last training forward's, so the figure follows every change of bits); what
         lean ops and recompute free is in neither, so it reads low for them. A measured figure
@@ -697,6 +698,7 @@ class MemoryOptimizer:
         original, kept = hooks.stats.saved_original, hooks.stats.saved_stored
         if peak is None or not original:
             return None
+        peak = max(peak, kept)  # the step held at least what its forward kept, then alive
         return batch_fits(peak + original - kept, peak)
 
     def measured_fits(self, fits: float | None) -> None:
