@@ -113,10 +113,11 @@ class _Holding(_Net):
 
 def test_peak_bytes_is_the_steps_own_and_the_process_counters_are_left_alone():
     """``memopt/peak_bytes``: the step's peak above the step's start, read from the allocator
-    (the C heap's bytes in use on the CPU), never the process's resident memory. Within a
-    factor of the allocator's own timeline of the step; a 512 MiB tensor made and freed between
-    two steps is not the next step's, though the kernel's high-water mark keeps it (memopt never
-    resets it); a step that holds 256 MiB to its forward's end reports it."""
+    (the C heap's bytes in use on the CPU), never the process's resident memory. Between what
+    the allocator's own timeline of the step holds at the forward's end and its peak; a 512 MiB
+    tensor made and freed between two steps is not the next step's, though the kernel's
+    high-water mark keeps it (memopt never resets it); a step that holds 256 MiB to its
+    forward's end reports it."""
     torch.manual_seed(0)
     model, x = _Holding(), torch.randn(512, 64)
     opt = MemoryOptimizer({"quantize": {"bits": 8}})
@@ -130,7 +131,8 @@ def test_peak_bytes_is_the_steps_own_and_the_process_counters_are_left_alone():
 
     first = step()
     timeline = record_step(model, lambda: model(x).square().mean())
-    assert timeline.peak / 3 <= first <= timeline.peak * 1.5
+    # sampled at the forward's end: what the allocator held then, at most the step's own peak
+    assert timeline.retained / 2 <= first <= timeline.peak * 1.2
     assert first < current_bytes(torch.device("cpu")) / 10  # the resident set is no step's peak
     big = torch.ones(128 << 20)  # 512 MiB
     del big
