@@ -66,6 +66,7 @@ class MemOptSession:
         self._report: DriftReport | None = None  # the check of the current step, to log
         self._checked = False  # a check ran in the current step
         self._told_memory = False
+        self._told_plan = False
 
     # ----------------------------------------------------------------- what it holds
     @property
@@ -102,6 +103,7 @@ class MemOptSession:
         self.remove()
         self.memopt.apply(model)
         self._report, self._checked, self._told_memory = None, False, False
+        self._told_plan = False
         self.restore()
         return model
 
@@ -154,6 +156,7 @@ class MemOptSession:
         ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch cut from
         a training batch of ``batch_size`` samples.
         """
+        self._tell_plan()
         report = self.memopt.check_drift(loss_fn, step=step, batch_size=batch_size)
         self._report, self._checked = report, True
         return report
@@ -171,6 +174,7 @@ class MemOptSession:
         """Count the optimizer step just taken and log its metrics when ``log_due`` (the
         framework's logging step) or a check ran in it; drift values only then. Returns the
         metrics logged, or ``None``."""
+        self._tell_plan()
         self.memopt.count_step()
         self.log_memory()  # the first step's line, once its peak is known
         report, self._report, self._checked = self._report, None, False
@@ -181,10 +185,18 @@ class MemOptSession:
         return metrics
 
     # ----------------------------------------------------------------- the console
+    def _tell_plan(self) -> None:
+        """The plan's line before the first check or step of a patch, where the integration did
+        not say it when training started (then any state loaded meanwhile is laid)."""
+        if not self._told_plan:
+            self.log_plan()
+
     def log_plan(self) -> None:
-        """One line: how many modules each action takes, dropout, batchnorm and drift."""
+        """One line: how many modules each action takes (at the bits in force now: after a
+        resume, the checkpoint's), dropout, batchnorm and drift."""
         if self.memopt.model is None or not self.is_main():
             return
+        self._told_plan = True
         plan = self.memopt.plan
         actions: dict[str, int] = {}
         for entry in plan.values():

@@ -229,3 +229,26 @@ def test_an_lstms_workspace_is_reported_kept_as_it_is_and_the_counts_stay_under_
     first = next(m for m in caplog.messages if "first training step kept" in m)
     assert f"{metrics['memopt/kept_as_is_bytes'] / 2**20:.2f} MiB of it kept as it is" in first
     session.remove()
+
+
+def test_a_loop_that_never_says_the_plan_has_it_said_before_its_first_check(caplog):
+    """An integration that does not call ``log_plan`` (Accelerate's loop) still shows the plan,
+    once, before the first check's line; an integration that said it is not repeated."""
+    model = mlp()
+    session = MemOptSession(TWO_BITS)
+    session.apply(model)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        for step in range(3):
+            session.check_if_due(loss_on(model), step)
+            loss_on(model)().backward()
+            session.end_step(step, log_due=True)
+    plans = [i for i, m in enumerate(caplog.messages) if m.startswith("memopt: plan for")]
+    checks = [i for i, m in enumerate(caplog.messages) if "drift check at step" in m]
+    assert len(plans) == 1 and checks and plans[0] < checks[0]
+    caplog.clear()
+    again = MemOptSession(TWO_BITS)
+    again.apply(mlp())
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        again.log_plan()
+        again.end_step(0, log_due=False)
+    assert sum(m.startswith("memopt: plan for") for m in caplog.messages) == 1
