@@ -47,7 +47,7 @@ from .recompute import (
     region_actions,
 )
 from .saved_state import SavedState, read_state, resumed_bits
-from .select import layer_kind
+from .select import layer_kind, parent_fqns
 from .tree import batch_size_of, slice_batch
 
 __all__ = [
@@ -260,7 +260,9 @@ class MemoryOptimizer:
         lean = self._lean.actions
         for fqn, module in model.named_modules():
             bits = compressed.get(fqn)
-            if fqn in regions:
+            if regions.get(fqn) == RECOMPUTE:  # the bits its boundary input is kept at
+                action, bits = RECOMPUTE, self._boundary_bits(fqn)
+            elif fqn in regions:
                 action, bits = regions[fqn], OFF_BITS
             elif bits is not None:
                 action = COMPRESS
@@ -281,7 +283,9 @@ class MemoryOptimizer:
         scopes = resolve_bits(model, self.config.quantize, preset)
         scripted = scripted_modules(model)  # no scopes there: their callers' scopes hold them
         scopes = {f: b for f, b in scopes.items() if f not in scripted}
-        in_regions = region_actions(scopes, targets)  # recompute wins: no scope inside
+        # recompute wins: no scope inside a region; the recomputed module's own scope packs
+        # its boundary input only (BitTable)
+        in_regions = region_actions(scopes, targets)
         # All or nothing: a failure part-way takes off what went on (remove() undoes each part).
         self._model = model
         _PATCHED[model] = weakref.ref(self)
@@ -304,7 +308,7 @@ class MemoryOptimizer:
         lean = self._lean.apply(model)
         if lean:
             log.info("memopt: %d modules run as memory-lean ops (%s)", len(lean), _count(lean))
-        configured = {f: b for f, b in scopes.items() if f not in in_regions}
+        configured = {f: b for f, b in scopes.items() if in_regions.get(f) != IN_RECOMPUTE}
         self._table.install(configured)
         self._drift.start(configured)  # drift.lower never goes under the configured bits
         # Dropout/BN patches go in before the hooks and recompute wrappers (removed after them).
@@ -327,6 +331,7 @@ class MemoryOptimizer:
         hooks.memory = StepPeak(_device_of(weakref.ref(model)))
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
+        self._recompute_changed()
         if targets:
             log.info("memopt: recomputing %d modules in backward", len(targets))
         if self.config.recompute.auto is not None:
@@ -430,8 +435,20 @@ class MemoryOptimizer:
         return self._recompute.actions() if self._recompute is not None else {}
 
     def _recompute_changed(self, plan: RecomputePlan | None = None) -> None:
-        """Modules inside a recompute region are not compressed: park their bits meanwhile."""
-        self._table.park(self._region_fqns())
+        """Modules inside a recompute region are not compressed: park their bits meanwhile; the
+        recomputed modules' scopes keep their boundary inputs only."""
+        regions = self._region_fqns()
+        self._table.park(
+            {f for f, action in regions.items() if action == IN_RECOMPUTE},
+            [f for f, action in regions.items() if action == RECOMPUTE],
+        )
+
+    def _boundary_bits(self, fqn: str) -> int:
+        """The bits recomputed module ``fqn``'s boundary input is packed at: its own scope's,
+        else the nearest enclosing scope's (none: not compressed)."""
+        scopes = self._table.scopes
+        owner = next((f for f in (fqn, *parent_fqns(fqn)) if f in scopes), None)
+        return scopes[owner] if owner is not None else OFF_BITS
 
     @contextmanager
     def _region_context(self) -> Iterator[None]:
@@ -493,8 +510,11 @@ class MemoryOptimizer:
         ``batch_size`` defaults to ``batch``'s. A closure ``loss_fn()`` is accepted too: it
         returns the loss on a small batch and calls the patched model itself (under DDP:
         ``ddp.module``). ``batch_size``: samples in the training batch the small one was cut
-        from (``drift.metric: sgd`` judges the cost at that batch; default: the small batch's
-        own, which overstates it). Training is unaffected:
+        from: the check compresses what a training forward on that batch does (its small
+        tensors are judged against ``quantize.min_numel`` at their training size) and
+        ``drift.metric: sgd`` judges the cost at that batch; default: the small batch's own,
+        which overstates the cost and may leave the check nothing compressed to measure (it then
+        warns and counts in ``memopt/drift_blind``). Training is unaffected:
         RNG streams, buffers, ``.grad`` and the saved-bytes statistics are as before the call.
         ``max_rounds=None`` re-checks until no module escalates (one compressed pass per round;
         a check that escalates nothing costs one exact and one compressed pass); ``1`` escalates
@@ -514,9 +534,10 @@ class MemoryOptimizer:
         eager = hooks.stats.forward_original == trained
         kept_modules, hooks.stats.modules = hooks.stats.modules, {}
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
-        # No drift-recorder hooks inside a planner-chosen recompute region (config-chosen ones
-        # have no scope there): they would hide the region's saved tensors from the checkpoint.
-        regions = self._region_fqns()
+        # No drift-recorder hooks inside a recompute region (a planner's pick keeps its scopes
+        # there): they would hide the region's saved tensors from the checkpoint. A recomputed
+        # module's own scope is outside its region: it counts the boundary input.
+        inside = {f for f, action in self._region_fqns().items() if action == IN_RECOMPUTE}
         try:
             with hooks.memory.paused():  # the check's passes are no training step's
                 return self._drift.check(
@@ -525,8 +546,9 @@ class MemoryOptimizer:
                     self._table.compressed,
                     set_bits=self.set_bits,
                     suspend=hooks.suspend,
+                    as_training=hooks.as_training,
                     generators=[hooks.noise(d) for d in devices],
-                    scopes=[f for f in self._table.scopes if f not in regions],
+                    scopes=[f for f in self._table.scopes if f not in inside],
                     min_numel=self.config.quantize.min_numel,
                     reduce_max=self.reduce_max,
                     speaks=self.speaks,

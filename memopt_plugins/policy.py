@@ -284,6 +284,18 @@ def compressible(
     return t.is_floating_point() and not kept_as_is(t, min_numel, model)
 
 
+def min_numel_at(shape: torch.Size, min_numel: int, sample: tuple[int, int] | None) -> int:
+    """The ``min_numel`` a saved tensor of ``shape`` is held to when it was saved on a ``sample`` =
+    ``(samples, batch)``: that many samples cut from a training batch of ``batch`` (the drift
+    check's). A tensor with the samples along dim 0 (a multiple of them: a row per sample or per
+    token) is ``batch / samples`` times as large in training, so it is kept as it is only where
+    its training-size counterpart is: the check compresses what training does."""
+    if sample is None or not shape or shape[0] % sample[0]:
+        return min_numel
+    samples, batch = sample
+    return -(-min_numel * samples // batch)
+
+
 class MeasuredStorage(Protocol):
     """What :func:`compresses_storage` reads of a storage measured without compression
     (:class:`~memopt_plugins.measure.SavedStorage`)."""

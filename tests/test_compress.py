@@ -266,6 +266,31 @@ def test_reused_address_never_gets_another_tensors_pack(monkeypatch):
     assert (hooks.unpack(saved_b) - b).abs().max() <= 2 * b.abs().max() / 255  # b, not a
 
 
+def test_a_replaced_buffers_reused_address_is_not_the_models_memory(monkeypatch):
+    """A forward that reassigns a buffer (``self.avg = 0.9 * self.avg + ...``) frees the one the
+    storages were read from, and the allocator may hand that address to the next tensor: only a
+    storage still alive is the model's memory, so a tensor on the reused address is compressed
+    as any other. Kept as a buffer, whether it was compressed depended on the allocator, and two
+    equal runs (drift checks on and off) trained differently."""
+    import memopt_plugins.measure.storage as storage_module
+    from memopt_plugins.compress.hooks import _Kept
+
+    model = nn.Linear(256, 256)
+    model.register_buffer("avg", torch.zeros(64, 256))
+    opt = MemoryOptimizer(q(8, min_numel=1))
+    opt.apply(model)
+    assert isinstance(opt.hooks.pack(model.avg, 8), _Kept)  # a buffer is kept as it is
+    key = storage_module.storage_key(model.avg)
+    model.avg = torch.ones(64, 256)  # the old buffer is freed: its address may hold anything
+    h = torch.rand(64, 256)
+    real = storage_module.storage_key
+    monkeypatch.setattr(storage_module, "storage_key", lambda t: key if t is h else real(t))
+    try:
+        assert not isinstance(opt.hooks.pack(h, 8), _Kept)
+    finally:
+        opt.remove()
+
+
 def test_integer_tensors_are_narrowed_losslessly():
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.MaxPool2d(2, return_indices=False), nn.ReLU())
     x = torch.randn(8, 3, 34, 34)

@@ -4,6 +4,8 @@ on the thread: torch runs ``always_call`` hooks only for an ``Exception``."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -212,3 +214,131 @@ def test_hooks_of_two_models_on_one_module_are_each_left_and_the_thread_holds_no
         ("exit", "outer", ""),
     ]
     assert ScopeTracker.depth() == 0
+
+
+def _root_pre_hook(model: nn.Module, interrupt: type[BaseException]) -> None:
+    """A user's pre-hook on the model, registered after apply: it runs after memopt's."""
+
+    def raise_once(module, args):
+        handle.remove()
+        raise interrupt()
+
+    handle = model.register_forward_pre_hook(raise_once)
+
+
+def _root_hook(model: nn.Module, interrupt: type[BaseException]) -> None:
+    """A user's forward hook on the model, registered before apply: it runs before memopt's."""
+
+    def raise_once(module, args, output):
+        if module.armed:
+            module.armed = False
+            raise interrupt()
+
+    model.armed = False
+    model.register_forward_hook(raise_once)
+
+
+@pytest.mark.parametrize("where", ["pre-hook", "hook"])
+@pytest.mark.parametrize("interrupt", INTERRUPTS, ids=lambda e: e.__name__)
+def test_an_interrupt_in_a_users_hook_on_the_model_leaves_nothing(interrupt, where):
+    """The model's own scope is entered and left around its forward by the guard, not by
+    memopt's hooks: a user's pre-hook runs after memopt's pre-hook and a hook registered before
+    apply before memopt's hook, so an interrupt there left the model's compression hooks and
+    routing mode on the thread, quantizing a never-patched model run next."""
+    exact_lone = _lone_linear_input_grad()
+    model, twin = _pair()
+    if where == "hook":
+        _root_hook(model, interrupt)
+    opt = MemoryOptimizer(CONFIG)
+    opt.apply(model)
+    MemoryOptimizer(CONFIG).apply(twin)
+    x = torch.randn(8, 16)
+    if where == "hook":
+        model.armed = True
+    else:
+        _root_pre_hook(model, interrupt)
+    with pytest.raises(interrupt):
+        model(x).square().mean().backward()
+    _nothing_left_on_the_thread()
+    assert torch.equal(_lone_linear_input_grad(), exact_lone)
+    _assert_equal(_step(model, x), _step(twin, x))
+    _nothing_left_on_the_thread()
+    opt.remove()
+    assert "forward" not in vars(model)
+
+
+class LossNet(Net):
+    """Net with its loss, ``F.cross_entropy``, in its forward (routed by the lean ops)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        target = torch.arange(x.shape[0]) % 4
+        return nn.functional.cross_entropy(super().forward(x), target)
+
+
+#: The block around the interrupter recomputed; lean ops: the GELU runs as a lean op (a forward
+#: instance attribute of its own, in the recomputed block) and F.cross_entropy is routed through
+#: a second TorchFunctionMode.
+LAYERED = {
+    "recompute": {**CONFIG, "recompute": {"modules": ["body"]}},
+    "lean": {**CONFIG, "ops": {"cross_entropy": "lean", "fuse": ["all"]}},
+    "both": {
+        **CONFIG,
+        "recompute": {"modules": ["body"]},
+        "ops": {"cross_entropy": "lean", "fuse": ["all"]},
+    },
+}
+
+
+@pytest.mark.parametrize("where", ["block", "pre-hook"])
+@pytest.mark.parametrize("layers", sorted(LAYERED))
+def test_an_interrupt_under_recompute_and_lean_ops_leaves_nothing(layers, where):
+    """Inside a recomputed block the scopes' entries saw the checkpoint's saved-tensor hooks as
+    innermost; once the checkpoint unwound, the guard refused to leave them (and every scope
+    beneath, the model's own). A scope that entered no context of its own is left whatever is
+    innermost now; the lean ops' forwards and routing modes are left with the rest."""
+    config = LAYERED[layers]
+    exact_lone = _lone_linear_input_grad()
+    torch.manual_seed(0)
+    model = LossNet()
+    twin = copy.deepcopy(model)
+    opt = MemoryOptimizer(config)
+    opt.apply(model)
+    MemoryOptimizer(config).apply(twin)
+    x = torch.randn(8, 16)
+    if where == "block":
+        model.interrupter.arm(KeyboardInterrupt)
+    else:
+        _root_pre_hook(model, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(x).backward()
+    _nothing_left_on_the_thread()
+    assert torch.equal(_lone_linear_input_grad(), exact_lone)
+
+    def step(m: nn.Module) -> dict[str, torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        m(x).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    _assert_equal(step(model), step(twin))
+    _nothing_left_on_the_thread()
+
+
+def test_the_guard_holds_nothing_of_a_forward_once_it_returned():
+    """The guard's frame keeps the model's scope alive; a reference cycle through it (its frame
+    in a local of its own) kept the forward's output and graph alive until a garbage collection,
+    a logits-sized tensor more at the step's peak."""
+    model, _ = _pair()
+    opt = MemoryOptimizer(CONFIG)
+    opt.apply(model)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        out = model(torch.randn(8, 16))
+        ref = weakref.ref(out)
+        del out
+        assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+    opt.remove()

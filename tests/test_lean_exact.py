@@ -268,6 +268,57 @@ def test_a_gradient_penalty_equals_torchs_through_lean_ops(kind):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def _twice(kind: str, lean: bool, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """Two calls of one lean op with the same parameters (a shared block), the second call's
+    input made from the first's output; or plain torch's ops (``lean`` False)."""
+    gelu_mlp = _fn("memopt_plugins.lean", "chains._GeluMlp")
+    for _ in range(2):
+        if kind == "rmsnorm":
+            (w,) = params
+            x = (
+                rms_norm(x, w, 1e-6)
+                if lean
+                else w * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+            )
+        elif kind == "batchnorm":
+            w, b = params
+            x = (
+                batch_norm(x, w, b, None, None, 0.1, 1e-5)
+                if lean
+                else nn.functional.batch_norm(x, None, None, w, b, True)
+            )
+        else:
+            a, b, c, d = params
+            plain = nn.functional
+            x = (
+                gelu_mlp.apply(x, a, b, c, d, "tanh")
+                if lean
+                else plain.linear(plain.gelu(plain.linear(x, a, b), approximate="tanh"), c, d)
+            )
+    return x
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "rmsnorm", "mlp"])
+def test_a_gradient_penalty_through_a_lean_op_called_twice_equals_torchs(kind):
+    """A lean op whose parameters also made its input (one module called twice): in a backward
+    that builds a graph, each call's gradients are its own partial derivatives, not ones that
+    also count the path through the other call, so first and second derivatives are torch's."""
+    torch.manual_seed(0)
+    shapes = {"rmsnorm": [(6,)], "batchnorm": [(6,), (6,)], "mlp": [(9, 6), (9,), (6, 9), (6,)]}
+    params = [(torch.rand(*s, dtype=_D) + 0.5).requires_grad_() for s in shapes[kind]]
+    x = torch.randn(8, 6, dtype=_D)
+
+    def grads(lean: bool) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        out = _twice(kind, lean, xi, params).sin().sum()
+        first = torch.autograd.grad(out, [xi, *params], create_graph=True)
+        penalty = sum(g.square().sum() for g in first)
+        return [g.detach() for g in first] + list(torch.autograd.grad(penalty, params))
+
+    for a, b in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def _mixtral():
     """A tiny Mixtral training with its router load-balancing loss (output_router_logits)."""
     torch.manual_seed(0)

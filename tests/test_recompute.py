@@ -258,7 +258,8 @@ def test_only_the_boundary_input_is_compressed(how):
         opt = MemoryOptimizer({**squeeze, **rc(auto={"budget": 0.5})})
         opt.apply(model)
         opt.load_state_dict({"recompute": ["block"]})
-    assert opt.recomputed == ("block",) and opt.bits == {"": 8, "lin": 8}
+    # the block's own scope packs its boundary input only: a compressed module, drift-checked
+    assert opt.recomputed == ("block",) and opt.bits == {"": 8, "lin": 8, "block": 8}
     packed: list[tuple[tuple[int, ...], int]] = []
     compress = opt.hooks._compress
     opt.hooks._compress = lambda t, b: (packed.append((tuple(t.shape), b)), compress(t, b))[1]
@@ -269,14 +270,89 @@ def test_only_the_boundary_input_is_compressed(how):
     assert packed == [((32, 64), 8), ((32, 64), 8)]
 
 
+class Headed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("how", ["exclude", "override", "set_bits"])
+def test_a_recomputed_module_kept_exact_keeps_its_boundary_input_exact(how):
+    """A recomputed head that is excluded, overridden to 32 bits or set to 32 by set_bits keeps
+    its boundary input as it is, so its gradients are exact: the boundary input is kept at the
+    more precise of the head's bits and its enclosing scope's (it was at the enclosing 4 bits)."""
+    torch.manual_seed(0)
+    model, x = Headed(), torch.randn(32, 64)
+    exact = copy.deepcopy(model)
+    exact(x).square().mean().backward()  # the loss outside every scope: its gradient is exact
+    q: dict = {"bits": 4, "min_numel": 1}
+    if how == "exclude":
+        q["exclude"] = ["head"]
+    elif how == "override":
+        q["overrides"] = {"head": 32}
+    opt = MemoryOptimizer({"quantize": q, **rc(types=["Linear"])})
+    opt.apply(model)
+    assert "head" in opt.recomputed
+    if how == "set_bits":
+        assert opt.bits["head"] == 4  # the recomputed head is a compressed module: its input
+        opt.set_bits("head", 32)
+    model(x).square().mean().backward()
+    opt.remove()
+    for name in ("head.weight", "head.bias"):
+        got, want = model.get_parameter(name).grad, exact.get_parameter(name).grad
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "head, expected", [(2, 8), (16, 16), (8, 8)], ids=["below", "above", "equal"]
+)
+def test_the_boundary_input_is_kept_at_the_more_precise_of_its_bits_and_the_enclosing(
+    head, expected
+):
+    """The boundary input of a recomputed module at ``head`` bits inside an 8-bit scope is
+    packed at the more precise of the two, and a change of either's bits reaches it."""
+    model, x = Headed(), torch.randn(32, 64)
+    opt = MemoryOptimizer(
+        {
+            "quantize": {"bits": 8, "min_numel": 1, "overrides": {"head": head}},
+            **rc(modules=["head"]),
+        }
+    )
+    opt.apply(model)
+    packed: list[tuple[tuple[int, ...], int]] = []
+    compress = opt.hooks._compress
+    opt.hooks._compress = lambda t, b: (packed.append((tuple(t.shape), b)), compress(t, b))[1]
+
+    def boundary_bits() -> int:
+        packed.clear()
+        model(x).sum().backward()
+        # x by body.0, its output by the GELU, the GELU's output by the head's checkpoint (the
+        # boundary input)
+        assert [shape for shape, _ in packed] == [(32, 64)] * 3
+        return packed[2][1]
+
+    assert boundary_bits() == expected
+    opt.set_bits("", 16)  # the enclosing scope escalated: the boundary input follows
+    assert boundary_bits() == max(head, 16)
+    opt.set_bits("head", 32)
+    assert boundary_bits() == 32
+    opt.remove()
+
+
 def test_planner_parks_bits_of_modules_it_recomputes():
     model, batch, loss_fn = small_gpt(dropout=0.0)
     opt = MemoryOptimizer({"quantize": {"bits": 8}, **rc(auto={"budget": 0.15})})
     opt.apply(model)
     before = opt.bits
     opt.plan_recompute(lambda: loss_fn(model, batch))
-    inside = {f for f, p in opt.plan.items() if p.action in ("recompute", "in-recompute")}
+    inside = {f for f, p in opt.plan.items() if p.action == "in-recompute"}
+    recomputed = {f for f, p in opt.plan.items() if p.action == "recompute"}
     assert inside and not inside & set(opt.bits)
+    assert recomputed <= set(opt.bits)  # their scopes keep their boundary inputs
     assert set(opt.bits) | inside >= set(before)
     loss_fn(model, batch).backward()  # compression around, recompute inside: runs
     opt.remove()

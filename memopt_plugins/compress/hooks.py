@@ -37,7 +37,14 @@ from ..measure.process import StepPeak
 from ..measure.storage import ComputedWeights, RunningParameters
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
-from ..policy import computed_weight, encodable, in_foreign_region, kept_as_is, kept_in_graph
+from ..policy import (
+    computed_weight,
+    encodable,
+    in_foreign_region,
+    kept_as_is,
+    kept_in_graph,
+    min_numel_at,
+)
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
@@ -340,6 +347,7 @@ class CompressionHooks:
         self.stochastic = stochastic
         self.noise = noise
         self.min_numel = min_numel
+        self.sample: tuple[int, int] | None = None  # (samples, training batch): as_training()
         self.stats = SavedStats()
         self.observer: PackObserver | None = None
         self._local = _PerThread()
@@ -431,6 +439,17 @@ class CompressionHooks:
             yield
         finally:
             self._local.suspended -= 1
+
+    @contextmanager
+    def as_training(self, sample: tuple[int, int] | None) -> Iterator[None]:
+        """Inside, saves are of ``sample`` = ``(samples, batch)`` (the drift check's, cut from a
+        training batch): each is kept as it is or compressed as its counterpart in a training
+        forward is (:func:`~memopt_plugins.policy.min_numel_at`)."""
+        previous, self.sample = self.sample, sample
+        try:
+            yield
+        finally:
+            self.sample = previous
 
     # ----------------------------------------------------------------- module scopes
     def _begin(self) -> None:
@@ -547,7 +566,7 @@ class CompressionHooks:
             self._keep_unencodable(t)
             return t, 0
         model = () if self._storages is None else (self._storages, self._running)
-        if kept_as_is(t, self.min_numel, model):
+        if kept_as_is(t, min_numel_at(t.shape, self.min_numel, self.sample), model):
             return t, 0
         key = _alias_key(t)
         hit = self._cache.get(key) if key is not None else None

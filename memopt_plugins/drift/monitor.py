@@ -8,7 +8,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from .judges import NOT_FINITE, PARAMS, TENSORS, Judge, Whole, find_judges, modu
 from .passes import (
     CheckedParameters,
     PassRecorder,
+    SampleInputs,
     SignedHalves,
     gradients,
     preserved_state,
@@ -35,6 +36,7 @@ from .report import (
     HISTORY_LIMIT,
     NEGLIGIBLE,
     NON_FINITE,
+    SAVES_NOTHING,
     DriftReport,
     describe_check,
     next_rung,
@@ -72,6 +74,7 @@ class DriftMonitor:
         self.escalations = 0
         self.deescalations = 0
         self.skipped = 0  # modules a check skipped for a gradient that was not finite
+        self.blind = 0  # checks that measured no module's drift
         #: whether this process writes the checks' lines (rank 0; an integration's main process)
         self.speaks: Callable[[], bool] = is_rank_zero
         self._noted_no_variance = False
@@ -115,6 +118,7 @@ class DriftMonitor:
         *,
         set_bits: Callable[[str, int], None],
         suspend: Callable[[], AbstractContextManager],
+        as_training: Callable[[tuple[int, int] | None], AbstractContextManager] | None = None,
         generators: Sequence[torch.Generator] = (),
         scopes: Sequence[str] | None = None,
         min_numel: int = 0,
@@ -134,11 +138,16 @@ class DriftMonitor:
             bits: ``{fqn: bits}`` of the compressed modules.
             set_bits: changes the bits of one module (takes effect at its next forward).
             suspend: a context in which nothing is compressed.
+            as_training: ``as_training((samples, batch))``: a context in which compression keeps
+                or compresses each tensor saved on the check's samples as it does its
+                counterpart in a training forward on ``batch`` samples (``None``: by its own
+                size against ``min_numel``).
             generators: private generators the compressed pass draws from (stochastic rounding);
                 restored after the check so that training is unaffected.
             scopes: every module with a compression scope (default: those in ``bits``), so that
                 a tensor saved inside a 32-bit scope is not counted for a compressed ancestor.
-            min_numel: saved tensors smaller than this are not compressed.
+            min_numel: saved tensors smaller than this in a training forward are not
+                compressed (judged at the training batch's size with ``batch_size``).
             reduce_max: element-wise max over ranks of a float64 tensor (the integration's
                 reduce; identity without torch.distributed).
             step: the step recorded in the report (default: the counted optimizer steps).
@@ -177,8 +186,12 @@ class DriftMonitor:
         with eagerly(), preserved_state(model, generators) as one_pass:
             with one_pass(), suspend():
                 rec = PassRecorder(model, param_free, fqns if scopes is None else scopes, min_numel)
-                with rec:
+                with rec, SampleInputs(model) as inputs:
                     loss = scalar_loss(loss_fn)
+                # the check compresses what training does: tensors judged at the training size
+                if batch_size and 2 <= inputs.samples < batch_size:
+                    rec.sample = (inputs.samples, batch_size)
+                sample = rec.sample
                 judges, unmeasured = find_judges(fqns, checked, rec)
                 wanted = sorted(
                     {i for j in judges.values() if j.kind == TENSORS for i in j.indices}
@@ -200,18 +213,30 @@ class DriftMonitor:
                 PARAMS: NEGLIGIBLE * float(usable[: len(params)].sum().sqrt()),
                 TENSORS: NEGLIGIBLE * float(usable[len(params) :].sum().sqrt()),
             }
-            variance, halves = None, None
+            variance, samples = None, 0
             if cfg.metric in ("noise", "sgd"):  # an exact pass, its halves weighted +1 and -1
                 with one_pass(), suspend():
                     rec = PassRecorder(model, param_free)
-                    with rec, SignedHalves(model, required=cfg.metric == "noise") as halves:
+                    with rec, SignedHalves(model) as halves:
                         loss = scalar_loss(loss_fn)
-                    tensors = [rec.tensors[i] for i in wanted] if rec.layout() == layout else []
-                    targets = checked.targets(rec.running) + tensors
-                    spread = gradients(loss, targets, sharded, squares_only=True)
-                    del loss, rec, tensors, targets
-                if halves.scale:
-                    variance = summed_over_shards(spread.sq, sharded) * halves.scale
+                    if halves.scale:
+                        tensors = [rec.tensors[i] for i in wanted] if rec.layout() == layout else []
+                        targets = checked.targets(rec.running) + tensors
+                        spread = gradients(loss, targets, sharded, squares_only=True)
+                        variance = summed_over_shards(spread.sq, sharded) * halves.scale
+                        samples = halves.samples
+                        del tensors, targets
+                    del loss, rec
+                if variance is None:  # no output with the samples: the halves run on their own
+                    variance, samples = _halves_apart(
+                        model, loss_fn, one_pass, suspend, checked, exact_sq[len(params) :]
+                    )
+                if variance is None and cfg.metric == "noise":
+                    raise ValueError(
+                        "drift.metric noise needs two halves of the sample: the model was called "
+                        "with no tensor of 2 or more samples along dim 0; use sample_size >= 2, "
+                        "or metric rel_l2 / cosine"
+                    )
 
             metric = cfg.metric
             if metric == "sgd" and variance is None:
@@ -220,16 +245,18 @@ class DriftMonitor:
                     self._noted_no_variance = True
                     log.warning(
                         "memopt: drift.metric sgd needs the gradient's sampling noise: the "
-                        "model's output has no floating tensor with 2 or more samples along dim "
-                        "0 (or sample_size is 1); these checks judge by cosine instead"
+                        "model was called with no tensor of 2 or more samples along dim 0 (or "
+                        "sample_size is 1); these checks judge by cosine instead"
                     )
-            samples = halves.samples if variance is not None else 0
             batch_ratio = samples / batch_size if samples and batch_size else 1.0
+
+            def training_sizes() -> AbstractContextManager:
+                return nullcontext() if as_training is None else as_training(sample)
 
             def measured() -> Round:
                 """One compressed pass at the current bits: each module's drift (max over
                 ranks), the unmeasured and the skipped."""
-                with one_pass():
+                with one_pass(), training_sizes():
                     rec = PassRecorder(model, param_free)
                     with rec:
                         loss = scalar_loss(loss_fn)
@@ -314,6 +341,8 @@ class DriftMonitor:
         escalated = {f: (start[f], b) for f, b in current.items() if b > start[f]}
         if kept is not None:
             lowered_now = {f: (start[f], b) for f, b in current.items() if b < start[f]}
+        # Nothing measured, nothing judged: no cost of the whole gradient to claim either.
+        blind = not first_drift and not skipped
         report = DriftReport(
             step,
             last.drift,
@@ -327,14 +356,20 @@ class DriftMonitor:
             skipped=tuple(sorted(skipped)),
             first=first_drift,
             parts=first_parts,
-            total=(
+            total=(None, None)
+            if blind
+            else (
                 None if first_total is None else first_total.cost,
                 None if last is None or last.total is None else last.total.cost,
             ),
+            blind=blind,
         )
         self.skipped += len(skipped)
+        self.blind += blind
         if self.speaks():
             _log_check(report, trail, len(fqns))
+            if blind:
+                _warn_blind(report, len(fqns), sample is None)
         return self._record(report)
 
     def _escalate(
@@ -631,17 +666,19 @@ class DriftMonitor:
 
     # ----------------------------------------------------------------- metrics and state
     def metrics(self, per_module: bool = False) -> dict[str, float]:
-        """``memopt/escalations`` and ``memopt/drift_skipped`` (modules skipped for a gradient
-        that was not finite) so far, ``memopt/lowerings`` (with ``drift.lower`` or a budget),
-        ``memopt/drift_max`` (the last check's largest module drift) and, with ``per_module``,
+        """``memopt/escalations``, ``memopt/drift_skipped`` (modules skipped for a gradient
+        that was not finite) and ``memopt/drift_blind`` (checks that measured nothing) so far,
+        ``memopt/lowerings`` (with ``drift.lower`` or a budget), ``memopt/drift_max`` (the last
+        check's largest module drift, unless it measured nothing) and, with ``per_module``,
         ``memopt/drift/<fqn>`` (the last check's drift of each module)."""
         out: dict[str, float] = {
             "memopt/escalations": float(self.escalations),
             "memopt/drift_skipped": float(self.skipped),
+            "memopt/drift_blind": float(self.blind),
         }
         if self.config.lower or self.budget:
             out["memopt/lowerings"] = float(self.deescalations)
-        if self.last is not None:
+        if self.last is not None and not self.last.blind:  # measured nothing: no max to show
             out["memopt/drift_max"] = self.last.max
             if per_module:
                 for fqn, drift in self.last.per_module.items():
@@ -655,6 +692,7 @@ class DriftMonitor:
             "steps": self.steps,
             "escalations": self.escalations,
             "skipped": self.skipped,
+            "blind": self.blind,
             "lowering": {
                 "deescalations": self.deescalations,
                 "floor": dict(self.floor),
@@ -694,7 +732,7 @@ class DriftMonitor:
         other = DriftMonitor(self.config, self.budget)
         with reading_state("drift"):
             state = state_map(state)
-        for key in ("steps", "escalations", "skipped"):
+        for key in ("steps", "escalations", "skipped", "blind"):
             with reading_state(f"drift.{key}"):
                 setattr(other, key, state_count(state.get(key, 0)))
         with reading_state("drift.lowering"):
@@ -753,6 +791,7 @@ _STATE = (
     "steps",
     "escalations",
     "skipped",
+    "blind",
     "deescalations",
     "floor",
     "calm",
@@ -770,6 +809,40 @@ def _finite(value: Any) -> float:
     if isinstance(value, bool) or not math.isfinite(out := float(value)):
         raise ValueError(f"expected a finite number, got {value!r}")
     return out
+
+
+def _halves_apart(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    one_pass: Callable[[], AbstractContextManager],
+    suspend: Callable[[], AbstractContextManager],
+    checked: CheckedParameters,
+    tensors_sq: torch.Tensor,
+) -> tuple[torch.Tensor | None, int]:
+    """The sampling variance of the exact gradient from the sample's two halves run on their own
+    (:class:`SampleInputs`), for a model whose output holds no tensor with the samples (a loss
+    computed inside it): for a loss that is a mean over samples, ``(L_A - L_B) / 2`` has the
+    gradient ``(g_A - g_B) / 2``, as :class:`SignedHalves` weights it. Per target, after the
+    parameters the recorded tensors, whose rows are each sample's own: their exact squared norms
+    ``tensors_sq`` (as :class:`SignedHalves` gives for equal halves). ``(None, samples)`` when
+    the model was called with fewer than 2 samples."""
+    with one_pass(), suspend():
+        rec = PassRecorder(model, ())  # the parameters the halves ran with
+        losses = []
+        with rec:
+            for half in (0, 1):
+                with SampleInputs(model, half) as inputs:
+                    losses.append(scalar_loss(loss_fn))
+        n = inputs.samples
+        if n < 2:
+            return None, n
+        targets = checked.targets(rec.running)
+        spread = gradients((losses[0] - losses[1]) / 2, targets, checked.sharded, squares_only=True)
+        del losses, rec, targets
+    a, b = inputs.halves()
+    scale = 4.0 / (n * (1 / a + 1 / b))
+    params = summed_over_shards(spread.sq, checked.sharded) * scale
+    return torch.cat([params, tensors_sq]), n
 
 
 def _reduced(
@@ -840,3 +913,28 @@ def _log_check(report: DriftReport, trail: Mapping[str, list[int]], modules: int
             ", ".join(f or "<root>" for f in report.skipped[:8])
             + (", ..." if len(report.skipped) > 8 else ""),
         )
+
+
+def _warn_blind(report: DriftReport, modules: int, own_sizes: bool) -> None:
+    """The WARNING of a check that measured no module's drift: why, and (``own_sizes``: the
+    sample's tensors were judged by their own sizes) what lets it see."""
+    reasons: dict[str, int] = {}
+    for reason in report.unmeasured.values():
+        reasons[reason] = reasons.get(reason, 0) + 1
+    why = ", ".join(f"{n}: {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    hint = ""
+    if own_sizes and SAVES_NOTHING in reasons:
+        hint = (
+            "; its sample's saved tensors were held to quantize.min_numel at their own sizes, "
+            "not training's: give the check the training batch (check_drift(batch=...) or "
+            "batch_size=...), or a larger drift.sample_size"
+        )
+    log.warning(
+        "memopt: the drift check at step %d measured nothing: %d of %d compressed modules have "
+        "no measurable drift (%s); it judged no module and counts in memopt/drift_blind%s",
+        report.step,
+        len(report.unmeasured),
+        modules,
+        why,
+        hint,
+    )

@@ -14,8 +14,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..distributed import rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
 from ..measure.storage import RunningParameters, is_sharded
-from ..policy import compressible, in_foreign_region
-from ..tree import tensors_in
+from ..policy import compressible, in_foreign_region, min_numel_at
+from ..tree import batch_size_of, map_tensors, tensors_in
 
 
 def own_parameters(module: nn.Module, recurse: bool = False) -> list[nn.Parameter]:
@@ -79,7 +79,9 @@ class PassRecorder:
     direct children's outputs), the parameters a sharded model's modules ran with (``running``),
     and, when ``scopes`` is given, counts per scope the saved tensors compression would touch
     (:func:`memopt_plugins.policy.compressible`) -- each attributed to the innermost scope, as the
-    compression hooks do.
+    compression hooks do. Which are too small is decided when :attr:`saved` is read, by
+    ``min_numel`` and :attr:`sample` (set once the pass has found it:
+    :func:`~memopt_plugins.policy.min_numel_at`), so the count is training's.
     """
 
     def __init__(
@@ -96,7 +98,8 @@ class PassRecorder:
         self.tensors: list[torch.Tensor] = []
         self.inputs: dict[str, list[int]] = {f: [] for f in self.param_free}
         self.outputs: dict[str, list[int]] = {f: [] for f in self.param_free}
-        self.saved: dict[str, int] = dict.fromkeys(self.scopes, 0)
+        self.sample: tuple[int, int] | None = None  # (samples, training batch)
+        self._saves: dict[str, list[torch.Size]] = {f: [] for f in self.scopes}  # their shapes
         self.finished: dict[str, int] = {}  # watched module -> when its forward last ended
         self._ended = 0
         self._index: dict[int, int] = {}
@@ -106,6 +109,14 @@ class PassRecorder:
         self._storages: ModelStorages | None = None
         self.running = RunningParameters(model)
         self._scope_set = set(self.scopes)
+
+    @property
+    def saved(self) -> dict[str, int]:
+        """Per scope, the saved tensors compression touches in training."""
+        return {
+            f: sum(s.numel() >= min_numel_at(s, self.min_numel, self.sample) for s in saves)
+            for f, saves in self._saves.items()
+        }
 
     def layout(self) -> tuple:
         """Shapes of what was recorded per module: equal layouts line two passes up."""
@@ -169,8 +180,8 @@ class PassRecorder:
 
     def _counter(self, fqn: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def count(t: torch.Tensor) -> torch.Tensor:
-            if compressible(t, self.min_numel, (self._storages, self.running)):
-                self.saved[fqn] += 1
+            if compressible(t, 0, (self._storages, self.running)):
+                self._saves[fqn].append(t.shape)
             return t
 
         return count
@@ -178,6 +189,58 @@ class PassRecorder:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+class SampleInputs:
+    """The check's sample, read where the model is called from outside every module: how many
+    samples it holds (:attr:`samples`: dim 0 of the first such call's first tensor of one
+    dimension or more), and, with ``half`` 0 or 1, each such call run on one half of them: its
+    tensors with the samples along dim 0 cut to the first ``(n + 1) // 2`` samples, or the rest.
+    Run on its two halves, a loss that is a mean over samples gives each half's mean gradient
+    whatever the model returns (a loss computed inside it, no logits)."""
+
+    def __init__(self, model: nn.Module, half: int | None = None):
+        self.model = model
+        self.half = half
+        self.samples = 0
+        self._depth = 0  # module calls in progress
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> SampleInputs:
+        for module in self.model.modules():
+            self._handles.append(
+                module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
+            )
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def halves(self) -> tuple[int, int]:
+        """Samples in the first half and in the second."""
+        return (self.samples + 1) // 2, self.samples // 2
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._depth += 1
+        if self._depth > 1:
+            return None
+        self.samples = self.samples or batch_size_of((args, kwargs)) or 0
+        n = self.samples
+        if self.half is None or n < 2:
+            return None
+        a = self.halves()[0]
+        part = slice(0, a) if self.half == 0 else slice(a, n)
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[part] if t.dim() > 0 and t.shape[0] == n else t
+
+        return map_tensors(cut, args), map_tensors(cut, kwargs)
+
+    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._depth -= 1
 
 
 class SignedHalves:
@@ -199,10 +262,9 @@ class SignedHalves:
     "variance" is its squared norm (for equal halves), and the metric its squared relative error.
     """
 
-    def __init__(self, model: nn.Module, required: bool = True):
+    def __init__(self, model: nn.Module):
         self.model = model
-        self.required = required  # else a model without such an output leaves scale at 0
-        self.scale = 0.0
+        self.scale = 0.0  # stays 0 where the model's output has no such tensor
         self.samples = 0  # in the sample (the model output's dim 0)
         self._handles: list[Any] = []
         self._depth = 0  # module calls in progress
@@ -218,12 +280,6 @@ class SignedHalves:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if exc[0] is None and self._weighted is None and self.required:
-            raise ValueError(
-                "drift.metric noise needs two halves of the sample: the model's output has no "
-                "floating tensor with the samples along dim 0 (2 or more); use sample_size >= 2, "
-                "or metric rel_l2 / cosine"
-            )
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         self._depth += 1

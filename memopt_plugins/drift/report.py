@@ -51,6 +51,8 @@ class DriftReport:
             over the training batch (:func:`~memopt_plugins.drift.judges.progress_cost`).
         total: metric ``sgd``: the whole model's cost before and after the check (the parameter
             gradient the optimizer steps with; what the threshold judges); ``None``: not measured.
+        blind: the check measured no module's drift (nothing compressed in its sample, or no
+            gradient to judge by): it judged nothing, whatever ``max`` reads.
     """
 
     step: int
@@ -66,6 +68,7 @@ class DriftReport:
     first: dict[str, float] = field(default_factory=dict)
     parts: dict[str, tuple[float, float]] = field(default_factory=dict)
     total: tuple[float | None, float | None] = (None, None)
+    blind: bool = False
 
     @property
     def max(self) -> float:
@@ -80,8 +83,9 @@ class DriftReport:
     def __str__(self) -> str:
         moved = ", ".join(f"{k or '<root>'} {a}->{b}" for k, (a, b) in self.escalated.items())
         down = ", ".join(f"{k or '<root>'} {a}->{b}" for k, (a, b) in self.lowered.items())
+        largest = "measured nothing" if self.blind else f"max={self.max:.4f}"
         return (
-            f"DriftReport(step={self.step}, max={self.max:.4f} ({self.metric}, threshold "
+            f"DriftReport(step={self.step}, {largest} ({self.metric}, threshold "
             f"{self.threshold}), rounds={self.rounds}, escalated: {moved or 'none'}"
             + (f", lowered: {down})" if down else ")")
         )
@@ -99,15 +103,18 @@ def rung_below(ladder: Sequence[int], bits: int) -> int | None:
 
 def describe_check(report: DriftReport, trail: Mapping[str, Sequence[int]], modules: int) -> str:
     """One line on a check: what moved, from what to what and why, and the largest drift before
-    and after, in the metric's own terms. ``trail``: the bits each raised module went through
-    (more than one rung: a probe at the rung before was still over the threshold)."""
-    head = f"drift check at step {report.step} ({report.metric}, threshold {report.threshold:g})"
-    before, after = report.total
-    if before is not None:
-        whole = f"{100 * before:.1f}%" + (
-            "" if after in (None, before) else f" -> {100 * after:.1f}%"
+    and after, in the metric's own terms; with no move, what decided it (under ``sgd`` the whole
+    gradient's cost, the modules' figures only for reference). ``trail``: the bits each raised
+    module went through (more than one rung: a probe at the rung before was still over the
+    threshold)."""
+    threshold = report.threshold
+    head = f"drift check at step {report.step} ({report.metric}, threshold {threshold:g})"
+    if report.blind and not report.escalated and not report.lowered:
+        return (
+            f"{head}: measured nothing ({len(report.unmeasured)} of {modules} modules without "
+            "a measurable drift); bits unchanged"
         )
-        head += f": the model's gradient costs {whole} of a step's progress"
+    before, after = report.total
     moves = []
     for fqn in sorted(report.escalated, key=lambda f: -report.first.get(f, 0.0)):
         chain = list(trail.get(fqn) or report.escalated[fqn])
@@ -116,6 +123,11 @@ def describe_check(report: DriftReport, trail: Mapping[str, Sequence[int]], modu
             text += f"; at {chain[-2]} bits a probe was still over"
         moves.append(text + ")")
     parts = [head]
+    if before is not None and (moves or report.lowered):
+        whole = f"{100 * before:.1f}%" + (
+            "" if after in (None, before) else f" -> {100 * after:.1f}%"
+        )
+        parts[0] += f": the model's gradient costs {whole} of a step's progress"
     if moves:
         shown = ", ".join(moves[:NAMED_IN_LINE])
         more = f" and {len(moves) - NAMED_IN_LINE} more" if len(moves) > NAMED_IN_LINE else ""
@@ -125,8 +137,28 @@ def describe_check(report: DriftReport, trail: Mapping[str, Sequence[int]], modu
         parts.append(f"lowered: {down}")
     if not moves and not report.lowered:
         top = max(report.per_module.items(), key=lambda kv: kv[1], default=None)
-        where = f" ({top[0] or '<root>'}: {_why(report, top[0])})" if top else ""
-        parts.append(f"no change, largest module drift {report.max:.4f}{where}")
+        if after is not None:  # sgd: the whole gradient decided
+            text = f"no change: the model's gradient costs {100 * after:.1f}% of a step's progress "
+            text += (
+                f"(<= {100 * threshold:g}%), which is what the threshold judges"
+                if after <= threshold
+                else f"(> {100 * threshold:g}%), but no module can go up"
+            )
+            if top:
+                text += (
+                    f"; per-module figures for reference: largest {top[0] or '<root>'} "
+                    f"({_why(report, top[0])})"
+                )
+        elif top is None or top[1] <= threshold:
+            text = f"no change: every module's drift <= {threshold:g}"
+            if top:
+                text += f"; largest {top[0] or '<root>'} {top[1]:.4f}"
+        else:
+            text = (
+                f"no change: {top[0] or '<root>'} drifts {top[1]:.4f} (> {threshold:g}), but no "
+                "module can go up"
+            )
+        parts.append(text)
     elif report.round_max:
         parts.append(f"largest drift {report.round_max[0]:.4f} -> {report.max:.4f}")
     if report.skipped:

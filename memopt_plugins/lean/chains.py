@@ -70,9 +70,17 @@ def _graph_gradients(reference, inputs: tuple, needs: tuple, grad: torch.Tensor)
     """Where a backward builds a graph (``create_graph=True``: gradient penalties, Hessian-vector
     products), the gradients of ``reference(*inputs)``, the plain torch ops over the saved
     inputs: its higher derivatives are then torch's own, where the memory-lean backward keeps
-    statistics as constants and writes in place. ``None`` where no gradient is wanted."""
-    wanted = [t for t, need in zip(inputs, needs, strict=True) if need and t is not None]
-    grads = iter(torch.autograd.grad(reference(*inputs), wanted, grad, create_graph=True))
+    statistics as constants and writes in place. ``None`` where no gradient is wanted.
+
+    The reference runs on fresh aliases of the inputs (``view_as``: one graph edge each back to
+    the input), and the gradients are taken at those aliases: they are this node's partial
+    derivatives only. Taken at the inputs themselves, an input that also made another (a weight
+    shared by two calls of one module, the second call's input made from the first's output)
+    would get the path through that other input too, and the first call's backward would run
+    inside this one."""
+    local = tuple(t.view_as(t) if isinstance(t, torch.Tensor) else t for t in inputs)
+    wanted = [t for t, need in zip(local, needs, strict=True) if need and t is not None]
+    grads = iter(torch.autograd.grad(reference(*local), wanted, grad, create_graph=True))
     return tuple(
         next(grads) if need and t is not None else None
         for t, need in zip(inputs, needs, strict=True)

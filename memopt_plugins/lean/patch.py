@@ -627,9 +627,11 @@ class LeanOps:
         softcap = getattr(config, "final_logit_softcapping", None)
         original = model.forward
 
-        def chunked(outputs: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-            """The model's training output with the chunked loss (``logits`` None)."""
-            names = {f.name for f in dataclasses.fields(outputs)} - {"loss", "logits"}
+        def chunked(
+            outputs: Any, names: frozenset[str], args: tuple, kwargs: dict[str, Any]
+        ) -> Any:
+            """The model's training output (class ``outputs``, fields ``names`` besides the loss
+            and logits) with the chunked loss (``logits`` None)."""
             kwargs = dict(kwargs)
             labels = kwargs.pop("labels")
             items = kwargs.pop("num_items_in_batch", None)
@@ -668,15 +670,22 @@ class LeanOps:
             type(model).__name__,
         )
 
+        names = _other_fields(outputs)  # read here: a compiled forward traces no dataclass walk
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             labels = kwargs.get("labels")
             own = labels is None or not model.training or not torch.is_grad_enabled()
             if own or len(args) > 1 or any(kwargs.get(k) for k in _LOSS_TERMS):
                 return original(*args, **kwargs)
-            return chunked(outputs, args, kwargs)
+            return chunked(outputs, names, args, kwargs)
 
         self._patched.append(_LeanForward(model, forward, "lean loss"))
         self.actions[fqn] = "lean loss"
+
+
+def _other_fields(outputs: type) -> frozenset[str]:
+    """The fields of a model output class besides its loss and logits."""
+    return frozenset(f.name for f in dataclasses.fields(outputs)) - {"loss", "logits"}
 
 
 #: Arguments of a causal LM's forward that add terms to its loss (an MoE's router loss): with
@@ -715,7 +724,7 @@ def _own_loss_only(
             own = original(input_ids=ids, labels=ids, return_dict=True)
             outputs = type(own) if dataclasses.is_dataclass(own) else plain
             torch.manual_seed(0)
-            mine = chunked(outputs, (), {"input_ids": ids, "labels": ids})
+            mine = chunked(outputs, _other_fields(outputs), (), {"input_ids": ids, "labels": ids})
     except Exception as error:  # a forward that needs more than ids and labels
         return plain, f"its forward failed on a probe batch ({type(error).__name__}: {error})"
     finally:

@@ -16,6 +16,8 @@ acting on whatever it runs next. So each thread keeps the scopes entered and not
 the observers told of each, and every way out leaves them: an :class:`InterruptGuard` around the
 model's forward on any ``BaseException``, an outermost call finding scopes its thread abandoned
 outside any live call, and :meth:`ScopeTracker.leave_abandoned` (``MemoryOptimizer.remove``).
+The model's own scope is entered by that guard rather than by a pre-hook, so that no user hook on
+the model runs between its entry and the guard's ``try``.
 """
 
 from __future__ import annotations
@@ -89,10 +91,25 @@ class _Hooked:
             if not UntracedRegions.depth:
                 _guard_on(self.key)
             return
+        if self.fqn == "" and _guard_of(module) is not None:
+            return  # the model's guard enters its scope, where an interrupt cannot leave it
+        self.open(module, args, kwargs, _call_frame())
+
+    def open(
+        self,
+        module: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        frame: FrameType | None,
+        guarded: bool = False,
+    ) -> None:
+        """Enter the module's scope (``frame``: the call that keeps it alive; ``guarded``: the
+        model's guard leaves it, not the hook)."""
         entered = _ENTERED.scopes
         if entered and not _within(self, entered[-1].hooked):  # not nested as modules nest:
             _leave(_abandoned(entered, len(entered)))  # is the scope it runs in still alive?
-        entry = _Entry(self, module, args)
+        entry = _Entry(self, module, args, frame)
+        entry.guarded = guarded
         entered.append(entry)
         for observer in tuple(self.observers):
             entry.told.append(observer)  # one whose enter raised part-way leaves it too
@@ -107,14 +124,19 @@ class _Hooked:
         # runs in the order of their entries.
         for i in range(len(entered) - 1, -1, -1):
             if entered[i].hooked is self:
+                if entered[i].guarded:
+                    return  # its guard leaves it (this is a call of the model inside its own)
                 break
             if entered[i].module is not module:
                 return  # its entry never ran (a pre-hook before it raised), or was left already
         else:
             return
-        entry = entered.pop(i)
+        self.close(entered.pop(i), output)
+
+    def close(self, entry: _Entry, output: Any) -> None:
+        """Tell the observers of ``entry`` (taken off the thread's scopes) that it is left."""
         for observer in reversed(entry.told):
-            observer.exit(self.fqn, module, args, output)
+            observer.exit(self.fqn, entry.module, entry.args, output)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -124,18 +146,27 @@ class _Hooked:
 class _Entry:
     """A scope entered on this thread and not left yet: the observers told of it, the frame of
     its module call (while that frame runs, the scope is alive), and the innermost saved-tensor
-    hooks and number of ``TorchFunctionMode``'s once they entered (it can be left only while
-    those are still innermost)."""
+    hooks and number of ``TorchFunctionMode``'s before and once they entered (one that entered
+    contexts can be left only while those are still innermost)."""
 
-    __slots__ = ("hooked", "module", "args", "told", "frame", "top")
+    __slots__ = ("hooked", "module", "args", "told", "frame", "guarded", "below", "top")
 
-    def __init__(self, hooked: _Hooked, module: nn.Module, args: tuple):
+    def __init__(self, hooked: _Hooked, module: nn.Module, args: tuple, frame: FrameType | None):
         self.hooked = hooked
         self.module = module
         self.args = args
         self.told: list[ScopeObserver] = []
-        self.frame = _call_frame()
+        self.frame = frame
+        self.guarded = False  # entered by the model's InterruptGuard, which leaves it
+        self.below = _contexts_top()
         self.top: tuple = ()
+
+    def entered_contexts(self) -> bool:
+        """Whether its observers' enter finished and left saved-tensor hooks or modes on the
+        thread: those must still be innermost when it is left. A scope inside someone else's
+        region (a recompute checkpoint) enters none of its own (what the region pushed is gone
+        once it unwound), and is left whatever is innermost then."""
+        return bool(self.top) and self.top != self.below
 
 
 class _Entered(threading.local):
@@ -154,7 +185,7 @@ _CALL_CODE = nn.Module._call_impl.__code__
 def _call_frame() -> FrameType | None:
     """The frame of the module call whose hook runs now (``None`` where it is not found: a call
     from compiled code, where the scope counts as alive)."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     for _ in range(6):  # past the hook's own wrappers (EngineHook, dynamo's disable, torch's inner)
         if frame is None or frame.f_code is _CALL_CODE:
             return frame
@@ -206,7 +237,7 @@ def _leave(entries: list[_Entry]) -> None:
     for entry in entries:
         if not entered or entered[-1] is not entry:
             continue
-        if entry.top and entry.top != _contexts_top():
+        if entry.entered_contexts() and entry.top != _contexts_top():
             log.warning(
                 "memopt: the scope of %s was left by an interrupt, but saved-tensor hooks or "
                 "torch function modes entered after it are still active; it stays entered",
@@ -227,9 +258,16 @@ def _leave(entries: list[_Entry]) -> None:
 
 
 class InterruptGuard(InstanceForward):
-    """The ``forward`` instance attribute memopt sets on the model it patches: a ``BaseException``
-    other than an ``Exception`` (for which torch runs the scopes' exits itself) leaves every scope
-    entered since the model's call began, the model's own included, before it propagates."""
+    """The ``forward`` instance attribute memopt sets on the model it patches. The model's own
+    scope is entered and left here, around its forward, not by its hooks: a user's forward
+    pre-hook or hook on the model runs between those and the forward, and an interrupt there
+    would leave the scope's contexts on the thread with nothing of memopt's left to run. A
+    ``BaseException`` other than an ``Exception`` (for which torch runs the scopes' exits itself)
+    leaves every scope entered since the model's call began, the model's own included, before it
+    propagates.
+
+    Its frame is never traced (the forward it calls is): with the whole model compiled, the
+    scope is still entered eagerly around the compiled graph, as the model's hooks were."""
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -241,19 +279,19 @@ class InterruptGuard(InstanceForward):
             pass
         module.forward = self
 
+    @torch.compiler.disable(recursive=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return self.original(*args, **kwargs)
-        entered = _ENTERED.scopes
-        depth = len(entered)
-        while depth and entered[depth - 1].module is self.module:  # the model's own scopes
-            depth -= 1
+        # Its own frame is what keeps the model's scope alive; never a local of its own (the
+        # frame would hold itself, and with it the forward's output, until a garbage collection).
+        depth = len(_ENTERED.scopes)
         try:
-            return self.original(*args, **kwargs)
+            _open_guarded(self, args, kwargs, sys._getframe())
+            output = self.original(*args, **kwargs)
         except BaseException as error:
-            if not isinstance(error, Exception):
-                _leave(entered[depth:][::-1])
+            _interrupted(self.module, sys._getframe(), depth, error)
             raise
+        _close_guarded(sys._getframe(), output)
+        return output
 
     def remove(self) -> None:
         """Take the guard off; one wrapped since stays in place, as a plain pass-through (it
@@ -264,6 +302,58 @@ class InterruptGuard(InstanceForward):
                 del slots["forward"]
             else:
                 slots["forward"] = self.previous
+
+
+def _guard_of(module: nn.Module) -> InterruptGuard | None:
+    """The guard that is ``module``'s forward now, if any: it enters the model's scope."""
+    forward = module.__dict__.get("forward")
+    return forward if type(forward) is InterruptGuard else None
+
+
+@torch.compiler.disable
+def _open_guarded(guard: InterruptGuard, args: tuple, kwargs: dict, frame: FrameType) -> None:
+    """Enter the scope of the guard's model, if it is watched and the guard is the model's
+    forward (else its pre-hook entered it, or the guard is called past its hooks)."""
+    module = guard.module
+    ref = ScopeTracker._of.get(module)
+    tracker = ref() if ref is not None else None
+    hooked = tracker._hooked.get(module) if tracker is not None else None
+    if hooked is not None and _guard_of(module) is guard:
+        hooked.open(module, args, kwargs, frame, guarded=True)
+
+
+@torch.compiler.disable
+def _close_guarded(frame: FrameType, output: Any) -> None:
+    """Leave the model's scope the guard called from ``frame`` entered, as the model's forward
+    hook would have."""
+    entered = _ENTERED.scopes
+    for i in range(len(entered) - 1, -1, -1):
+        entry = entered[i]
+        if entry.guarded and entry.frame is frame:
+            entry.hooked.close(entered.pop(i), output)
+            return
+
+
+@torch.compiler.disable
+def _interrupted(module: nn.Module, frame: FrameType, depth: int, error: BaseException) -> None:
+    """The forward of ``module`` called by the guard in ``frame`` raised ``error``: an
+    ``Exception`` leaves the model's scope (torch left those inside it), anything else every
+    scope entered since the model's call began: from the guard's own (``depth``, the thread's
+    scopes at the guard's start, where it entered none), and the model's scopes beneath it that
+    hooks entered (of other trackers, or its own where the guard was wrapped since)."""
+    if isinstance(error, Exception):
+        _close_guarded(frame, None)
+        return
+    entered = _ENTERED.scopes
+    # Entering the guard's scope may have left abandoned scopes beneath, never more.
+    depth = min(depth, len(entered))
+    for i in range(len(entered) - 1, -1, -1):
+        if entered[i].guarded and entered[i].frame is frame:
+            depth = i
+            break
+    while depth and entered[depth - 1].module is module:
+        depth -= 1
+    _leave(entered[depth:][::-1])
 
 
 #: Models whose TorchScript modules were named in the log already (held weakly).

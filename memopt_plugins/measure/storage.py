@@ -42,19 +42,29 @@ class ModelStorages:
     between steps. ``t in storages`` is the one test of "``t`` is (a view of) a parameter, a
     buffer or an extra tensor": such memory is never the step's to free, so it is neither
     compressed nor counted as saved.
+
+    Each storage is held weakly and counts only while it is alive at the address read: a
+    forward that reassigns a buffer (``self.avg = 0.9 * self.avg + ...``) frees the storage read,
+    and the allocator may hand its address to any tensor made next. Had the address alone been
+    kept, that tensor would count as a buffer or not by how the allocator placed it.
     """
 
     def __init__(self, model: nn.Module, extra: Iterable[torch.Tensor] = ()):
         self.model = model
         self.extra = tuple(extra)
-        self._keys: frozenset[StorageKey] = frozenset()
+        self._storages: dict[StorageKey, weakref.ref] = {}
         self.refresh()
 
     def refresh(self) -> None:
         """Read the storages again."""
         model = self.model
         tensors = (*model.parameters(), *model.buffers(), *self.extra)
-        self._keys = frozenset(storage_key(t) for t in tensors if t.numel() > 0) - {None}
+        storages = {}
+        for t in tensors:
+            key = storage_key(t)
+            if key is not None and t.numel() > 0:
+                storages[key] = weakref.ref(t.untyped_storage())
+        self._storages = storages
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count these tensors' storages as pre-existing too (e.g. the root module's inputs)."""
@@ -64,7 +74,13 @@ class ModelStorages:
     def __contains__(self, t: object) -> bool:
         if isinstance(t, nn.Parameter):
             return True
-        return isinstance(t, torch.Tensor) and storage_key(t) in self._keys
+        if not isinstance(t, torch.Tensor):
+            return False
+        key = storage_key(t)
+        ref = self._storages.get(key) if key is not None else None
+        storage = ref() if ref is not None else None
+        # alive, allocated and at the same address: the memory read, not a reuse of its address
+        return storage is not None and storage.nbytes() > 0 and storage.data_ptr() == key[1]
 
 
 def is_sharded(t: object) -> bool:

@@ -6,8 +6,9 @@ with the RNG state preserved; :meth:`Recompute.remove` deletes it. Traps handled
 tests/test_recompute.py, tests/test_replay_state.py): the replay starts from the buffers and
 tensor attributes the forward started from (spectral norm's power iteration, running statistics
 updated in place or reassigned) and its own updates are discarded, so state moves once per step
-(pytorch#96136); compression is suspended inside (recompute wins), while the
-checkpoint's inputs stay compressible by an enclosing scope; an input changed in place raises
+(pytorch#96136); compression is suspended inside (recompute wins), while the checkpoint's
+inputs are packed outside it, at the more precise of the module's own bits and the
+enclosing scope's (:class:`~..compress.bits.BitTable`); an input changed in place raises
 :class:`RecomputeError` naming the module, as does a failed replay; a Hugging Face KV cache is not
 handed to a recomputed module in training. Which modules: the config (:func:`recompute_targets`)
 or the planner (:mod:`.planner`).
