@@ -192,12 +192,6 @@ class MemOptCallback(Callback):
             self._profiler.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
-        self.session.log_memory()  # between forward and backward: what compression keeps
-
-    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:

@@ -104,6 +104,8 @@ class MemOptProfileCallback(Callback):
                 if memopt is not None:
                     memopt.load_state_dict(state)
                     memopt.apply(pl_module)
+        if memopt is not None and config is memopt.config:
+            memopt.measured_fits(report.fits)  # the step measured here: one figure for it
         log.info("memopt: memory of the first training step by module\n%s", report.table(self.top))
         folder = trainer.log_dir or trainer.default_root_dir
         if folder:

@@ -12,6 +12,7 @@ import difflib
 import numbers
 import os
 import reprlib
+import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -203,9 +204,35 @@ def _problem_line(root: type[BaseModel], error: Any) -> str:
         guess = closest(value, choices, n=1)
         if guess:
             line += f". Did you mean {guess[0]!r}?"
-        elif not choices and _is_number(value):
-            line += f". Write it as a plain number: {_plain_number(value)}"
+        elif not choices:
+            line += _number_advice(field.annotation, value)
     return line
+
+
+def _number_advice(annotation: Any, text: str) -> str:
+    """How to write numbers given as text, in the form the key takes: a list for a list key
+    (``ladder: "4, 8"``), a plain number for a number key; nothing where neither fits."""
+    if _takes(annotation, (list, tuple, Sequence)):
+        parts = text.replace(",", " ").split()
+        if parts and all(_is_number(p) for p in parts):
+            return f". Write it as a list: [{', '.join(_plain_number(p) for p in parts)}]"
+        return ""
+    if _takes(annotation, (int, float)) and _is_number(text):
+        return f". Write it as a plain number: {_plain_number(text)}"
+    return ""
+
+
+def _takes(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a value of one of ``kinds`` fits ``annotation`` (through unions and literals)."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return any(
+            isinstance(c, kinds) and not isinstance(c, bool) for c in typing.get_args(annotation)
+        )
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_takes(a, kinds) for a in typing.get_args(annotation))
+    target = origin if origin is not None else annotation
+    return isinstance(target, type) and issubclass(target, kinds)
 
 
 def _is_number(text: str) -> bool:

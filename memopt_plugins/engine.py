@@ -36,7 +36,7 @@ from .dropout import DropoutPatch
 from .lean import LeanOps
 from .logs import show_on_console
 from .loss_fn import bind_loss, takes_model_and_batch
-from .measure.process import StepPeak
+from .measure.process import StepPeak, batch_fits
 from .measure.scopes import InterruptGuard, ScopeTracker, scripted_modules
 from .policy import resolve_bits
 from .recompute import (
@@ -232,6 +232,8 @@ class MemoryOptimizer:
                 stacklevel=2,
             )
         self._budget_waits_noted = False
+        self._fits_measured: float | None = None  # measured_fits
+        self._fits_base: float | None = None  # the estimate at the step it was measured for
         #: (step, counted steps) of :meth:`maybe_check_drift`'s last check: one per optimizer step
         self._checked_at: tuple[int, int] | None = None
 
@@ -649,11 +651,13 @@ class MemoryOptimizer:
         * ``memopt/escalations``, ``memopt/lowerings`` (with ``drift.lower`` or a budget),
           ``memopt/drift_skipped``: so far; ``memopt/drift_max``: the last check's largest
           module drift (``drift=False`` leaves it out: integrations log it at a check's step);
-        * ``memopt/peak_bytes``: the last step's peak as memopt measures it
-          (:class:`~.measure.process.StepPeak`: exact on CUDA when the step raised the
-          allocator's high-water mark, else a lower bound; the process's resident memory on the
-          CPU); no process-wide counter is ever reset;
+        * ``memopt/peak_bytes``: the last step's peak above the step's start
+          (:class:`~.measure.process.StepPeak`: the allocator's, exact on CUDA when the step
+          raised its high-water mark, else the most held at a forward's end, a lower bound); no
+          process-wide counter is ever reset;
         * ``memopt/batch_fits_x``: :attr:`batch_fits`;
+        * ``memopt/kept_as_is_bytes``: of ``memopt/kept_bytes``, what the hooks kept as it is
+          (integer and bool tensors, workspaces, tensors under ``min_numel``, unencodable ones);
         * ``memopt/unencodable``: saved tensors kept as they are since apply because the codec
           cannot take them (DTensor, sparse layouts), once there was one.
 
@@ -682,6 +686,7 @@ class MemoryOptimizer:
         if self._hooks is not None:
             stats = self._hooks.stats
             out["memopt/kept_bytes"] = float(stats.saved_stored)
+            out["memopt/kept_as_is_bytes"] = float(stats.kept_as_is)
             out["memopt/compression_ratio"] = float(stats.forward_ratio)
             unencodable = sum(stats.unencodable.values())
             if unencodable:
@@ -698,27 +703,40 @@ class MemoryOptimizer:
 
     @property
     def batch_fits(self) -> float | None:
-        """How many times larger a batch fits in the memory the model's batch takes now.
+        """How many times larger a batch fits than without memopt (:func:`.process.batch_fits`):
+        the step's peak above its start without memopt over the same with it.
 
-        A step's memory is what it holds before the batch (parameters, gradients, optimizer
-        state: the same with or without memopt) plus a part that grows with the batch: the saved
-        activations (``O`` bytes uncompressed, ``K`` as memopt keeps them) and what compression
-        leaves, the output, the loss's inputs, workspaces (``T``). Memory freed by memopt takes
-        ``(T + O) / (T + K)`` times the batch. ``T`` is measured once, at the first training
-        forward after apply, as a share of ``O`` (:attr:`.StepPeak.transient_share`: held at
-        the forward's end less held at its start and ``K``); ``O`` and ``K`` are the last
-        training forward's, so the figure follows every change of bits. It leaves out the
-        backward's own peak (gradients in flight), so it reads high where that peak dominates.
-        ``None`` before a training forward was measured.
+        With it: the last step's (:attr:`.StepPeak.peak`; the step's so far while one is open),
+        never under the bytes its forward kept for backward.
+        Without it: that peak plus what the hooks freed, the saved activations uncompressed less
+        as kept (the last training forward's, so the figure follows every change of bits); what
+        lean ops and recompute free is in neither, so it reads low for them. A measured figure
+        (:meth:`measured_fits`, the profile of the first step) replaces that estimate: later
+        steps scale it by the estimate's change since. ``None`` before a training forward was
+        measured, or where the allocator cannot be read.
         """
+        estimate = self._fits_estimate()
+        if estimate is None or self._fits_measured is None:
+            return estimate
+        if self._fits_base is None:
+            self._fits_base = estimate  # the step the measured figure is for
+        return self._fits_measured * estimate / self._fits_base
+
+    def _fits_estimate(self) -> float | None:
         hooks = self._hooks
-        if hooks is None or hooks.memory is None or hooks.memory.transient_share is None:
+        if hooks is None or hooks.memory is None:
             return None
+        peak = hooks.memory.so_far
         original, kept = hooks.stats.saved_original, hooks.stats.saved_stored
-        if not original or not kept:
+        if peak is None or not original:
             return None
-        transient = hooks.memory.transient_share * original
-        return (transient + original) / (transient + kept)
+        peak = max(peak, kept)  # the step held at least what its forward kept, then alive
+        return batch_fits(peak + original - kept, peak)
+
+    def measured_fits(self, fits: float | None) -> None:
+        """Take ``fits``, :attr:`batch_fits` as measured without and with memopt for the next
+        training step (``MemOptProfileCallback``'s profile of it), in place of the estimate."""
+        self._fits_measured, self._fits_base = fits, None
 
     @property
     def bits_mean(self) -> float | None:

@@ -35,6 +35,8 @@ __all__ = ["MemOptSession"]
 log = logging.getLogger("memopt")
 
 _MIB = 1024 * 1024
+#: Bytes kept as they are get a line of their own from this share of all the step kept.
+_LARGE_SHARE = 0.1
 
 
 class MemOptSession:
@@ -64,6 +66,7 @@ class MemOptSession:
         self._report: DriftReport | None = None  # the check of the current step, to log
         self._checked = False  # a check ran in the current step
         self._told_memory = False
+        self._told_plan = False
 
     # ----------------------------------------------------------------- what it holds
     @property
@@ -100,6 +103,7 @@ class MemOptSession:
         self.remove()
         self.memopt.apply(model)
         self._report, self._checked, self._told_memory = None, False, False
+        self._told_plan = False
         self.restore()
         return model
 
@@ -152,6 +156,7 @@ class MemOptSession:
         ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch cut from
         a training batch of ``batch_size`` samples.
         """
+        self._tell_plan()
         report = self.memopt.check_drift(loss_fn, step=step, batch_size=batch_size)
         self._report, self._checked = report, True
         return report
@@ -169,7 +174,9 @@ class MemOptSession:
         """Count the optimizer step just taken and log its metrics when ``log_due`` (the
         framework's logging step) or a check ran in it; drift values only then. Returns the
         metrics logged, or ``None``."""
+        self._tell_plan()
         self.memopt.count_step()
+        self.log_memory()  # the first step's line, once its peak is known
         report, self._report, self._checked = self._report, None, False
         if self.log_metrics is None or (report is None and not log_due):
             return None
@@ -178,10 +185,18 @@ class MemOptSession:
         return metrics
 
     # ----------------------------------------------------------------- the console
+    def _tell_plan(self) -> None:
+        """The plan's line before the first check or step of a patch, where the integration did
+        not say it when training started (then any state loaded meanwhile is laid)."""
+        if not self._told_plan:
+            self.log_plan()
+
     def log_plan(self) -> None:
-        """One line: how many modules each action takes, dropout, batchnorm and drift."""
+        """One line: how many modules each action takes (at the bits in force now: after a
+        resume, the checkpoint's), dropout, batchnorm and drift."""
         if self.memopt.model is None or not self.is_main():
             return
+        self._told_plan = True
         plan = self.memopt.plan
         actions: dict[str, int] = {}
         for entry in plan.values():
@@ -204,21 +219,55 @@ class MemOptSession:
         )
 
     def log_memory(self) -> None:
-        """Between the first forward and its backward after a patch: one line with what the
-        hooks keep for backward against what the model saves, and how many times larger a batch
-        fits (:attr:`.MemoryOptimizer.batch_fits`)."""
+        """At the end of the first optimizer step after a patch (:meth:`end_step`): one line with
+        what the hooks kept for backward against the bytes of what they were handed (every
+        save in a compression scope over ``min_numel``, parameters left out: not the profile's
+        count of the distinct storages the whole model saves), what of it they kept as it is,
+        and how many times larger a batch fits (:attr:`.MemoryOptimizer.batch_fits`, the
+        figure ``memopt/batch_fits_x`` logs for the same step)."""
         hooks = self.memopt.hooks
         if self._told_memory or hooks is None or not self.is_main():
             return
-        self._told_memory = True
         stats = hooks.stats
-        if stats.saved_original:
-            fits = self.memopt.batch_fits
-            log.info(
-                "memopt: first training step kept %.2f MiB for backward where the model saves "
-                "%.2f MiB (%.1fx less)%s",
-                stats.saved_stored / _MIB,
-                stats.saved_original / _MIB,
-                stats.forward_ratio,
-                "" if fits is None else f"; a batch about {fits:.1f}x as large fits now",
+        if not stats.saved_original:
+            return
+        self._told_memory = True
+        fits = self.memopt.batch_fits
+        log.info(
+            "memopt: first training step kept %.2f MiB for backward of the %.2f MiB its hooks "
+            "were handed (%.1fx less; %.2f MiB of it kept as it is)%s",
+            stats.saved_stored / _MIB,
+            stats.saved_original / _MIB,
+            stats.forward_ratio,
+            stats.kept_as_is / _MIB,
+            "" if fits is None else f"; a batch {fits:.1f}x as large fits",
+        )
+        for line in self._kept_whole_lines():
+            log.info("memopt: %s", line)
+
+    def _kept_whole_lines(self) -> list[str]:
+        """A line for each scope's dtype whose bytes kept as they are make a large share of what
+        the first step kept (:attr:`.SavedStats.kept_whole`): why that scope barely shrank."""
+        stats = self.memopt.hooks.stats
+        named = dict(self.memopt.model.named_modules())
+        lines = []
+        ranked = sorted(stats.kept_whole.items(), key=lambda item: -item[1][1])
+        for (scope, dtype), (tensors, nbytes) in ranked:
+            if nbytes < _LARGE_SHARE * stats.saved_stored:
+                break
+            module = named.get(scope)
+            label = scope or "<root>"
+            if isinstance(module, nn.RNNBase) and dtype == "uint8":
+                what = f"the {type(module).__name__}'s oneDNN workspace in {label}"
+                why = "oneDNN keeps its gates there as raw bytes, which the codec cannot read"
+            elif dtype == "bool":
+                what, why = f"bool tensors in {label}", "masks are stored as they are"
+            else:
+                what = f"{dtype} tensors in {label}"
+                why = "the codec keeps integer tensors exactly"
+            lines.append(
+                f"{what} ({dtype}, {tensors} tensor{'s' if tensors > 1 else ''}, "
+                f"{nbytes / _MIB:.1f} MiB) is kept as it is: {why}; memopt/kept_as_is_bytes "
+                "counts it"
             )
+        return lines

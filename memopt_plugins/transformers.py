@@ -9,9 +9,10 @@ An adapter of the Trainer's events over one :class:`~memopt_plugins.session.MemO
 ``Trainer.compute_loss`` for a check's inputs (callbacks are not handed the batch);
 ``on_pre_optimizer_step`` runs a due drift check through the Trainer's own ``compute_loss`` on the
 patched model; ``on_step_end`` counts the step and logs through ``Trainer.log``; ``on_train_end``
-removes the patch and keeps its state. The state is saved in ``trainer_state.json`` and restored on
-resume whatever ``restore_callback_states_from_checkpoint`` says (bits are numerics, like optimizer
-state). docs/integrations.md says more.
+removes the patch and keeps its state. The console lines are the Lightning callback's: the plan
+with the bits the run starts from, the first step's memory, each check. The state is saved in
+``trainer_state.json`` and restored on resume whatever ``restore_callback_states_from_checkpoint``
+says (bits are numerics, like optimizer state). docs/integrations.md says more.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
         if state.global_step > 0 and isinstance(saved, Mapping) and STATE_KEY in saved:
             self.session.load_state_dict(saved[STATE_KEY])  # resumed from a checkpoint
         self._watch(trainer)
+        self.session.log_plan()  # with the state laid: the bits this run starts from
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -464,3 +464,28 @@ def test_cuda_round_trip_keeps_guarantees_and_rng() -> None:
         finite = torch.isfinite(x.cpu().reshape(-1))
         assert (err[finite] < step[finite]).all()
         assert torch.equal(y == 0, x == 0) and y.isnan().sum() == 1
+
+
+def test_a_traced_stochastic_quantize_breaks_no_graph_at_its_seed_and_draws_one_per_run():
+    """Traced by torch.compile, ``quantize`` draws its rounding seed inside an operator when the
+    graph runs: no graph break at the draw (once a ``Tensor.item`` of a generator's draw, then a
+    generator made in the region), and each run rounds with a fresh seed from the generator."""
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+
+    def codes(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        return quantize(x * 2, 8, 256, generator=generator).codes
+
+    for gen in (None, generator):
+        explained = torch._dynamo.explain(codes)(x, gen)
+        at_seed = [
+            b.reason
+            for b in explained.break_reasons
+            if "Dynamic shape operator" not in b.reason  # the side tables' sizes (data-dependent)
+        ]
+        assert at_seed == [], at_seed
+    compiled = torch.compile(codes, backend="eager")
+    first, second = compiled(x, generator), compiled(x, generator)
+    assert not torch.equal(first, second)  # a seed per run, not one baked into the trace
+    torch._dynamo.reset()

@@ -223,6 +223,20 @@ def test_bad_value_message_names_path_value_and_what_is_allowed(data, expected):
         assert text in str(err), f"{text!r} not in:\n{err}"
 
 
+@pytest.mark.parametrize(
+    ("data", "advice", "not_said"),
+    [
+        ({"drift": {"ladder": "8"}}, "Write it as a list: [8]", "plain number"),
+        ({"drift": {"ladder": "4, 8, 32"}}, "Write it as a list: [4, 8, 32]", "plain number"),
+        ({"quantize": {"budget": "0.5"}}, "Write it as a plain number: 0.5", "a list"),
+    ],
+)
+def test_advice_for_numbers_written_as_text_fits_the_keys_type(data, advice, not_said):
+    """A list key given a string of numbers is told to write a list, never a plain number."""
+    err = str(error_of(data))
+    assert advice in err and not_said not in err, err
+
+
 def test_every_problem_is_reported_one_line_each():
     err = error_of(
         {"quantize": {"bits": 3, "bitz": 4}, "drift": {"threshold": 2}, "dropout": {"mode": "x"}}

@@ -206,6 +206,36 @@ def test_resumed_trainer_starts_from_the_checkpointed_bits(two_bit_run, tmp_path
     assert sum(c is resumed for c in trainer.callback_handler.callbacks) == 1
 
 
+def test_the_trainer_says_what_lightning_says_and_a_resumed_plan_names_the_bits_it_runs_at(
+    two_bit_run, tmp_path
+):
+    """The console of a Trainer run has the Lightning callback's lines: the plan when training
+    starts, the first step's memory (once, with the figure its row logs), each check. A resumed
+    run's plan counts the bits the checkpoint laid, not the config's."""
+    trainer, _, _, messages, out = two_bit_run
+    (plan,) = [m for m in messages if m.startswith("memopt: plan for")]
+    (first,) = [m for m in messages if "first training step kept" in m]
+    assert "compress@2" in plan and "every 2 steps" in plan
+    fits = float(first.split("a batch ")[1].split("x as large")[0])
+    assert fits == round(memopt_rows(trainer)[0]["memopt/batch_fits_x"], 1)
+
+    resumed = MemOptTrainerCallback(TWO_BITS)
+    again = make_trainer(out, [resumed], max_steps=4)
+    lines, logger = Lines(), logging.getLogger("memopt")
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        again.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    (plan,) = [m for m in lines.messages if m.startswith("memopt: plan for")]
+    widths = {b: list(resumed.bits.values()).count(b) for b in set(resumed.bits.values())}
+    assert len(widths) > 1  # the checkpoint's escalations: more than one width
+    assert all(f"{n} compress@{b}" in plan for b, n in widths.items())
+
+
 # --------------------------------------------------------------------------- the loop
 def test_checks_at_optimizer_steps_on_a_slice_of_the_last_micro_batch(tmp_path):
     """Gradient accumulation 2: 10 micro-batches, 5 optimizer steps, checks at 0, 2, 4, each on

@@ -282,6 +282,27 @@ def test_profile_callback_measures_the_first_batch_under_the_memopt_callbacks_pl
         MemOptCallback(profile=True)
 
 
+def test_the_console_the_metrics_and_the_profile_give_one_batch_fits_figure(tmp_path, caplog):
+    """How many times larger a batch fits, for the step the profile measured: the console line,
+    ``memopt/batch_fits_x`` of that step and ``memopt_profile.md`` say the same number, and the
+    number the later steps log follows it, not the compression ratio."""
+    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"enabled": False}})
+    trainer = make_trainer(tmp_path, [memopt, MemOptProfileCallback(top=3)], max_steps=2)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        trainer.fit(GPT2Module(), loader())
+    (line,) = [m for m in caplog.messages if "first training step kept" in m]
+    console = float(re.search(r"a batch ([0-9.]+)x as large fits", line)[1])
+    markdown = (Path(trainer.log_dir) / "memopt_profile.md").read_text()
+    profiled = float(re.search(r"a batch ([0-9.]+)x larger fits", markdown)[1])
+    rows = [r for r in csv_rows(trainer) if r["memopt/kept_bytes"]]
+    logged = float(rows[0]["memopt/batch_fits_x"])
+    assert console == profiled == round(logged, 1)
+    # the line's "saved" figure is the hooks' own count, named so beside the profile's storages
+    assert "its hooks were handed" in line and "the model saves" not in line
+    assert abs(float(rows[1]["memopt/batch_fits_x"]) - logged) < 0.15 * logged
+    assert logged < 0.9 * float(rows[0]["memopt/compression_ratio"])
+
+
 def test_a_bad_config_fails_when_the_callback_is_built():
     with pytest.raises(ConfigError, match="Did you mean 'bits'"):
         MemOptCallback({"quantize": {"bitz": 4}})

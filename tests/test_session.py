@@ -177,3 +177,78 @@ def test_a_held_state_that_does_not_load_is_kept():
     with pytest.raises(ConfigError, match=r"does not have: \['9'\]"):
         session.restore()
     assert session.state_dict() == held and session.memopt.bits == {"0": 2}
+
+
+class _LSTMNet(nn.Module):
+    """A 2-layer LSTM over 64 steps: on the CPU each layer's oneDNN kernel saves a uint8
+    workspace for its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0]).square().mean()
+
+
+def _saved_storages(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages a forward saves for backward, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(seen.values())
+
+
+def test_an_lstms_workspace_is_reported_kept_as_it_is_and_the_counts_stay_under_the_baseline(
+    caplog,
+):
+    """What the hooks keep as they are where bits were asked for is counted apart
+    (``memopt/kept_as_is_bytes``) and named in the first step's console lines; no count exceeds
+    what the model saves without memopt."""
+    torch.manual_seed(0)
+    model, x = _LSTMNet(), torch.randn(8, 64, 32)
+    baseline = _saved_storages(model, x)
+    session = MemOptSession({"quantize": {"bits": 4}, "drift": {"enabled": False}})
+    session.log_metrics = Rows()
+    session.apply(model)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        model(x).backward()
+        metrics = session.end_step(0, log_due=True)
+    workspaces = [m for m in caplog.messages if "oneDNN workspace" in m]
+    assert 0 < metrics["memopt/kept_as_is_bytes"] <= metrics["memopt/kept_bytes"] <= baseline
+    assert len(workspaces) == 1 and "lstm" in workspaces[0] and "uint8" in workspaces[0]
+    first = next(m for m in caplog.messages if "first training step kept" in m)
+    assert f"{metrics['memopt/kept_as_is_bytes'] / 2**20:.2f} MiB of it kept as it is" in first
+    session.remove()
+
+
+def test_a_loop_that_never_says_the_plan_has_it_said_before_its_first_check(caplog):
+    """An integration that does not call ``log_plan`` (Accelerate's loop) still shows the plan,
+    once, before the first check's line; an integration that said it is not repeated."""
+    model = mlp()
+    session = MemOptSession(TWO_BITS)
+    session.apply(model)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        for step in range(3):
+            session.check_if_due(loss_on(model), step)
+            loss_on(model)().backward()
+            session.end_step(step, log_due=True)
+    plans = [i for i, m in enumerate(caplog.messages) if m.startswith("memopt: plan for")]
+    checks = [i for i, m in enumerate(caplog.messages) if "drift check at step" in m]
+    assert len(plans) == 1 and checks and plans[0] < checks[0]
+    caplog.clear()
+    again = MemOptSession(TWO_BITS)
+    again.apply(mlp())
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        again.log_plan()
+        again.end_step(0, log_due=False)
+    assert sum(m.startswith("memopt: plan for") for m in caplog.messages) == 1

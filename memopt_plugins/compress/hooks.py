@@ -527,7 +527,7 @@ class CompressionHooks:
                 self._last = None
                 self.stats.add_compiled(self._compiled.forward_done(output))
                 if self.memory is not None and torch.is_grad_enabled():
-                    self.memory.forward_done(self.stats.saved_stored, self.stats.saved_original)
+                    self.memory.forward_done()
                 if not self._compiled_noted:
                     self._note_compiled()
 
@@ -601,6 +601,8 @@ class CompressionHooks:
         scope = self._count_module(t, original, nbytes)
         if saved is t:
             stats.forward_stored += original
+            if bits < OFF_BITS:  # asked to compress: the codec keeps it exactly (ints, bools)
+                stats.keep_whole(scope, str(t.dtype).removeprefix("torch."), original)
             if key is not None:
                 self._cache[key] = (weakref.ref(base), _no_copy, t.stride())
             return t, 0

@@ -53,6 +53,10 @@ class SavedStats:
     #: saved tensors kept as they are because the codec cannot take them, per kind (a tensor
     #: subclass's name, a layout, "meta"), counted since apply
     unencodable: dict[str, int] = field(default_factory=dict)
+    #: of the last forward's stored bytes, what the hooks kept as it is in a scope that asked
+    #: for fewer bits (integer and bool tensors the codec keeps exactly, an op's workspace):
+    #: ``{(scope, dtype): (tensors, bytes)}``
+    kept_whole: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
@@ -67,17 +71,42 @@ class SavedStats:
             compiled[graph] = (before[0] + original, before[1] + stored)
         self.compiled = compiled
 
+    def keep_whole(self, scope: str | None, dtype: str, nbytes: int) -> None:
+        """Count ``nbytes`` stored as they were saved in ``scope`` (``None``: outside every
+        scope), which asked to compress them (:attr:`kept_whole`)."""
+        kept = dict(self.kept_whole)  # a new dict: a snapshot may hold the old one
+        tensors, before = kept.get((scope or "", dtype), (0, 0))
+        kept[(scope or "", dtype)] = (tensors + 1, before + nbytes)
+        self.kept_whole = kept
+
+    @property
+    def kept_as_is(self) -> int:
+        """Bytes of the last forward kept as they are where fewer bits were asked for."""
+        return sum(nbytes for _, nbytes in self.kept_whole.values())
+
     def snapshot(self) -> tuple:
         """The per-forward counts, for :meth:`restore` (``held_bytes`` is live and not kept)."""
-        return (self.forward_original, self.forward_stored, self.forward_tensors, self.compiled)
+        return (
+            self.forward_original,
+            self.forward_stored,
+            self.forward_tensors,
+            self.compiled,
+            self.kept_whole,
+        )
 
     def restore(self, snapshot: tuple) -> None:
         """Put back per-forward counts taken by :meth:`snapshot` (after an extra pass)."""
-        self.forward_original, self.forward_stored, self.forward_tensors, self.compiled = snapshot
+        (
+            self.forward_original,
+            self.forward_stored,
+            self.forward_tensors,
+            self.compiled,
+            self.kept_whole,
+        ) = snapshot
 
     def start_forward(self) -> None:
         """A new forward begins: its counts start from zero."""
-        self.restore((0, 0, 0, {}))  # a new dict: ``compiled`` is replaced, never changed
+        self.restore((0, 0, 0, {}, {}))  # new dicts: these are replaced, never changed
         self.modules = {}  # a new dict: a snapshot holding the old one keeps it
 
     @property

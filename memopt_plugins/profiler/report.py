@@ -13,6 +13,7 @@ from typing import Any
 from ..config import OFF_BITS, MemOptConfig
 from ..engine import COMPRESS, KEEP
 from ..measure import Measurement
+from ..measure.process import batch_fits
 from ..measure.timeline import StepTimeline
 from .meter import MemoryReading
 from .plot import Bar, plot_holders, plot_timeline
@@ -103,13 +104,15 @@ class ProfileReport:
 
     @property
     def fits(self) -> float | None:
-        """How many times larger a batch fits with the plan: the ratio of the peak per sample
-        without and with it (``None`` without a plan or a per-sample slope)."""
+        """How many times larger a batch fits with the plan (:func:`.process.batch_fits`): the
+        step's peak above its start per sample without the plan over the same with it (``None``
+        without a plan or a per-sample slope). The training integrations log this figure for
+        the step it profiled (``MemOptProfileCallback``)."""
         before = self.step.per_sample
         after = self.step_after.per_sample if self.step_after is not None else None
-        if before is None or after is None or after.peak <= 0:
+        if before is None or after is None:
             return None
-        return before.peak / after.peak
+        return batch_fits(before.peak, after.peak)
 
     def __getitem__(self, fqn: str) -> ModuleProfile:
         for row in self.modules:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -218,6 +219,40 @@ def draw_seed(generator: torch.Generator) -> int:
     return int(torch.randint(2**62, (), generator=generator, device=generator.device))
 
 
+#: The seed source (:func:`.ops.add_seed_source`) of each generator traced calls draw from,
+#: and of each device's :func:`codec_generator`; a source holds its generator weakly.
+_SOURCES: weakref.WeakKeyDictionary[torch.Generator, tuple[int, Callable[[], int]]] = (
+    weakref.WeakKeyDictionary()
+)
+_DEVICE_SOURCES: dict[torch.device, tuple[int, Callable[[], int]]] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _seed_source(generator: torch.Generator | None, device: torch.device) -> int:
+    """The key of the seed source drawing from ``generator`` (``None``: ``device``'s
+    :func:`codec_generator`), run at trace time: a constant of the graph, whose runs each draw
+    afresh. The generator is never made or read while tracing."""
+    if generator is None:
+        found = _DEVICE_SOURCES.get(device)
+        if found is None:
+
+            def draw() -> int:
+                return draw_seed(codec_generator(device))
+
+            found = _DEVICE_SOURCES[device] = (ops.add_seed_source(draw), draw)
+        return found[0]
+    found = _SOURCES.get(generator)
+    if found is None:
+        ref = weakref.ref(generator)
+
+        def draw() -> int:
+            alive = ref()
+            return 0 if alive is None else draw_seed(alive)
+
+        found = _SOURCES[generator] = (ops.add_seed_source(draw), draw)
+    return found[0]
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -240,12 +275,17 @@ def quantize(
         A :class:`PackedTensor` that references neither ``x`` nor any full-precision copy of it.
     """
     _check_args(x, bits, group_size)
-    seed = None
-    if stochastic:
-        seed = draw_seed(generator if generator is not None else codec_generator(x.device))
-    flat = x.detach().reshape(-1)
-    run = ops.quantize_op if torch.compiler.is_compiling() else ops.quantize
-    codes, scale, zero_point, *tables = run(flat.contiguous(), bits, group_size, seed)
+    flat = x.detach().reshape(-1).contiguous()
+    if not torch.compiler.is_compiling():
+        seed = None
+        if stochastic:
+            seed = draw_seed(generator if generator is not None else codec_generator(x.device))
+        codes, scale, zero_point, *tables = ops.quantize(flat, bits, group_size, seed)
+    elif stochastic:  # traced: the seed is drawn when the graph runs, inside the operator
+        source = _seed_source(generator, _indexed(x.device))
+        codes, scale, zero_point, *tables = ops.quantize_drawn_op(flat, bits, group_size, source)
+    else:
+        codes, scale, zero_point, *tables = ops.quantize_op(flat, bits, group_size, None)
     exact_index, exact_values, const_index, const_values = (
         t if t.numel() else None for t in tables
     )

@@ -251,9 +251,21 @@ def graph_seed(anchor: torch.Tensor, source: int) -> torch.Tensor:
     the global RNG, and no wait on the device), as an int64 scalar on ``anchor``'s device.
     ``anchor`` (a small tensor of the graph) places the call after it; its values are unread.
     A graph whose source was removed (memopt taken off) rounds with seed 0."""
+    return torch.tensor(_drawn(source), dtype=torch.int64, device=anchor.device)
+
+
+def _drawn(source: int) -> int:
+    """One draw of seed source ``source``; 0 once it was removed."""
     ref = _SEED_SOURCES.get(source)
     draw = ref() if ref is not None else None
-    return torch.tensor(0 if draw is None else draw(), dtype=torch.int64, device=anchor.device)
+    return 0 if draw is None else draw()
+
+
+def quantize_drawn(x: torch.Tensor, bits: int, group_size: int, source: int) -> Quantized:
+    """:func:`quantize` with stochastic rounding at a seed drawn from seed source ``source``
+    when it runs: what a graph traced through :func:`~memopt_plugins.compress.codec.quantize`
+    calls, so that the draw is neither a graph break nor a constant of the trace."""
+    return quantize(x, bits, group_size, _drawn(source))
 
 
 #: The operator compiled graphs call: opaque, and tagged as seeded noise, so that no pass of the
@@ -300,3 +312,17 @@ dequantize_op = torch.library.custom_op("memopt::dequantize", dequantize, mutate
 def _dequantize_fake(codes: torch.Tensor, *tables_and_settings: object) -> torch.Tensor:
     *_, numel, dtype = tables_and_settings  # the last two arguments
     return codes.new_empty(numel, dtype=dtype)
+
+
+#: The operator traced calls of the codec's ``quantize`` run: seeded noise, never folded.
+quantize_drawn_op = torch.library.custom_op(
+    "memopt::quantize_drawn",
+    quantize_drawn,
+    mutates_args=(),
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
+
+
+@quantize_drawn_op.register_fake
+def _quantize_drawn_fake(x: torch.Tensor, bits: int, group_size: int, source: int) -> Quantized:
+    return _quantize_fake(x, bits, group_size, None)
