@@ -182,4 +182,3 @@ def batch_fits(without: float, with_: float) -> float | None:
     if with_ <= 0:
         return None
     return without / with_
-
