@@ -16,6 +16,8 @@ returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss`
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import importlib.util
 import os
 import sys
@@ -32,20 +34,13 @@ from .config import ConfigError, MemOptConfig, closest, load_config, memory_byte
 from .profiler import ProfileReport, profile_model, suggest_config
 from .profiler.fit import plan_peak
 from .profiler.ops import OpsEntry, suggest_ops
+from .profiler.training import OPTIMIZERS, Training
 from .tree import map_tensors
 
 EXPECTED = (
     "a factory taking no arguments and returning (model, batch, loss_fn): model a "
     "torch.nn.Module, loss_fn(model, batch) -> scalar loss"
 )
-#: The optimizers whose state ``--optimizer`` counts: Adam(W) keeps two fp32 tensors per
-#: parameter, SGD with momentum one, plain SGD none.
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
-    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-}
 
 
 class CliError(Exception):
@@ -253,10 +248,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch = map_tensors(lambda t: t.to(args.device), batch)
     name = None if args.optimizer == "none" else args.optimizer
     optimizer = OPTIMIZERS[name](model.parameters()) if name else None
+    # The factory again, in the fresh processes that read the whole training under the cap;
+    # load_factory named by its module (run by ``python -m``, this module is ``__main__``).
+    named = importlib.import_module(f"{__package__}.cli").load_factory
+    training = Training(functools.partial(named, args.model), name, args.device)
     try:
         plan = plan_peak(
             model, batch, loss_fn, budget=args.budget, memory=args.memory, bits=args.bits,
             base=base, device=args.device, optimizer=optimizer, optimizer_name=name,
+            training=training,
         )  # fmt: skip
     except ConfigError as err:
         raise CliError(f"--config does not fit the model of {args.model}: {err}") from None

@@ -24,17 +24,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import MemOptConfig
-from ..tree import map_tensors, tensors_in
+from ..config import OFF_BITS, MemOptConfig
+from ..tree import tensors_in
 from .plan import Suggestion, suggest_config
 from .report import ProfileReport, StepMemory
 from .run import batch_size, profile_model, step_memory
+from .training import Training, resize_batch, training_peak
 from .units import human_bytes
 
 #: Bisection steps of :func:`plan_peak` (each runs one config) and tries of :func:`largest_batch`.
 TRIES = 5
 #: The least share of the saved bytes :func:`plan_peak` asks the planner for.
 MIN_SHARE = 1e-3
+#: Readings of a whole training :func:`fitting_batch` takes at most.
+READINGS = 6
+#: The share of the cap a whole training's reading leaves free: another fresh process, or a
+#: training loop written a little differently, reads a little more.
+MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class PeakPlan:
     memory: int | None = None
     baseline_batch: int | None = None  # the largest without memopt, verified the same way
     optimizer: str | None = None  # the optimizer whose state is counted, as named to the plan
+    steps: int | None = None  # whole-training readings: steps each ran (None: the step alone)
 
     @property
     def met(self) -> bool:
@@ -85,10 +92,22 @@ class PeakPlan:
         if self.largest_batch is None:
             return lines
         config = self.suggestion.config
-        lines += [
-            f"#   with this config: measured {human_bytes(self.largest_batch_total)} at batch "
-            f"{self.largest_batch} (parameters, gradients, optimizer state and the batch of "
-            f"{self.batch}: {human_bytes(self.held_before)} held before the step)",
+        if self.steps is None:
+            lines.append(
+                f"#   with this config: measured {human_bytes(self.largest_batch_total)} at batch "
+                f"{self.largest_batch} (parameters, gradients, optimizer state and the batch of "
+                f"{self.batch}: {human_bytes(self.held_before)} held before the step; the step "
+                "alone, without drift checks)"
+            )
+        else:
+            lines.append(
+                f"#   with this config: measured {human_bytes(self.largest_batch_total)} at batch "
+                f"{self.largest_batch} ({self.largest_batch_total / self.memory:.0%} of the cap): "
+                f"{self.steps} training steps in a fresh process, above its "
+                "idle memory - model, gradients, optimizer state, batch, activations, a drift "
+                "check on every step (where the config checks) and the code a first step loads"
+            )
+        lines.append(
             f"#   at the bits below ({_bits_of(config)}). Drift checks may raise bits later: "
             + (
                 "quantize.budget holds them at its bytes, and the batch after the guard is "
@@ -96,8 +115,8 @@ class PeakPlan:
                 if config.quantize.budget is not None
                 else "without quantize.budget they can climb to 32, down to the batch without "
                 f"memopt ({baseline}); quantize.budget guards the batch"
-            ),
-        ]
+            )
+        )
         return lines
 
 
@@ -129,13 +148,22 @@ def plan_peak(
     optimizer: torch.optim.Optimizer | None = None,
     device: str | torch.device | None = None,
     optimizer_name: str | None = None,
+    training: Training | None = None,
 ) -> PeakPlan:
     """A config keeping the step's peak within ``budget`` of the baseline's peak, or the whole
     step within ``memory`` bytes (both given: the tighter), verified by running it. The state of
     ``optimizer`` (created by one step, then undone) counts as held before the step; under
-    ``memory`` the largest batch that fits is found with the config and without memopt."""
+    ``memory`` the largest batch that fits is found with the config and without memopt.
+
+    With ``training`` (how to build the model again, and its optimizer), that batch is the
+    largest whose whole training fits: read in fresh processes (:mod:`.training`), drift checks
+    and all, as a user reads it. Without it, the step alone on the allocator's timeline.
+    ``bits=None`` takes ``base``'s ``quantize.bits`` where it compresses: a config asks for them.
+    """
     if budget is None and memory is None:
         raise ValueError("plan_peak needs a budget, a memory cap, or both")
+    if bits is None and base is not None and base.quantize.bits < OFF_BITS:
+        bits = base.quantize.bits
     report = profile_model(model, batch, loss_fn, optimizer=optimizer, device=device)
     baseline_peak, baseline_saved = report.reading.peak, report.saved_total
     fixed = model_bytes(report) + batch_bytes(batch)
@@ -179,28 +207,31 @@ def plan_peak(
     )
     if memory is None:
         return plan
-    held = model_bytes(report)
-    found = largest_batch(model, batch, loss_fn, suggestion.config, memory, step, held, device)
-    baseline = largest_batch(model, batch, loss_fn, None, memory, report.step, held, device)
+    if training is None:
+        held = model_bytes(report)
+        found = largest_batch(model, batch, loss_fn, suggestion.config, memory, step, held, device)
+        baseline = largest_batch(model, batch, loss_fn, None, memory, report.step, held, device)
+    else:
+        n, config = batch_size(batch), suggestion.config
+        found = fitting_batch(
+            lambda size: training_peak(training, config, size), n, _per_sample(step, batch), memory
+        )
+        baseline = fitting_batch(
+            lambda size: training_peak(training, None, size),
+            n,
+            _per_sample(report.step, batch),
+            memory,
+        )
     plan = dataclasses.replace(
-        plan, memory=memory, baseline_batch=None if baseline is None else baseline[0]
+        plan,
+        memory=memory,
+        baseline_batch=None if baseline is None else baseline[0],
+        steps=None if training is None else training.steps,
     )
     if found is None:
         return plan
     size, total = found
     return dataclasses.replace(plan, largest_batch=size, largest_batch_total=total)
-
-
-def resize_batch(batch: Any, n: int) -> Any:
-    """``batch`` with ``n`` samples: its tensors repeated along dim 0 and cut to ``n``."""
-
-    def resize(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        times = math.ceil(n / t.shape[0])
-        return t.repeat(times, *([1] * (t.dim() - 1)))[:n] if times > 1 else t[:n]
-
-    return map_tensors(resize, batch)
 
 
 def largest_batch(
@@ -238,3 +269,59 @@ def largest_batch(
         else:
             size = min(size - 1, math.floor(size * memory / total))
     return None
+
+
+def _per_sample(step: StepMemory, batch: Any) -> float | None:
+    """Bytes one more sample adds to ``step``'s whole step: its peak's slope and its batch."""
+    n = batch_size(batch)
+    if n is None or step.per_sample is None or step.per_sample.peak <= 0:
+        return None
+    return step.per_sample.peak + batch_bytes(batch) / n
+
+
+def fitting_batch(
+    read: Callable[[int], int], n: int | None, per_sample: float | None, memory: int
+) -> tuple[int, int] | None:
+    """The largest batch size whose reading ``read(size)`` (a whole training's bytes) is at
+    most ``memory`` less :data:`MARGIN`, and that reading, from at most :data:`READINGS`
+    readings starting at ``n``; ``None`` when not even one sample fits. The next size comes from
+    the slope between the readings on either side of the cap (one side only: ``per_sample``,
+    the step's own slope), and the search ends when one more sample would cross the cap."""
+    if n is None or per_sample is None:
+        return None
+    limit = memory * (1 - MARGIN)
+    fit: tuple[int, int] | None = None  # the largest size read within the limit
+    over: tuple[int, int] | None = None  # the smallest size read over it
+    size: int | None = n
+    for _ in range(READINGS):
+        if size is None:
+            break
+        total = read(size)
+        if total <= limit:
+            fit = (size, total) if fit is None or size > fit[0] else fit
+        else:
+            over = (size, total) if over is None or size < over[0] else over
+        size = _next_size(fit, over, per_sample, limit)
+    return fit
+
+
+def _next_size(
+    fit: tuple[int, int] | None, over: tuple[int, int] | None, per_sample: float, limit: float
+) -> int | None:
+    """The size to read next between the readings ``fit`` and ``over`` (``None``: none is left
+    that could fit better)."""
+    if fit is not None and over is not None:
+        slope = (over[1] - fit[1]) / (over[0] - fit[0])
+        if slope > 0 and fit[1] + slope > limit:
+            return None  # one more sample crosses the cap
+        guess = fit[0] + math.floor((limit - fit[1]) / slope) if slope > 0 else over[0] - 1
+        guess = min(max(guess, fit[0] + 1), over[0] - 1)
+        return guess if fit[0] < guess < over[0] else None
+    if fit is not None:
+        if fit[1] + per_sample > limit:
+            return None
+        return fit[0] + max(1, math.floor((limit - fit[1]) / per_sample))
+    assert over is not None
+    if over[0] <= 1:
+        return None
+    return max(1, min(over[0] - 1, over[0] - math.ceil((over[1] - limit) / per_sample)))
