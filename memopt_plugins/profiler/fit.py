@@ -38,9 +38,10 @@ TRIES = 5
 MIN_SHARE = 1e-3
 #: Readings of a whole training :func:`fitting_batch` takes at most.
 READINGS = 6
-#: The share of the cap a whole training's reading leaves free: another fresh process, or a
-#: training loop written a little differently, reads a little more.
-MARGIN = 0.02
+#: The share of the cap a whole training's reading leaves free: a process read another way (a
+#: training loop written a little differently, other imports before it starts) reads a few
+#: percent more or less.
+MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -284,44 +285,44 @@ def fitting_batch(
 ) -> tuple[int, int] | None:
     """The largest batch size whose reading ``read(size)`` (a whole training's bytes) is at
     most ``memory`` less :data:`MARGIN`, and that reading, from at most :data:`READINGS`
-    readings starting at ``n``; ``None`` when not even one sample fits. The next size comes from
-    the slope between the readings on either side of the cap (one side only: ``per_sample``,
-    the step's own slope), and the search ends when one more sample would cross the cap."""
+    readings starting at ``n``; ``None`` when not even one sample fits. Each next size is where
+    the slope between two readings (``per_sample``, the step's own slope, before there are two)
+    meets the cap, and the search ends when one more sample would cross it."""
     if n is None or per_sample is None:
         return None
     limit = memory * (1 - MARGIN)
-    fit: tuple[int, int] | None = None  # the largest size read within the limit
-    over: tuple[int, int] | None = None  # the smallest size read over it
+    readings: dict[int, int] = {}
     size: int | None = n
     for _ in range(READINGS):
         if size is None:
             break
-        total = read(size)
-        if total <= limit:
-            fit = (size, total) if fit is None or size > fit[0] else fit
-        else:
-            over = (size, total) if over is None or size < over[0] else over
-        size = _next_size(fit, over, per_sample, limit)
-    return fit
+        readings[size] = read(size)
+        size = _next_size(readings, per_sample, limit)
+    fits = [size for size, total in readings.items() if total <= limit]
+    return (max(fits), readings[max(fits)]) if fits else None
 
 
-def _next_size(
-    fit: tuple[int, int] | None, over: tuple[int, int] | None, per_sample: float, limit: float
-) -> int | None:
-    """The size to read next between the readings ``fit`` and ``over`` (``None``: none is left
-    that could fit better)."""
-    if fit is not None and over is not None:
-        slope = (over[1] - fit[1]) / (over[0] - fit[0])
-        if slope > 0 and fit[1] + slope > limit:
-            return None  # one more sample crosses the cap
-        guess = fit[0] + math.floor((limit - fit[1]) / slope) if slope > 0 else over[0] - 1
-        guess = min(max(guess, fit[0] + 1), over[0] - 1)
-        return guess if fit[0] < guess < over[0] else None
+def _next_size(readings: dict[int, int], per_sample: float, limit: float) -> int | None:
+    """The size to read next (``None``: none is left that could fit better than the largest
+    read within ``limit``)."""
+    fits = [size for size, total in readings.items() if total <= limit]
+    fit = max(fits) if fits else None
+    overs = [size for size, total in readings.items() if total > limit and (fit or 0) < size]
+    over = min(overs) if overs else None
+    # the slope between the readings on either side of the limit, else the two nearest it
+    pair = [fit, over] if fit and over else sorted(readings, key=lambda s: abs(readings[s] - limit))
+    a, b = sorted(pair[:2]) if len(pair) >= 2 else (0, 0)
+    slope = (readings[b] - readings[a]) / (b - a) if b > a else 0.0
+    slope = slope if slope > 0 else per_sample
     if fit is not None:
-        if fit[1] + per_sample > limit:
-            return None
-        return fit[0] + max(1, math.floor((limit - fit[1]) / per_sample))
-    assert over is not None
-    if over[0] <= 1:
+        if readings[fit] + slope > limit:
+            return None  # one more sample crosses the limit
+        guess = fit + max(1, math.floor((limit - readings[fit]) / slope))
+    else:
+        assert over is not None
+        guess = max(1, over - max(1, math.ceil((readings[over] - limit) / slope)))
+    if over is not None:
+        guess = min(guess, over - 1)
+    if guess < 1 or guess in readings or (fit is not None and guess <= fit):
         return None
-    return max(1, min(over[0] - 1, over[0] - math.ceil((over[1] - limit) / per_sample)))
+    return guess
