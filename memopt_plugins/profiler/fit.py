@@ -9,8 +9,11 @@ baseline's transient), lets :func:`~.plan.suggest_config` choose for it, then ru
 the config on the allocator's timeline; when the measured peak is over, it bisects the saved-bytes
 target for the largest one whose measured peak meets the peak target (or says none does).
 
-An absolute cap (``memory``) is for the whole step: what is allocated before it -- parameters,
-gradients, optimizer state, the batch -- plus the step's peak.
+An absolute cap (``memory``) chooses the config for the whole step: what is allocated before it
+-- parameters, gradients, optimizer state, the batch -- plus the step's peak. The largest batch
+under it is read on the whole training (:func:`fitting_batch` over :mod:`.training`'s readings,
+drift checks included), as its user reads it; without a way to build the model again, on the
+step alone (:func:`largest_batch`).
 """
 
 from __future__ import annotations
