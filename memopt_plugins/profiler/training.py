@@ -134,8 +134,8 @@ def training_peak(training: Training, config: MemOptConfig | None, size: int) ->
     (:func:`train_here`), read in a new interpreter started with this one's ``sys.path``.
 
     Spawned, not forked: a forked process finds the code its parent had paged in unmapped and
-    counts it again as it runs (a fork server read a tenth more than a fresh process), and not a
-    ``multiprocessing`` spawn, which would import the caller's main script again.
+    counts it again as it runs; and not a ``multiprocessing`` spawn, which would import the
+    caller's main script again.
     """
     to_child, from_child = os.pipe(), os.pipe()
     code = f"from {__name__} import _read; _read({to_child[0]}, {from_child[1]})"
