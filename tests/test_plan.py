@@ -144,3 +144,15 @@ def test_the_planned_batch_trains_with_drift_checks_within_the_cap(tmp_path, cap
     done = subprocess.run(read, capture_output=True, text=True, check=True, timeout=300)
     used = int(done.stdout.split()[-1])
     assert 0.8 * cap <= used <= cap, (size, used / 2**20, stdout)
+
+
+def test_the_plan_keeps_the_configs_own_keys(gpt2_report):
+    """A config the plan starts from keeps its keys: its recompute globs (the planner's picks are
+    added), its drift section, and its bits unless others are asked for."""
+    base = MemOptConfig.from_dict(
+        {"recompute": {"modules": ["transformer.h.0.mlp"]}, "drift": {"check_every": 7}}
+    )
+    suggestion = suggest_config(gpt2_report, 0.3, base=base)
+    assert suggestion.config.recompute.modules[0] == "transformer.h.0.mlp"
+    assert len(suggestion.config.recompute.modules) > 1  # and the planner's picks
+    assert suggestion.config.drift.check_every == 7
