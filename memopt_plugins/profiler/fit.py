@@ -89,7 +89,8 @@ class PeakPlan:
         baseline = "none" if self.baseline_batch is None else str(self.baseline_batch)
         state = f"{self.optimizer} state" if self.optimizer else "no optimizer state"
         lines = [
-            f"# under {memory} for the whole step ({state} counted): largest batch without "
+            f"# under {memory} for the whole {'step' if self.steps is None else 'training'} "
+            f"({state} counted): largest batch without "
             f"memopt {baseline}, with this config "
             + ("none" if self.largest_batch is None else str(self.largest_batch)),
         ]
