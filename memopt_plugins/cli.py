@@ -5,8 +5,9 @@ per-module memory table of one training step and writes ``DIR/report.md``, ``DIR
 ``DIR/timeline.png`` (the step's memory over time) and ``DIR/report.json``. ``memopt plan
 --model FILE.py:factory [--budget 0.4] [--memory 6GiB] [--optimizer adamw] [--bits N]`` prints a
 config (YAML) that keeps the step's peak at most that fraction of the baseline's peak (or the
-whole step, the optimizer's state included, under that cap, and then also the largest batch that
-fits with the config and without memopt), measured by running it: the modules the recompute
+whole step, the optimizer's state included, under that cap, and then also the largest batch whose
+whole training fits, drift checks included, read in fresh processes with the config and without
+memopt), measured by running it: the modules the recompute
 planner picks, plus compression at ``N`` bits, or at the bits needed when recompute alone cannot
 reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
 returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
@@ -329,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory",
         type=_memory,
         metavar="BYTES",
-        help="a cap for the whole step (e.g. 6GiB): also prints the largest batch that fits",
+        help="a cap for the whole training (e.g. 6GiB): also prints the largest batch that fits",
     )
     p.add_argument(
         "--bits",
