@@ -336,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--bits",
         type=int,
         choices=(2, 4, 8, 16),
-        help="also compress at these bits (default: only when recompute cannot reach the budget)",
+        help="also compress at these bits (default: --config's bits where it compresses, else "
+        "only when recompute cannot reach the budget)",
     )
     p.add_argument(
         "--optimizer",
