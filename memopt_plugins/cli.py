@@ -5,8 +5,9 @@ per-module memory table of one training step and writes ``DIR/report.md``, ``DIR
 ``DIR/timeline.png`` (the step's memory over time) and ``DIR/report.json``. ``memopt plan
 --model FILE.py:factory [--budget 0.4] [--memory 6GiB] [--optimizer adamw] [--bits N]`` prints a
 config (YAML) that keeps the step's peak at most that fraction of the baseline's peak (or the
-whole step, the optimizer's state included, under that cap, and then also the largest batch that
-fits with the config and without memopt), measured by running it: the modules the recompute
+whole step, the optimizer's state included, under that cap, and then also the largest batch whose
+whole training fits, drift checks included, read in fresh processes with the config and without
+memopt), measured by running it: the modules the recompute
 planner picks, plus compression at ``N`` bits, or at the bits needed when recompute alone cannot
 reach it (:mod:`memopt_plugins.profiler.fit`). The factory takes no arguments and
 returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``.
@@ -16,6 +17,8 @@ returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss`
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import importlib.util
 import os
 import sys
@@ -32,20 +35,13 @@ from .config import ConfigError, MemOptConfig, closest, load_config, memory_byte
 from .profiler import ProfileReport, profile_model, suggest_config
 from .profiler.fit import plan_peak
 from .profiler.ops import OpsEntry, suggest_ops
+from .profiler.training import OPTIMIZERS, Training
 from .tree import map_tensors
 
 EXPECTED = (
     "a factory taking no arguments and returning (model, batch, loss_fn): model a "
     "torch.nn.Module, loss_fn(model, batch) -> scalar loss"
 )
-#: The optimizers whose state ``--optimizer`` counts: Adam(W) keeps two fp32 tensors per
-#: parameter, SGD with momentum one, plain SGD none.
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
-    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-}
 
 
 class CliError(Exception):
@@ -253,10 +249,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch = map_tensors(lambda t: t.to(args.device), batch)
     name = None if args.optimizer == "none" else args.optimizer
     optimizer = OPTIMIZERS[name](model.parameters()) if name else None
+    # The factory again, in the fresh processes that read the whole training under the cap;
+    # load_factory named by its module (run by ``python -m``, this module is ``__main__``).
+    named = importlib.import_module(f"{__package__}.cli").load_factory
+    training = Training(functools.partial(named, args.model), name, args.device)
     try:
         plan = plan_peak(
             model, batch, loss_fn, budget=args.budget, memory=args.memory, bits=args.bits,
             base=base, device=args.device, optimizer=optimizer, optimizer_name=name,
+            training=training,
         )  # fmt: skip
     except ConfigError as err:
         raise CliError(f"--config does not fit the model of {args.model}: {err}") from None
@@ -329,13 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory",
         type=_memory,
         metavar="BYTES",
-        help="a cap for the whole step (e.g. 6GiB): also prints the largest batch that fits",
+        help="a cap for the whole training (e.g. 6GiB): also prints the largest batch that fits",
     )
     p.add_argument(
         "--bits",
         type=int,
         choices=(2, 4, 8, 16),
-        help="also compress at these bits (default: only when recompute cannot reach the budget)",
+        help="also compress at these bits (default: --config's bits where it compresses, else "
+        "only when recompute cannot reach the budget)",
     )
     p.add_argument(
         "--optimizer",

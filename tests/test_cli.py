@@ -166,11 +166,13 @@ def test_plan_prints_yaml_that_loads(factories, tmp_path, capsys):
 
 
 def test_plan_under_a_memory_cap_prints_the_largest_batch_that_fits(factories, capsys):
-    assert main(["plan", "--model", f"{factories}/toy.py:mlp", "--memory", "3MiB"]) == 0
+    """The whole training is read in a fresh process (torch's first optimizer step alone loads
+    tens of MiB), and the batch printed is read within the cap."""
+    assert main(["plan", "--model", f"{factories}/toy.py:mlp", "--memory", "160MiB"]) == 0
     stdout = capsys.readouterr().out
-    found = re.search(r"measured ([0-9.]+) MiB at batch (\d+)", stdout)
+    found = re.search(r"measured ([0-9.]+) MiB at batch (\d+) \((\d+)% of the cap\)", stdout)
     assert int(found.group(2)) > 512  # the factory's batch fits with room to spare
-    assert float(found.group(1)) <= 3.0
+    assert float(found.group(1)) <= 160 and 80 <= int(found.group(3)) <= 100
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", f"{factories}/toy.py:mlp", "--memory", "lots"])
     assert exit_info.value.code == 2
@@ -211,19 +213,18 @@ def _adamw_step_peak(spec: str, config: str, size: int) -> int:
 
 
 def test_the_planned_batch_takes_adamw_steps_under_the_cap_in_a_fresh_process(factories, capsys):
-    """``memopt plan --memory 40MiB`` counts AdamW's state (the default; 12 MiB here): the batch
-    it prints, run with its config for AdamW steps in a fresh process, stays under 40 MiB (the
-    batch it planned with no optimizer state took 47 MiB), and is larger than the largest batch
-    it prints without memopt."""
+    """``memopt plan --memory 160MiB`` counts AdamW's state (the default; 12 MiB here): the
+    batch it prints, run with its config for AdamW steps in a fresh process, holds under 160 MiB
+    of tensors, and is larger than the largest batch it prints without memopt."""
     spec = f"{factories}/toy.py:wide"
-    assert main(["plan", "--model", spec, "--memory", "40MiB", "--bits", "4"]) == 0
+    assert main(["plan", "--model", spec, "--memory", "160MiB", "--bits", "4"]) == 0
     stdout = capsys.readouterr().out
     found = re.search(r"largest batch without memopt (\d+), with this config (\d+)", stdout)
     baseline, size = int(found.group(1)), int(found.group(2))
     assert size > baseline and "adamw state counted" in stdout
     with context().Pool(1) as pool:
         peak = pool.apply(_adamw_step_peak, (spec, stdout, size))
-    assert peak <= 40 << 20, peak / 2**20
+    assert peak <= 160 << 20, peak / 2**20
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import yaml
 from zoo import hf_gpt2
 
-from memopt_plugins import MemoryOptimizer
+from memopt_plugins import MemOptConfig, MemoryOptimizer
+from memopt_plugins.cli import main
 from memopt_plugins.profiler import profile_model, suggest_config
 
 GPT2 = {"batch_size": 4, "seq": 64, "dim": 256, "layers": 4}  # the issue's 4 blocks x 256
@@ -62,3 +69,90 @@ def test_plan_adds_compression_only_where_recompute_cannot_reach(gpt2_report):
     assert forced.estimate <= 0.5 * forced.baseline
     # at 8 bits everything is ~4x smaller already: no recompute is needed for half
     assert forced.recompute == ()
+
+
+# A small GPT-2-style factory, as a user's file would hold it (examples/models.py's GPT, smaller).
+GPT_FACTORY = """
+import sys
+sys.path.insert(0, {examples!r})
+import torch
+from models import GPT, lm_loss
+
+def gpt():
+    torch.manual_seed(0)
+    model = GPT(vocab=128, dim=64, depth=2, heads=4, block_size=64)
+    tokens = torch.randint(0, 128, (8, 65))
+    return model, (tokens[:, :-1], tokens[:, 1:]), lm_loss
+"""
+
+
+# Read as a user reads it, in a fresh interpreter: glibc told to return freed memory at once,
+# the resident set before the model is built, then the kernel's high-water mark over four AdamW
+# steps of the factory's model at the batch size, under the config, a drift check on every step.
+TRAIN_AND_READ = """
+import ctypes, gc, sys
+import torch, yaml
+from memopt_plugins import MemOptConfig, MemoryOptimizer
+from memopt_plugins.cli import build, load_factory
+from memopt_plugins.profiler.training import resize_batch
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return int(next(x for x in f if x.startswith(field + ":")).split()[1]) * 1024
+
+spec, size, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(-3, 4096)  # M_MMAP_THRESHOLD
+libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+torch.set_num_threads(1)
+load_factory(spec)  # the factory's imports, as a training script has them before it starts
+gc.collect()
+libc.malloc_trim(0)
+idle = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+model, batch, loss_fn = build(spec)
+batch = resize_batch(batch, size)
+config = MemOptConfig.from_yaml(path).with_changes(drift={"check_every": 1})
+memopt = MemoryOptimizer(config)
+memopt.apply(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for _ in range(4):
+    loss_fn(model, batch).backward()
+    memopt.check_drift(loss_fn, batch=batch)
+    optimizer.step()
+    optimizer.zero_grad()
+    memopt.count_step()
+print(status("VmHWM") - idle)
+"""
+
+
+def test_the_planned_batch_trains_with_drift_checks_within_the_cap(tmp_path, capsys):
+    """``memopt plan --memory 160MiB --config int4_drift`` (no ``--bits``) plans at the config's
+    4 bits, and the batch it prints, trained for four AdamW steps with a drift check on every
+    step in a fresh process, takes 80-100% of the cap above the process's idle memory: the plan
+    counts the whole training, checks included, as the user reads it."""
+    examples = str(Path(__file__).parents[1] / "examples")
+    (tmp_path / "tiny.py").write_text(GPT_FACTORY.format(examples=examples))
+    spec, cap = f"{tmp_path}/tiny.py:gpt", 160 << 20
+    assert main(["plan", "--model", spec, "--memory", "160MiB", "--config", "int4_drift"]) == 0
+    stdout = capsys.readouterr().out
+    assert MemOptConfig.from_dict(yaml.safe_load(stdout)).quantize.bits == 4
+    size = int(re.search(r"with this config (\d+)", stdout).group(1))
+    (tmp_path / "plan.yaml").write_text(stdout)
+    read = [sys.executable, "-c", TRAIN_AND_READ, spec, str(size), str(tmp_path / "plan.yaml")]
+    done = subprocess.run(read, capture_output=True, text=True, check=True, timeout=300)
+    used = int(done.stdout.split()[-1])
+    assert 0.8 * cap <= used <= cap, (size, used / 2**20, stdout)
+
+
+def test_the_plan_keeps_the_configs_own_keys(gpt2_report):
+    """A config the plan starts from keeps its keys: its recompute globs (the planner's picks are
+    added), its drift section, and its bits unless others are asked for."""
+    base = MemOptConfig.from_dict(
+        {"recompute": {"modules": ["transformer.h.0.mlp"]}, "drift": {"check_every": 7}}
+    )
+    suggestion = suggest_config(gpt2_report, 0.3, base=base)
+    assert suggestion.config.recompute.modules[0] == "transformer.h.0.mlp"
+    assert len(suggestion.config.recompute.modules) > 1  # and the planner's picks
+    assert suggestion.config.drift.check_every == 7

@@ -6,7 +6,9 @@
   timeline (peak, where it is, what is alive there, per sample), as is and under a config;
 * :mod:`.report` -- its table, Markdown and JSON; :mod:`.plot` draws the PNGs (bars, timeline)
   from the plain rows the report hands it; :mod:`.units` -- bytes for people;
-* :mod:`.plan` -- :func:`suggest_config`, a config for a memory budget.
+* :mod:`.plan` -- :func:`suggest_config`, a config for a memory budget; :mod:`.fit` -- ``memopt
+  plan``'s peak budget or memory cap and the largest batch; :mod:`.training` -- a whole
+  training's memory, read in a fresh process.
 """
 
 from .meter import MemoryMeter, MemoryReading

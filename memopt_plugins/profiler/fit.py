@@ -9,8 +9,11 @@ baseline's transient), lets :func:`~.plan.suggest_config` choose for it, then ru
 the config on the allocator's timeline; when the measured peak is over, it bisects the saved-bytes
 target for the largest one whose measured peak meets the peak target (or says none does).
 
-An absolute cap (``memory``) is for the whole step: what is allocated before it -- parameters,
-gradients, optimizer state, the batch -- plus the step's peak.
+An absolute cap (``memory``) chooses the config for the whole step: what is allocated before it
+-- parameters, gradients, optimizer state, the batch -- plus the step's peak. The largest batch
+under it is read on the whole training (:func:`fitting_batch` over :mod:`.training`'s readings,
+drift checks included), as its user reads it; without a way to build the model again, on the
+step alone (:func:`largest_batch`).
 """
 
 from __future__ import annotations
@@ -24,17 +27,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import MemOptConfig
-from ..tree import map_tensors, tensors_in
+from ..config import OFF_BITS, MemOptConfig
+from ..tree import tensors_in
 from .plan import Suggestion, suggest_config
 from .report import ProfileReport, StepMemory
 from .run import batch_size, profile_model, step_memory
+from .training import Training, resize_batch, training_peak
 from .units import human_bytes
 
 #: Bisection steps of :func:`plan_peak` (each runs one config) and tries of :func:`largest_batch`.
 TRIES = 5
 #: The least share of the saved bytes :func:`plan_peak` asks the planner for.
 MIN_SHARE = 1e-3
+#: Readings of a whole training :func:`fitting_batch` takes at most.
+READINGS = 6
+#: The share of the cap a whole training's reading leaves free: a process read another way (a
+#: training loop written a little differently, other imports before it starts) reads a few
+#: percent more or less.
+MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class PeakPlan:
     memory: int | None = None
     baseline_batch: int | None = None  # the largest without memopt, verified the same way
     optimizer: str | None = None  # the optimizer whose state is counted, as named to the plan
+    steps: int | None = None  # whole-training readings: steps each ran (None: the step alone)
 
     @property
     def met(self) -> bool:
@@ -78,17 +89,30 @@ class PeakPlan:
         baseline = "none" if self.baseline_batch is None else str(self.baseline_batch)
         state = f"{self.optimizer} state" if self.optimizer else "no optimizer state"
         lines = [
-            f"# under {memory} for the whole step ({state} counted): largest batch without "
+            f"# under {memory} for the whole {'step' if self.steps is None else 'training'} "
+            f"({state} counted): largest batch without "
             f"memopt {baseline}, with this config "
             + ("none" if self.largest_batch is None else str(self.largest_batch)),
         ]
         if self.largest_batch is None:
             return lines
         config = self.suggestion.config
-        lines += [
-            f"#   with this config: measured {human_bytes(self.largest_batch_total)} at batch "
-            f"{self.largest_batch} (parameters, gradients, optimizer state and the batch of "
-            f"{self.batch}: {human_bytes(self.held_before)} held before the step)",
+        if self.steps is None:
+            lines.append(
+                f"#   with this config: measured {human_bytes(self.largest_batch_total)} at batch "
+                f"{self.largest_batch} (parameters, gradients, optimizer state and the batch of "
+                f"{self.batch}: {human_bytes(self.held_before)} held before the step; the step "
+                "alone, without drift checks)"
+            )
+        else:
+            lines.append(
+                f"#   with this config: measured {human_bytes(self.largest_batch_total)} at batch "
+                f"{self.largest_batch} ({self.largest_batch_total / self.memory:.0%} of the cap): "
+                f"{self.steps} training steps in a fresh process, above its "
+                "idle memory - model, gradients, optimizer state, batch, activations, a drift "
+                "check on every step (where the config checks) and the code a first step loads"
+            )
+        lines.append(
             f"#   at the bits below ({_bits_of(config)}). Drift checks may raise bits later: "
             + (
                 "quantize.budget holds them at its bytes, and the batch after the guard is "
@@ -96,8 +120,8 @@ class PeakPlan:
                 if config.quantize.budget is not None
                 else "without quantize.budget they can climb to 32, down to the batch without "
                 f"memopt ({baseline}); quantize.budget guards the batch"
-            ),
-        ]
+            )
+        )
         return lines
 
 
@@ -129,13 +153,22 @@ def plan_peak(
     optimizer: torch.optim.Optimizer | None = None,
     device: str | torch.device | None = None,
     optimizer_name: str | None = None,
+    training: Training | None = None,
 ) -> PeakPlan:
     """A config keeping the step's peak within ``budget`` of the baseline's peak, or the whole
     step within ``memory`` bytes (both given: the tighter), verified by running it. The state of
     ``optimizer`` (created by one step, then undone) counts as held before the step; under
-    ``memory`` the largest batch that fits is found with the config and without memopt."""
+    ``memory`` the largest batch that fits is found with the config and without memopt.
+
+    With ``training`` (how to build the model again, and its optimizer), that batch is the
+    largest whose whole training fits: read in fresh processes (:mod:`.training`), drift checks
+    and all, as a user reads it. Without it, the step alone on the allocator's timeline.
+    ``bits=None`` takes ``base``'s ``quantize.bits`` where it compresses: a config asks for them.
+    """
     if budget is None and memory is None:
         raise ValueError("plan_peak needs a budget, a memory cap, or both")
+    if bits is None and base is not None and base.quantize.bits < OFF_BITS:
+        bits = base.quantize.bits
     report = profile_model(model, batch, loss_fn, optimizer=optimizer, device=device)
     baseline_peak, baseline_saved = report.reading.peak, report.saved_total
     fixed = model_bytes(report) + batch_bytes(batch)
@@ -179,28 +212,31 @@ def plan_peak(
     )
     if memory is None:
         return plan
-    held = model_bytes(report)
-    found = largest_batch(model, batch, loss_fn, suggestion.config, memory, step, held, device)
-    baseline = largest_batch(model, batch, loss_fn, None, memory, report.step, held, device)
+    if training is None:
+        held = model_bytes(report)
+        found = largest_batch(model, batch, loss_fn, suggestion.config, memory, step, held, device)
+        baseline = largest_batch(model, batch, loss_fn, None, memory, report.step, held, device)
+    else:
+        n, config = batch_size(batch), suggestion.config
+        found = fitting_batch(
+            lambda size: training_peak(training, config, size), n, _per_sample(step, batch), memory
+        )
+        baseline = fitting_batch(
+            lambda size: training_peak(training, None, size),
+            n,
+            _per_sample(report.step, batch),
+            memory,
+        )
     plan = dataclasses.replace(
-        plan, memory=memory, baseline_batch=None if baseline is None else baseline[0]
+        plan,
+        memory=memory,
+        baseline_batch=None if baseline is None else baseline[0],
+        steps=None if training is None else training.steps,
     )
     if found is None:
         return plan
     size, total = found
     return dataclasses.replace(plan, largest_batch=size, largest_batch_total=total)
-
-
-def resize_batch(batch: Any, n: int) -> Any:
-    """``batch`` with ``n`` samples: its tensors repeated along dim 0 and cut to ``n``."""
-
-    def resize(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        times = math.ceil(n / t.shape[0])
-        return t.repeat(times, *([1] * (t.dim() - 1)))[:n] if times > 1 else t[:n]
-
-    return map_tensors(resize, batch)
 
 
 def largest_batch(
@@ -238,3 +274,59 @@ def largest_batch(
         else:
             size = min(size - 1, math.floor(size * memory / total))
     return None
+
+
+def _per_sample(step: StepMemory, batch: Any) -> float | None:
+    """Bytes one more sample adds to ``step``'s whole step: its peak's slope and its batch."""
+    n = batch_size(batch)
+    if n is None or step.per_sample is None or step.per_sample.peak <= 0:
+        return None
+    return step.per_sample.peak + batch_bytes(batch) / n
+
+
+def fitting_batch(
+    read: Callable[[int], int], n: int | None, per_sample: float | None, memory: int
+) -> tuple[int, int] | None:
+    """The largest batch size whose reading ``read(size)`` (a whole training's bytes) is at
+    most ``memory`` less :data:`MARGIN`, and that reading, from at most :data:`READINGS`
+    readings starting at ``n``; ``None`` when not even one sample fits. Each next size is where
+    the slope between two readings (``per_sample``, the step's own slope, before there are two)
+    meets the cap, and the search ends when one more sample would cross it."""
+    if n is None or per_sample is None:
+        return None
+    limit = memory * (1 - MARGIN)
+    readings: dict[int, int] = {}
+    size: int | None = n
+    for _ in range(READINGS):
+        if size is None:
+            break
+        readings[size] = read(size)
+        size = _next_size(readings, per_sample, limit)
+    fits = [size for size, total in readings.items() if total <= limit]
+    return (max(fits), readings[max(fits)]) if fits else None
+
+
+def _next_size(readings: dict[int, int], per_sample: float, limit: float) -> int | None:
+    """The size to read next (``None``: none is left that could fit better than the largest
+    read within ``limit``)."""
+    fits = [size for size, total in readings.items() if total <= limit]
+    fit = max(fits) if fits else None
+    overs = [size for size, total in readings.items() if total > limit and (fit or 0) < size]
+    over = min(overs) if overs else None
+    # the slope between the readings on either side of the limit, else the two nearest it
+    pair = [fit, over] if fit and over else sorted(readings, key=lambda s: abs(readings[s] - limit))
+    a, b = sorted(pair[:2]) if len(pair) >= 2 else (0, 0)
+    slope = (readings[b] - readings[a]) / (b - a) if b > a else 0.0
+    slope = slope if slope > 0 else per_sample
+    if fit is not None:
+        if readings[fit] + slope > limit:
+            return None  # one more sample crosses the limit
+        guess = fit + max(1, math.floor((limit - readings[fit]) / slope))
+    else:
+        assert over is not None
+        guess = max(1, over - max(1, math.ceil((readings[over] - limit) / slope)))
+    if over is not None:
+        guess = min(guess, over - 1)
+    if guess < 1 or guess in readings or (fit is not None and guess <= fit):
+        return None
+    return guess

@@ -116,7 +116,8 @@ def suggest_config(
     ``bits=None``: recompute what the planner picks under the budget (as ``recompute.auto``
     would); only when that cannot reach it, compress the rest at the largest of 16, 8, 4, 2 bits
     that can. ``bits=b``: compress at ``b`` and let the planner recompute for what remains. Every
-    other key of ``base`` (default: the report's config) is kept.
+    other key of ``base`` (default: the report's config) is kept, its ``recompute.modules`` with
+    the planner's picks added.
     """
     base = base or report.config
     if not 0 < budget <= 1:
@@ -130,8 +131,10 @@ def suggest_config(
         if plan.kept_bytes <= budget * report.measurement.baseline_bytes:
             break
     names = [row.fqn for row in report.modules if row.fqn != LOSS_ROW]
+    # the base's own recompute globs stay, the planner's picks come after them
+    picked = [g for g in compact_globs(list(plan.chosen), names) if g not in base.recompute.modules]
     config = base.with_changes(
-        recompute={"modules": compact_globs(list(plan.chosen), names)}, quantize={"bits": width}
+        recompute={"modules": [*base.recompute.modules, *picked]}, quantize={"bits": width}
     )
     compressed_only = estimate_saved(report, set(), width, q)
     return Suggestion(
