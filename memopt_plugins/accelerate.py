@@ -33,7 +33,7 @@ from torch import nn
 
 from .config import MemOptConfig
 from .engine import DriftReport, MemoryOptimizer, slice_batch
-from .loss_fn import bind_loss
+from .loss_fn import bind_loss, takes_model_and_batch
 from .session import MemOptSession
 from .tree import batch_size_of
 
@@ -146,16 +146,15 @@ class MemOptPlugin:
         report = None
         if self.session.due(step):
             sample = None if batch is None else self.sample(batch)
-            loss = bind_loss(loss_fn, self.session.model, sample)
-            check = loss
-            if accelerator is not None:
-                autocast = accelerator.autocast
-
-                def check() -> torch.Tensor:
-                    with autocast():
-                        return loss()
-
-            report = self.last_report = self.session.check(check, step, self._batch_size)
+            autocast = None if accelerator is None else accelerator.autocast
+            if sample is not None and takes_model_and_batch(loss_fn):
+                # given the batch, the check may run its sample in pieces (no pass above the step)
+                check = _under(autocast, loss_fn)
+                report = self.session.check(check, step, self._batch_size, batch=sample)
+            else:
+                check = _under(autocast, bind_loss(loss_fn, self.session.model, sample))
+                report = self.session.check(check, step, self._batch_size)
+            self.last_report = report
         self.session.end_step(step, log_due=step % self.log_every == 0)
         return report
 
@@ -171,3 +170,25 @@ class MemOptPlugin:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (before or after :meth:`apply`)."""
         self.session.load_state_dict(state)
+
+
+def _under(
+    autocast: Callable[[], Any] | None, loss_fn: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` run under the accelerator's autocast (as its training forward runs), with the
+    same arguments: ``(model, batch)`` or none."""
+    if autocast is None:
+        return loss_fn
+    if takes_model_and_batch(loss_fn):
+
+        def loss_of(model: nn.Module, batch: Any) -> torch.Tensor:
+            with autocast():
+                return loss_fn(model, batch)
+
+        return loss_of
+
+    def loss() -> torch.Tensor:
+        with autocast():
+            return loss_fn()
+
+    return loss

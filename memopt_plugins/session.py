@@ -146,18 +146,20 @@ class MemOptSession:
 
     def check(
         self,
-        loss_fn: Callable[[], torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
         step: int | None = None,
         batch_size: int | None = None,
+        batch: Any = None,
     ) -> DriftReport:
         """Run the drift check on ``loss_fn()`` now (every rank together); its INFO line says
         what it found and changed.
 
         ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch cut from
-        a training batch of ``batch_size`` samples.
+        a training batch of ``batch_size`` samples; or, with ``batch`` (that small batch),
+        ``loss_fn(model, batch)``, which the check may run on pieces of ``batch``.
         """
         self._tell_plan()
-        report = self.memopt.check_drift(loss_fn, step=step, batch_size=batch_size)
+        report = self.memopt.check_drift(loss_fn, step=step, batch_size=batch_size, batch=batch)
         self._report, self._checked = report, True
         return report
 

@@ -237,3 +237,37 @@ def test_a_model_accelerate_compiles_trains_compressed():
     assert type(model).__name__ == "OptimizedModule"  # accelerate compiled it
     assert plugin.metrics()["memopt/compression_ratio"] > 3.0
     torch._dynamo.reset()
+
+
+def _check_sizes(accelerator: Accelerator, form: str) -> list[int]:
+    """The sample counts the model's forwards see in a step-0 check at 2 bits, with the loss
+    handed over in ``form`` (``batch``: ``loss_fn(model, batch)`` and the batch; ``closure``)."""
+    plugin = MemOptPlugin(TWO_BITS)
+    model, batch, loss_fn = hf_llama(batch_size=4, seq=32, dim=32, layers=1)
+    model = accelerator.prepare(plugin.apply(model))
+    unwrapped = accelerator.unwrap_model(model)
+    accelerator.backward(loss_fn(model, batch))
+    sizes: list[int] = []
+    handle = unwrapped.register_forward_pre_hook(
+        lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    if form == "batch":
+        report = plugin.after_backward(0, loss_fn, batch)
+    else:
+        sample = plugin.sample(batch)
+        report = plugin.after_backward(0, lambda: loss_fn(unwrapped, sample))
+    handle.remove()
+    plugin.remove()
+    assert report is not None and report.escalated  # the check ran and raised 2 bits
+    return sizes
+
+
+def test_a_check_given_the_batch_runs_its_sample_in_pieces():
+    """``after_backward(step, loss_of, batch)`` hands the check the batch and the batch-form
+    loss, so that its passes run in pieces sized to what the compressed step kept (at 2 bits a
+    piece of one sample here), never the sample whole; a closure has the sample run whole."""
+    accelerator = Accelerator(cpu=True)
+    closure = _check_sizes(accelerator, "closure")
+    pieces = _check_sizes(accelerator, "batch")
+    assert closure and set(closure) == {4}
+    assert pieces and max(pieces) < 4
