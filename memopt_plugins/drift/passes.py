@@ -191,25 +191,21 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class SampleInputs:
-    """The check's sample, read where the model is called from outside every module: how many
-    samples it holds (:attr:`samples`: dim 0 of the first such call's first tensor of one
-    dimension or more), and, with ``part`` (a slice of them), each such call run on that part:
-    its tensors with the samples along dim 0 cut to it. Run on the two halves of the sample, a
-    loss that is a mean over samples gives each half's mean gradient whatever the model returns
-    (a loss computed inside it, no logits)."""
+class _EveryCall:
+    """A context that hooks every module of ``self.model`` while entered: ``_enter`` before each
+    call (given its kwargs where :attr:`KWARGS`, first among the pre-hooks) and ``_exit`` after
+    it, also when it raised; subclasses count the calls in progress in ``_depth``."""
 
-    def __init__(self, model: nn.Module, part: slice | None = None):
-        self.model = model
-        self.part = part
-        self.samples = 0
-        self._depth = 0  # module calls in progress
+    KWARGS = False
+    model: nn.Module
+
+    def __enter__(self):
         self._handles: list[Any] = []
-
-    def __enter__(self) -> SampleInputs:
         for module in self.model.modules():
             self._handles.append(
-                module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
+                module.register_forward_pre_hook(
+                    self._enter, with_kwargs=self.KWARGS, prepend=self.KWARGS
+                )
             )
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
         return self
@@ -218,6 +214,23 @@ class SampleInputs:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class SampleInputs(_EveryCall):
+    """The check's sample, read where the model is called from outside every module: how many
+    samples it holds (:attr:`samples`: dim 0 of the first such call's first tensor of one
+    dimension or more), and, with ``part`` (a slice of them), each such call run on that part:
+    its tensors with the samples along dim 0 cut to it. Run on the two halves of the sample, a
+    loss that is a mean over samples gives each half's mean gradient whatever the model returns
+    (a loss computed inside it, no logits)."""
+
+    KWARGS = True  # the call's tensors are cut before any other pre-hook sees them
+
+    def __init__(self, model: nn.Module, part: slice | None = None):
+        self.model = model
+        self.part = part
+        self.samples = 0
+        self._depth = 0  # module calls in progress
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._depth += 1
@@ -237,7 +250,7 @@ class SampleInputs:
         self._depth -= 1
 
 
-class SignedHalves:
+class SignedHalves(_EveryCall):
     """Weights the two halves of the sample +1 and -1 in one pass's backward, for the sampling
     variance of the gradient (``drift.metric`` ``sgd`` and ``noise``).
 
@@ -265,20 +278,8 @@ class SignedHalves:
         self.piece = piece
         self.scale = 0.0  # stays 0 where the model's output has no such tensor
         self.samples = 0  # in the sample (the model output's dim 0)
-        self._handles: list[Any] = []
         self._depth = 0  # module calls in progress
         self._weighted: Any = None  # the hook on the output weighted so far
-
-    def __enter__(self) -> SignedHalves:
-        for module in self.model.modules():
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         self._depth += 1
