@@ -155,7 +155,8 @@ def main() -> None:
         f"Bar: the mean accuracies within 0.5 points — "
         f"{'met' if abs(mean_r - mean_b) <= 0.5 else 'NOT met'} ({abs(mean_r - mean_b):.2f}).",
         "",
-        "Memory of one training step of this CNN on 512 digits (CPU RSS, DESIGN.md's method; "
+        "Memory of one training step of this CNN on 512 digits (CPU RSS, read as "
+        "docs/peak-and-planning.md says; "
         "every BN here is followed by a ReLU, so running mode keeps no BN tensor):",
         "",
         "| mode | retained | peak |",

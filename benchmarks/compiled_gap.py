@@ -3,9 +3,10 @@
 Hugging Face GPT-2 (4 layers x 256, batch 8 x 256, vocabulary 2048; eager attention and no
 dropout by default, ``--attention sdpa --dropout 0.1`` as transformers builds it),
 eager / per-block ``block.compile()`` / ``model.transformer.compile()`` / whole ``model.compile()``,
-without memopt and with it (int8 nearest by default), on ``--threads`` threads. Each case runs in
-a fresh process with malloc told to return freed memory (DESIGN.md "Measuring memory"), two
-warm-up steps (the first compiles), then reads the memory retained by one forward three ways:
+without memopt and with it (int8 nearest by default), on ``--threads`` threads. Each case runs in a
+fresh process with malloc told to return freed memory (docs/peak-and-planning.md, "Reading memory
+yourself"), two warm-up steps (the first compiles), then reads the memory retained by one forward
+three ways:
 
 * the process's RSS while only the loss is held, as Lightning's ``training_step`` and the HF
   Trainer's ``compute_loss`` hold it (the least of two readings; for memopt at least the packed

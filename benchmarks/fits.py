@@ -426,8 +426,8 @@ COMPILED_NOTE = (
     "each read by the process's high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` "
     "before the step, minus RSS before it; `MemoryMeter`), the smallest kept. The eager "
     "baseline is read the same way (its row), and these rows' `fits` is against it, then in "
-    "brackets against the compiled baseline (DESIGN.md: under torch.compile, compare against the "
-    "compiled baseline)."
+    "brackets against the compiled baseline (docs/benchmarks.md: under torch.compile, compare "
+    "against the compiled baseline)."
 )
 
 

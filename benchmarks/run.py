@@ -4,12 +4,12 @@ For each workload (``harness/workloads.py``: our GPT, Hugging Face GPT-2, a ResN
 every method of ``harness/methods.py`` patches its own copy of the same initial model, then
 
 1. memory of one training step with :class:`memopt_plugins.profiler.meter.MemoryMeter`, in a fresh
-   child process (DESIGN.md: the meter tunes glibc's malloc process-wide, which would slow the
-   timed steps) -- retained for backward after the forward and peak over the step, above what
-   was held before (gradients are allocated by a warm-up step first), the smallest of a few
-   readings taken round-robin; on the CPU a compressed method's retained is
-   ``max(RSS delta, packed bytes)`` because RSS misses the small heap blocks (per-group scales)
-   that glibc serves from pages already resident;
+   child process (docs/peak-and-planning.md, "Reading memory yourself": the meter tunes glibc's
+   malloc process-wide, which would slow the timed steps) -- retained for backward after the forward
+   and peak over the step, above what was held before (gradients are allocated by a warm-up step
+   first), the smallest of a few readings taken round-robin; on the CPU a compressed method's
+   retained is ``max(RSS delta, packed bytes)`` because RSS misses the small heap blocks (per-group
+   scales) that glibc serves from pages already resident;
 2. gradient relative error ``|g - g_exact| / |g_exact|`` over all parameters, on the measurement
    batch, against the unpatched model under the same RNG seed;
 3. step time (forward + backward) = the median over several steps after a warm-up, methods

@@ -1,5 +1,5 @@
-"""memopt beside what users already run: activation checkpointing it did not make (DESIGN.md,
-"Composition")."""
+"""memopt beside what users already run: activation checkpointing it did not make
+(docs/guarantees.md, docs/integrations.md)."""
 
 from __future__ import annotations
 
@@ -395,7 +395,7 @@ def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch):
 
 
 def test_the_package_cites_no_document_users_do_not_have():
-    """DESIGN.md is the developers' (not shipped): docstrings point at README.md and docs/."""
+    """The developers' design notes are not shipped: docstrings point at README.md and docs/."""
     import importlib.util
     from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Ranks agree on everything memopt decides (DESIGN.md, "Composition"): two gloo processes that
+"""Ranks agree on everything memopt decides (docs/distributed.md): two gloo processes that
 see different shapes end with the same recompute plan, compressed set and bits, and round with
 noise of their own, although memopt was applied before the process group existed."""
 

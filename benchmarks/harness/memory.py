@@ -1,10 +1,10 @@
 """The memory phase, run in a child process of its own (``benchmarks.run --memory-json PATH``).
 
 :class:`memopt_plugins.profiler.meter.MemoryMeter` tunes glibc's malloc process-wide, which would
-slow the timed steps, so the parent (:func:`memory_in_child`) spawns a fresh interpreter with
-malloc set from its start (:data:`MALLOC_ENV`, DESIGN.md "Measuring memory"); the child measures
-every method (:func:`measure_memory`) and writes JSON, which the parent folds into its rows
-(:func:`record_memory`). :func:`in_fresh_process` starts such a child for any benchmark
+slow the timed steps, so the parent (:func:`memory_in_child`) spawns a fresh interpreter with malloc
+set from its start (:data:`MALLOC_ENV`, docs/peak-and-planning.md, "Reading memory yourself"); the
+child measures every method (:func:`measure_memory`) and writes JSON, which the parent folds into
+its rows (:func:`record_memory`). :func:`in_fresh_process` starts such a child for any benchmark
 (:func:`child_json` reads what it writes), and :func:`least_retained` is the reading every study
 takes.
 """
@@ -32,7 +32,8 @@ from .methods import Method, Patched
 from .records import Row
 from .workloads import Workload
 
-#: What the memory child process sets before Python starts (DESIGN.md "Measuring memory").
+#: What the memory child process sets before Python starts (docs/peak-and-planning.md,
+#: "Reading memory yourself").
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
 #: The module the child runs: the benchmark's entry point, with ``--memory-json``.
 ENTRY_POINT = "benchmarks.run"
