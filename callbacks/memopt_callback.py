@@ -2,21 +2,13 @@
 
 An adapter of Lightning's events over one :class:`~memopt_plugins.session.MemOptSession`, which
 owns the steps, the checks, the logging and the state kept while unpatched. The callback patches
-the LightningModule in ``setup("fit")`` (before the strategy wraps it), applies restored state in
-``on_fit_start`` (a callback's ``load_state_dict`` runs after ``setup``), runs the drift check at
-optimizer-step boundaries on a slice of the current batch with the strategy's reduce, logs
-``memopt/*`` metrics through the trainer's loggers, and removes the patch in ``teardown``.
-
-Lightning's batch-size finder (``BatchSizeFinder``, ``Tuner.scale_batch_size``) runs its trial
-steps after ``setup`` with no callbacks: the model is patched, so each trial batch runs compressed
-and the finder finds the batch memopt allows; no drift check runs in a trial (none can raise bits
-there), and the checkpoint the finder restores gives the callback back its state. A model built in
-``configure_model`` is patched only after the finder's trials, which then measure it unpatched.
-
-A model built in ``configure_model`` is patched in ``on_fit_start``, after it: under
-``ModelParallelStrategy`` that is after ``configure_model`` sharded it with ``fully_shard``
-(FSDP2), which memopt supports in either order (see :mod:`memopt_plugins.compress.hooks` and
-:mod:`memopt_plugins.drift`). Checkpoints carry the callback's state, distributed ones too.
+the LightningModule in ``setup("fit")`` (before the strategy wraps it; a model built in
+``configure_model`` in ``on_fit_start``, after it, so after ``fully_shard`` under
+``ModelParallelStrategy``), applies restored state in ``on_fit_start`` (a callback's
+``load_state_dict`` runs after ``setup``), runs the drift check at optimizer-step boundaries on a
+slice of the current batch with the strategy's reduce, logs ``memopt/*`` metrics through the
+trainer's loggers, and removes the patch in ``teardown``. Checkpoints carry the callback's state,
+distributed ones too. Lightning's batch-size finder: docs/integrations.md, "Lightning".
 """
 
 from __future__ import annotations

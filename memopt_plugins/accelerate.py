@@ -1,19 +1,10 @@
 """``MemOptPlugin``: memopt in a Hugging Face Accelerate training loop.
 
 A thin adapter over one :class:`~memopt_plugins.session.MemOptSession` (steps, checks, logs and
-state kept while unpatched): Accelerate has no events, so the loop calls ``after_backward``.
-
-    plugin = MemOptPlugin("int4_drift")
-    model = plugin.apply(model)                      # before accelerator.prepare
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    plugin.attach(accelerator)                       # save_state/load_state carry bits + history
-    for step, batch in enumerate(loader):
-        with accelerator.accumulate(model):
-            loss = loss_of(model, batch)             # loss_of(model, batch) -> scalar loss
-            accelerator.backward(loss)
-            plugin.after_backward(step, loss_of, batch)  # the drift check, when due
-            optimizer.step()
-            optimizer.zero_grad()
+state kept while unpatched): Accelerate has no events, so the loop calls ``after_backward`` after
+each backward. :meth:`MemOptPlugin.apply` patches the model before ``accelerator.prepare`` and
+:meth:`MemOptPlugin.attach` registers the plugin for ``save_state``/``load_state`` after it; the
+loop in full: docs/integrations.md, "Accelerate".
 
 The drift check runs ``loss_of(model, sample)`` on the patched model itself (not the DDP wrapper,
 so its backward never reaches the gradient reducer) on the first ``drift.sample_size`` samples of

@@ -9,11 +9,9 @@ it, the mask rebuilt from a private generator; reproducible, but not ``nn.Dropou
 
 :class:`DropoutPatch` swaps modules whose type is exactly one of torch's dropout modules for a
 subclass of the same type (names, ``isinstance`` and state dict unchanged), and routes functional
-dropout called inside the model (Hugging Face's eager attention) through a ``TorchFunctionMode``
-active while any module of the model runs (:mod:`.routing`). Not covered: dropout fused into
-another kernel (SDPA's ``dropout_p``, fused RNN dropout), subclasses with their own ``forward``,
-functional calls outside the model's modules. Written for eager execution; docs/architecture.md
-says more.
+dropout called inside the model (Hugging Face's eager attention) through :mod:`.routing`. Written
+for eager execution; what is not covered (fused dropout, subclasses with a ``forward`` of their
+own, calls outside the model's modules): docs/architecture.md, "Dropout".
 """
 
 from __future__ import annotations

@@ -4,11 +4,10 @@ The Lightning callback, the ``transformers.Trainer`` callback and the Accelerate
 adapters of their framework's events over one session, which holds the
 :class:`~memopt_plugins.MemoryOptimizer` (``session.memopt``) and owns:
 
-* the state while the model is unpatched: what a finished fit learned (bits, counters, drift
-  history), or state loaded before the model is patched; :meth:`apply` lays it on the patch;
-* the optimizer step: :meth:`due` (a drift check is due and none ran in this step yet),
-  :meth:`check` (run it and say what it found), :meth:`end_step` (count the step; hand the
-  ``memopt/*`` metrics to the framework's logger at its logging steps and at a check's step);
+* the state while the model is unpatched (what a finished fit learned, or state loaded before the
+  model is patched), which :meth:`apply` lays on the patch;
+* the optimizer step: :meth:`due` (a check is due and none ran in this step yet), :meth:`check`,
+  :meth:`end_step` (count the step; hand the ``memopt/*`` metrics to the framework's logger);
 * the console: the plan when training starts, the memory the first step kept, each check.
 
 What belongs to a framework is injected: :attr:`log_metrics` (where metrics go), :attr:`is_main`

@@ -1,19 +1,17 @@
 """Compression inside ``torch.compile``'d graphs: how the hooks get in, and what the graphs save.
 
-AOTAutograd (PyTorch >= 2.8) inlines saved-tensor hooks that are ``torch.fx.GraphModule``\\ s into
-the graphs it compiles: the pack hook becomes the end of the forward graph (which then saves codes
-and frees the original inside it), the unpack hook the start of the backward graph. Plain Python
-hooks would run only on what the whole graph returns, leaving its peak as it was. So each scope
-enters one-call GraphModules (:func:`hook_module`); traced (:func:`traced_context`), the call finds
-the innermost compressed module that produced a saved tensor (:meth:`CompiledGraphs.scope_of`) and
-emits the traced codec (:mod:`.codec.traced`) at its bits. While memopt is applied, AOTAutograd's
-``no_static`` filter (:class:`SavedFilter`) lets the hooks see everything a graph saves but
-parameters and buffers. A graph's pack hooks run once, at tracing, and the graph then runs many
-times per forward, so bytes are noted per traced graph and multiplied by its runs in each forward
-(:meth:`CompiledGraphs.forward_done`). Each scope's module carries its bits as a key its pre-hook
-compares while traced (:meth:`.ScopeTracker.set_key`), so dynamo guards every graph on the bits
-of the modules inside it: a change of bits recompiles those graphs only. What differs from eager:
-docs/compile.md.
+AOTAutograd (PyTorch >= 2.8) inlines saved-tensor hooks that are ``torch.fx.GraphModule`` objects
+into the graphs it compiles: the pack hook ends the forward graph (which then saves codes and frees
+the original inside it), the unpack hook starts the backward graph; plain Python hooks would see
+only what the whole graph returns, its peak unchanged. So each scope enters one-call GraphModules
+(:func:`hook_module`); traced (:func:`traced_context`), the call finds the innermost compressed
+module that produced a saved tensor (:meth:`CompiledGraphs.scope_of`) and emits the traced codec
+(:mod:`.codec.traced`) at its bits. While memopt is applied, AOTAutograd's ``no_static`` filter
+(:class:`SavedFilter`) lets the hooks see all a graph saves but parameters and buffers. Pack hooks
+run once, at tracing, so bytes are noted per traced graph and multiplied by its runs in each
+forward (:meth:`CompiledGraphs.forward_done`). Each scope's module carries its bits as a key its
+pre-hook compares while traced (:meth:`.ScopeTracker.set_key`): dynamo guards every graph on the
+bits of the modules inside it, so a change of bits recompiles those graphs only (docs/compile.md).
 """
 
 from __future__ import annotations

@@ -4,16 +4,15 @@ PyTorch's CPU convolution backward allocates the input's gradient plus, inside t
 input-sized workspace and an input-sized contiguous copy; its ReLU backward allocates a new
 gradient beside the saved output; its max-pool backward decodes the whole saved input only to
 read its shape. Each op here is one autograd node with PyTorch's own forward (the same outputs
-bit for bit) and a backward that
+bit for bit) and a backward that holds less:
 
-* :func:`conv` -- runs PyTorch's convolution backward in pieces along the batch (a piece's
-  workspace, not the batch's) and writes the input's gradient into a freshly decoded input
-  (:func:`~memopt_plugins.buffers.private`), piece by piece as each piece is read. The batch
-  itself (a leaf input that needs no gradient) is kept as it is: its caller holds it anyway;
-* :func:`relu` -- writes its gradient into its decoded output (it saves its output, as PyTorch's
-  does: the next layer saves the same tensor, so memopt's hooks pack it once);
-* :func:`max_pool` -- saves only where each output's argmax sits in its window, in as few bits as
-  the window needs (4 for ResNet's 3x3), and scatters the gradient through it.
+* :func:`conv` runs PyTorch's convolution backward in pieces along the batch and writes the input's
+  gradient into a freshly decoded input (:func:`~memopt_plugins.buffers.private`), piece by piece;
+  a leaf batch that needs no gradient is kept as it is (its caller holds it anyway);
+* :func:`relu` writes its gradient into its decoded output (saved, as PyTorch saves it: the next
+  layer saves the same tensor, so memopt's hooks pack it once);
+* :func:`max_pool` saves only where each output's argmax sits in its window, in as few bits as the
+  window needs, and scatters the gradient through it.
 """
 
 from __future__ import annotations

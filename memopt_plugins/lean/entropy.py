@@ -2,19 +2,17 @@
 
 A model that computes ``F.cross_entropy(self.lm_head(x).view(-1, V), targets)`` in its forward
 (karpathy's nanoGPT) keeps the log-softmax for backward, and the backward holds it beside two
-logits-sized gradients: three tensors of tokens x vocabulary. While the model runs, a
-:class:`CrossEntropyMode` (entered as functional dropout's, :mod:`..routing`) routes the call:
+logits-sized gradients. While the model runs, a :class:`CrossEntropyMode` (:mod:`..routing`)
+routes the call:
 
 * logits that are, unchanged, the output of the last ``F.linear`` call (an ``nn.Linear`` head, in
   any view of the same rows) go to :func:`~.loss.linear_cross_entropy` with the head's input and
-  weight: the loss reads the logits once and keeps none of them; backward recomputes them chunk
-  by chunk. The logits the model returns keep their own gradient path, unused by the loss.
-* other logits go to :func:`cross_entropy`, which keeps them once (saved as autograd saves any
-  tensor, so memopt compresses them) and writes their gradient into the decoded copy.
+  weight, which keeps none of them; the logits the model returns keep their own gradient path;
+* other logits go to :func:`cross_entropy`, which keeps them once (as autograd saves any tensor,
+  so memopt compresses them) and writes their gradient into the decoded copy.
 
-Both are exact (class-index targets; ``ignore_index``, ``reduction`` and ``label_smoothing`` as
-``F.cross_entropy``'s). Calls with class weights, probability targets or more than two
-dimensions, and calls without gradients, run ``F.cross_entropy`` itself.
+Both are exact for class-index targets; other calls run ``F.cross_entropy`` itself. Which
+arguments are taken: docs/lean-ops.md, "ops.cross_entropy: lean".
 """
 
 from __future__ import annotations

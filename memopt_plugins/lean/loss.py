@@ -2,19 +2,17 @@
 
 ``F.cross_entropy(F.linear(hidden, weight, bias), target)`` keeps the logits (tokens x vocabulary,
 in fp32 for a Hugging Face model) for backward, and its backward holds three tensors of that size
-at once (the saved log-softmax, its gradient, the logits' gradient): the peak of a language
-model's step. :func:`linear_cross_entropy` computes the same loss chunk by chunk, so a chunk of
-logits and its gradient is the most it holds:
+at once: the peak of a language model's step. :func:`linear_cross_entropy` computes the same loss
+chunk by chunk, so a chunk of logits and its gradient is the most it holds:
 
 * a mean or a sum, in eager training: each chunk's logits give its losses and, at once, its share
   of the gradients of ``hidden``, ``weight`` and ``bias``, which the backward only scales by the
-  loss's gradient (so a second backward through one loss is an error). Nothing is saved: the
-  backward needs those gradients at its start anyway, and no head matmul is done twice.
-* per-token losses (``reduction="none"``, whose gradient is known only in backward) and compiled
-  graphs: the forward keeps only its inputs and one fp32 log-sum-exp per token; the backward
-  recomputes each chunk's logits (one more head matmul) and turns them into the gradients.
-  ``hidden`` is saved as autograd saves any tensor, so memopt's compression hooks compress it
-  like the rest; the log-sum-exp is kept as it is (an error in it would bias every probability).
+  loss's gradient (so a second backward through one loss is an error). Nothing is saved, and no
+  head matmul is done twice.
+* per-token losses (``reduction="none"``) and compiled graphs: the forward keeps only its inputs
+  and one fp32 log-sum-exp per token; the backward recomputes each chunk's logits. ``hidden`` is
+  saved as autograd saves any tensor, so memopt compresses it; the log-sum-exp is kept as it is
+  (an error in it would bias every probability).
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """The ``ops`` section: swap a model's chains and loss head for the memory-lean operations.
 
-``fuse`` (chain names, or ``[all]``) patches modules by what they are, and only where the swap is
-exact: each candidate's new ``forward`` runs beside its own, forward and backward, on a probe
-input and a twin of the module with random parameters at :meth:`LeanOps.apply`, and one whose
-outputs or gradients differ is left as it is (logged). The chains: GELU
-modules, gated MLPs (SwiGLU / GeGLU), Llama-style RMSNorm, a Hugging Face model's eager attention
-as SDPA (not with attention dropout: SDPA draws its own mask), and a CNN's batch norms,
-convolutions, ReLUs and max-pools (:mod:`.conv`). ``loss: chunked`` makes a Hugging Face causal LM
-compute its training loss with :func:`~.loss.linear_cross_entropy` (``logits`` is then ``None``);
-in eval, without labels or without gradients its own forward runs. It is checked against the
-model's own forward on a probe batch: a model that adds to its loss (an MoE's router loss, any
-term of its forward) or returns what the chunked loss drops keeps its own loss (one logged
-line). ``cross_entropy: lean``
-routes ``F.cross_entropy`` called inside the model (:mod:`.entropy`). While any of these acts,
-``no_cache`` turns a Hugging Face model's ``use_cache`` off (training needs no KV cache). A
-``fuse`` name matching no module, or a model ``loss: chunked`` cannot patch (unless
-``cross_entropy: lean`` routes its loss), is a :class:`~memopt_plugins.config.ConfigError`
-(checked before anything is patched); a preset's ``loss: chunked`` on a model whose head it
-cannot reach (a plain PyTorch LM, a classifier) leaves the loss as it is, in one logged line.
-:meth:`LeanOps.remove` undoes it all.
+:class:`LeanOps` applies what the config turns on, only where the swap is exact; what it cannot
+do as asked is a :class:`~memopt_plugins.config.ConfigError` before anything is patched (a
+``loss: chunked`` that a preset wrote, or that ``cross_entropy: lean`` stands in for, on a model
+whose head it cannot reach is left out in one logged line instead):
+
+* ``fuse``: chains patched by what they are (GELU, gated MLPs, RMSNorm, a Hugging Face model's
+  eager attention as SDPA, a CNN's batch norms, convolutions, ReLUs and max-pools: :mod:`.conv`),
+  each run beside its own forward and backward on a probe and a twin with random parameters;
+* ``loss: chunked``: a Hugging Face causal LM's loss through :func:`~.loss.linear_cross_entropy`;
+* ``cross_entropy: lean``: ``F.cross_entropy`` inside the model, routed (:mod:`.entropy`);
+* ``no_cache``: a Hugging Face model's ``use_cache`` off while any of these acts.
+
+:meth:`LeanOps.remove` undoes it all. The rules in full: docs/lean-ops.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """One forward pre-hook and one forward hook per module, shared by everything that needs scopes.
 
-Compression (the innermost selected module decides the bits), dropout routing, the drift check's
-recorders, the recompute planner and the profiler all need to know when a module's forward starts
-and ends. Each is a :class:`ScopeObserver` that :meth:`ScopeTracker.watch`-es the modules it needs;
-the tracker of a model (:meth:`ScopeTracker.of`) installs a hook pair on a module the first time it
-is watched and removes it when nobody watches it any more, so a module carries at most one pair of
-memopt's hooks, whoever is listening. Observers are told in the order they started watching when a
-module is entered and in the reverse order when it is left (``always_call``: also when the forward
-raised), so contexts they open nest properly.
+Compression, dropout routing, the drift check's recorders, the recompute planner and the profiler
+all need to know when a module's forward starts and ends. Each is a :class:`ScopeObserver` that
+:meth:`ScopeTracker.watch`-es the modules it needs; a model's tracker (:meth:`ScopeTracker.of`)
+keeps at most one hook pair on a module, installed for its first watcher and removed after its
+last. Observers are told in watch order on entry and in reverse on exit (``always_call``: also
+when the forward raised), so the contexts they open nest.
 
-torch runs ``always_call`` hooks only for an ``Exception``: a ``KeyboardInterrupt`` or
-``SystemExit`` inside a forward (Ctrl-C in a notebook, a trainer's graceful shutdown) would leave
-every context the observers opened -- saved-tensor hooks, ``TorchFunctionMode``'s -- on the thread,
-acting on whatever it runs next. So each thread keeps the scopes entered and not yet left, with
-the observers told of each, and every way out leaves them: an :class:`InterruptGuard` around the
-model's forward on any ``BaseException``, an outermost call finding scopes its thread abandoned
-outside any live call, and :meth:`ScopeTracker.leave_abandoned` (``MemoryOptimizer.remove``).
-The model's own scope is entered by that guard rather than by a pre-hook, so that no user hook on
-the model runs between its entry and the guard's ``try``.
+torch runs ``always_call`` hooks only for an ``Exception``: after a ``KeyboardInterrupt`` or
+``SystemExit`` in a forward, the observers' contexts (saved-tensor hooks, torch-function modes)
+would stay on the thread. So each thread keeps the scopes entered and not yet left, and every way
+out leaves them: an :class:`InterruptGuard` around the model's forward (it enters the model's own
+scope, so no user hook runs before its ``try``), the thread's next outermost call, and
+:meth:`ScopeTracker.leave_abandoned` (``MemoryOptimizer.remove``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """What fits: a config for a budget on the step's peak (or an absolute cap), verified by running it,
-and the largest batch that fits under a cap.
+and the largest batch that fits under a cap; ``memopt plan`` reads this.
 
-``memopt plan`` reads this. The peak of a step is what decides the batch that fits, and it is
-more than the bytes saved for backward: the backward adds gradients in flight and workspaces on top
-of what is still saved (``transient`` below), and a recompute region re-creates its activations.
-:func:`plan_peak` turns the peak target into a target on the saved bytes (the target less the
-baseline's transient), lets :func:`~.plan.suggest_config` choose for it, then runs a step under
-the config on the allocator's timeline; when the measured peak is over, it bisects the saved-bytes
-target for the largest one whose measured peak meets the peak target (or says none does).
+The peak of a step decides the batch that fits, and it is more than the bytes saved for backward:
+the backward adds gradients in flight and workspaces on top of what is still saved (``transient``
+below), and a recompute region re-creates its activations. :func:`plan_peak` turns the peak target
+into a target on the saved bytes (the target less the baseline's transient), lets
+:func:`~.plan.suggest_config` choose for it, then runs a step under the config on the allocator's
+timeline; when the measured peak is over, it bisects the saved-bytes target for the largest one
+whose measured peak meets the peak target (or says none does).
 
-An absolute cap (``memory``) chooses the config for the whole step: what is allocated before it
--- parameters, gradients, optimizer state, the batch -- plus the step's peak. The largest batch
-under it is read on the whole training (:func:`fitting_batch` over :mod:`.training`'s readings,
-drift checks included), as its user reads it; without a way to build the model again, on the
-step alone (:func:`largest_batch`).
+An absolute cap (``memory``) covers the whole step: what is allocated before it (parameters,
+gradients, optimizer state, the batch) plus the step's peak. The largest batch under it is read on
+the whole training (:func:`fitting_batch` over :mod:`.training`'s readings, drift checks included);
+without a way to build the model again, on the step alone (:func:`largest_batch`).
 """
 
 from __future__ import annotations

@@ -2,14 +2,12 @@
 
 CUDA: ``memory_allocated`` / ``max_memory_allocated``. CPU: the process's resident set (RSS);
 glibc is told at first use to serve blocks of 4 KiB and more with mmap and to return freed memory
-at once (the runtime equivalent of ``MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0``), free
-heap pages are given back (``malloc_trim``) before each reading, and the peak is the kernel's
-high-water mark (``VmHWM``), reset before each step.
-
-The threshold is 4 KiB rather than a 64 KiB one: compressed activations come with small
-per-group tables (a 1 MiB tensor has 8 KiB of scales), and blocks under the threshold are served
-from heap pages that are already resident, which RSS does not see. Smaller blocks still hide;
-tests therefore take ``max(retained, packed)`` as what a compressed step holds.
+at once (as ``MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0`` would), free heap pages are
+given back (``malloc_trim``) before each reading, and the peak is the kernel's high-water mark
+(``VmHWM``), reset before each step. The threshold is that low because compressed activations come
+with small per-group tables (scale and zero point), and blocks under it are served from heap pages
+already resident, which RSS does not see. Smaller blocks still hide; tests therefore take
+``max(retained, packed)`` as what a compressed step holds.
 
 This is the reading of a fresh process (the benchmarks and the memory tests spawn one per
 figure). ``memopt profile`` reads the allocator's own live bytes instead
