@@ -144,11 +144,8 @@ def choose(
     region whose replay would hold more than compressing it keeps is not picked; and the
     backward's start holds, beside what is kept, the largest saved storage at full precision
     (decoded: the loss head's logits in a language model), which a replay later in backward does
-    not meet. ``replayed`` and ``transient`` are those internals. Measured on the models of
-    ``benchmarks/fits.md`` at budget 0.1 + int8: a 3.28x / 3.62x / 2.60x larger batch fits
-    (ResNet / GPT-2 / Llama; int8 alone 3.00x / 2.62x / 1.87x), where replays counted
-    compressed gave 2.08x / 3.56x / 2.60x, and replays at full precision without the transient
-    3.0x / 4.4x / 2.4x.
+    not meet. ``replayed`` and ``transient`` are those internals. The batch that fits under the
+    planner with int8: ``benchmarks/fits.md``.
 
     Greedy, best rate first: a candidate's benefit is what it removes from the kept bytes plus
     what it removes from the estimated backward peak (:func:`estimated_peak`), per operation of

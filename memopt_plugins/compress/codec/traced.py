@@ -139,8 +139,8 @@ def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     ``j`` holds codes ``j, j + m, j + 2m, ...`` (``m``: bytes per group), lowest bits first.
 
     Planes of a group, not neighbours (the reference's order): every lane is read and written
-    contiguously, so inductor vectorizes packing and unpacking (neighbour lanes made it fall
-    back to scalar loops, ten times slower).
+    contiguously, so inductor vectorizes packing and unpacking (with neighbour lanes it falls
+    back to scalar loops).
     """
     per_byte = 8 // bits
     planes = codes.view(codes.shape[0], per_byte, -1)
