@@ -1,13 +1,13 @@
 """What memopt leaves on a user's modules, and what a copy of the model gets of it.
 
 memopt patches a model in place with forward hooks and, for recompute and running-statistics
-BatchNorm, ``forward`` instance attributes. Those belong to the optimizer that applied them, not
-to the model: a deep copy (``copy.deepcopy``, as EMA, ``torch.optim.swa_utils.AveragedModel`` and
+BatchNorm, ``forward`` instance attributes. Those belong to the optimizer that applied them, not to
+the model: a deep copy (``copy.deepcopy``, as EMA, ``torch.optim.swa_utils.AveragedModel`` and
 Lightning's ``StochasticWeightAveraging`` make) or a pickled model (``torch.save(model)``) gets a
-plain model: inert hooks and each module's own ``forward``. Without this, a copy either failed to
-copy (the hooks' thread-local state) or ran the original's BatchNorm parameters. Swapped dropout
-modules (``dropout.MemoryDropout`` and kin) are self-contained and exact, so copies keep them.
-Apply an optimizer to the copy to patch it as well.
+plain model: inert hooks and each module's own ``forward``, so a copy carries none of the hooks'
+thread-local state and runs its own BatchNorm parameters, never the original's. Swapped dropout
+modules (``dropout.MemoryDropout`` and kin) are self-contained and exact, so copies keep them. Apply
+an optimizer to the copy to patch it as well.
 """
 
 from __future__ import annotations

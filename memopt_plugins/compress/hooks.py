@@ -740,11 +740,10 @@ class CompressionHooks:
             if t.element_size() <= 2:
                 return t
             return _Saved(t.detach().to(torch.bfloat16), _from_half(t), t.shape, HALF_BITS)
-        # Groups run in ``t``'s own (row-major) index order whatever its layout, not in memory
-        # order: a transposed view's groups then span its leading dim. CLIP's image embeddings,
-        # saved transposed by the similarity matmul, are nearly alike across samples at init;
-        # grouped per sample, 8-bit nearest rounding gave a larger gradient error than grouping
-        # along the samples (tests/test_compress.py holds both).
+        # Groups follow ``t``'s index order (row-major over its shape), never its memory order:
+        # a tensor is grouped by its shape, whatever layout its saver gave it, so a transposed
+        # view's groups span its leading dim (CLIP's embeddings, saved transposed by the
+        # similarity matmul, are grouped along the samples; tests/test_compress.py, "index order").
         generator = self.noise(t.device) if self.stochastic and self.noise else None
         packed = quantize(
             t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic,
@@ -780,16 +779,15 @@ class CompressionHooks:
         if bits == HALF_BITS and t.dtype != torch.bool:
             return (t if t.element_size() <= 2 else (HALVED, t.to(torch.bfloat16), t.dtype)), None
         if t.is_contiguous():
-            # Its memory as one flat run: inductor indexes that directly, where a reshape of
-            # ``t`` into groups that straddle its dims gave index expressions (divisions and
-            # remainders) it could not simplify, and gathers element by element.
+            # Its memory as one flat run, so that every group is a contiguous range of one index
+            # (no divisions or remainders over ``t``'s dims for inductor to simplify).
             flat, stride = t.as_strided((t.numel(),), (1,), t.storage_offset()), None
         else:
             # A transposed or permuted tensor, or a slice with gaps (attention's query, key and
             # value, each a third of one projection's output, saved by SDPA): grouped in its
             # index order, as in eager (:meth:`_compress`), and decoded to its own strides where
             # it is dense, else to dense strides in its dim order (:func:`_decoded_strides`).
-            # Kept as it was, a slice held its whole base alive.
+            # The graph saves codes of the slice's own elements only, never a view of its base.
             flat, stride = t.reshape(-1), _decoded_strides(t)
         if t.dtype == torch.bool:  # lossless at any bits: a byte an element became a bit
             return (BITS, pack_bools(flat), t.numel(), tuple(t.shape), stride), None

@@ -474,8 +474,8 @@ class DriftMonitor:
             if lower is None or lower < self.floor.get(fqn, old) or changes > cfg.lower_changes:
                 continue
             # Calm at its bits; whether it stays calm a rung lower, the probe measures: a
-            # module's drift is mostly the other modules' rounding (backward carries it), so
-            # scaling its own drift by the step size (1 / (2^b - 1)) overstates it many times.
+            # module's drift is mostly the other modules' rounding (backward carries it), which
+            # no scaling of its own drift by the step size (1 / (2^b - 1)) predicts.
             calm = drift <= calm_below
             self.calm[fqn] = self.calm.get(fqn, 0) + 1 if calm else 0
             if self.calm[fqn] >= self.wait.get(fqn, cfg.lower_after):

@@ -5,10 +5,9 @@
 zero point of :mod:`.reference` (below 8 bits packed in planes, :func:`_pack_planes`), decoded by
 traceable PyTorch operations, which inductor fuses into the kernels that read them. Where the C
 kernels serve (:func:`.ops.native_in_graphs`: CPU tensors) encoding is one operator opaque to
-inductor (``memopt::graph_encode``): generating and compiling the encoder's kernels for every
-tensor a graph saves took longer than compiling the model itself
-(``benchmarks/compile_time.md``). Elsewhere (CUDA, float64, ``MEMOPT_CODEC=torch``) it is traced
-too; both write the same bytes.
+inductor (``memopt::graph_encode``), so inductor generates no encoder kernels per saved tensor
+(compile times: ``benchmarks/compile_time.md``). Elsewhere (CUDA, float64, ``MEMOPT_CODEC=torch``)
+it is traced too; both write the same bytes.
 """
 
 from __future__ import annotations
