@@ -136,8 +136,8 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
 
         def gated_forward(x: torch.Tensor) -> torch.Tensor:
             # compiled (autocast off, bias-free): one operator each way over every chunk, as
-            # for the GELU MLP below; traced chunk by chunk, the graph saved every chunk's gate
-            # and up projections
+            # for the GELU MLP below, so that the graph saves the block's input, never a chunk's
+            # gate and up projections
             if bias_free and torch.compiler.is_compiling():
                 if not torch.is_autocast_enabled(x.device.type):
                     w_gate, w_up, w_down = (p()[0] for p in projections)
@@ -152,9 +152,9 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
     approximate, up, down = _gelu_kind(act), _linear_of(m.c_fc), _linear_of(m.c_proj)
     if approximate is not None and up is not None and down is not None:
         # eager: one node per chunk saving the chunk only (gelu_mlp); compiled: one operator
-        # each way over every chunk (tracing gelu_mlp ran the eager hooks' pack inside the
-        # graph, and dynamo failed on a guard it had just made), or under autocast, whose casts
-        # the operator would not see, the modules' own chain
+        # each way over every chunk, or under autocast, whose casts the operator would not see,
+        # the modules' own chain. gelu_mlp is never traced: its saves go through the eager
+        # hooks, which must not run inside a graph.
         def block(t: torch.Tensor) -> torch.Tensor:
             if torch.compiler.is_compiling():
                 return m.c_proj(act(m.c_fc(t)))
