@@ -34,7 +34,7 @@ from .drift.budget import Pricing, priced_widths
 from .drift.passes import cut_sample, piece_samples
 from .dropout import DropoutPatch
 from .lean import LeanOps
-from .logs import show_on_console
+from .logs import release_console, show_on_console
 from .loss_fn import bind_loss, takes_model_and_batch
 from .measure.process import StepPeak, batch_fits
 from .measure.scopes import InterruptGuard, ScopeTracker, scripted_modules
@@ -379,6 +379,8 @@ class MemoryOptimizer:
         self._lean.remove()
         self._logged_bits = {}  # a re-applied optimizer reports every module's bits again
         _PATCHED.pop(self._model, None)
+        if not _PATCHED:
+            release_console()
         self._model = None
         self._hooks = None
         self._table.clear()

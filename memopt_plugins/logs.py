@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from .distributed import process_rank
 
-__all__ = ["quiet", "show_on_console"]
+__all__ = ["quiet", "release_console", "show_on_console"]
 
 log = logging.getLogger("memopt")
 
@@ -42,14 +42,30 @@ class ConsoleHandler(logging.StreamHandler):
         self.addFilter(_RankZeroInfo())
 
 
+#: What :func:`show_on_console` changed on the logger, for :func:`release_console` to undo.
+_shown: dict[str, object] = {}
+
+
 def show_on_console() -> None:
     """Give the ``memopt`` logger a stderr handler at INFO when no handler would print its
     lines; a no-op once it has one, or when logging is configured."""
     if log.hasHandlers():
         return
-    log.addHandler(ConsoleHandler())
+    _shown["handler"] = handler = ConsoleHandler()
+    log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
+        _shown["level"] = logging.INFO
+
+
+def release_console() -> None:
+    """Take back what :func:`show_on_console` added (``remove()`` calls it once no patched model
+    is left): the handler, and the level where it is still the one memopt set."""
+    handler = _shown.pop("handler", None)
+    if handler is not None:
+        log.removeHandler(handler)  # type: ignore[arg-type]
+    if _shown.pop("level", None) == log.level:
+        log.setLevel(logging.NOTSET)
 
 
 @contextmanager

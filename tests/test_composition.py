@@ -238,6 +238,29 @@ def test_remove_leaves_no_process_wide_state():
     assert ops._SEED_SOURCES == sources
 
 
+def test_the_console_handler_goes_with_the_last_patched_model(monkeypatch):
+    import logging
+
+    import gc
+
+    from memopt_plugins.logs import ConsoleHandler
+
+    gc.collect()  # models earlier tests dropped unremoved count as patched until collected
+    memopt_log = logging.getLogger("memopt")
+    monkeypatch.setattr(logging.root, "handlers", [])  # nothing would print memopt's lines
+    monkeypatch.setattr(memopt_log, "handlers", [])
+    monkeypatch.setattr(memopt_log, "level", logging.NOTSET)
+    first, second = MemoryOptimizer({"quantize": {"bits": 8}}), MemoryOptimizer({})
+    first.apply(_mlp())
+    second.apply(_mlp())
+    assert [type(h) for h in memopt_log.handlers] == [ConsoleHandler]
+    assert memopt_log.level == logging.INFO
+    first.remove()
+    assert [type(h) for h in memopt_log.handlers] == [ConsoleHandler]  # one model still patched
+    second.remove()
+    assert memopt_log.handlers == [] and memopt_log.level == logging.NOTSET
+
+
 def test_a_patched_model_dropped_without_remove_is_collected_and_torch_settings_are_back():
     import gc
     import weakref
