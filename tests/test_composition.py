@@ -239,9 +239,8 @@ def test_remove_leaves_no_process_wide_state():
 
 
 def test_the_console_handler_goes_with_the_last_patched_model(monkeypatch):
-    import logging
-
     import gc
+    import logging
 
     from memopt_plugins.logs import ConsoleHandler
 
