@@ -1,9 +1,16 @@
-"""memopt on a CUDA GPU: codec throughput, then memory and step time, on the bench's harness.
+"""memopt on a CUDA GPU: builds and tests, codec throughput, memory and step time.
 
     python -m benchmarks.cuda [--out benchmarks/results-cuda.md] [--device cuda[:i]]
 
+The one script for a lent GPU (a few minutes). 0. Builds and tests: every Triton kernel
+specialization compiled ahead of time for sm_80, sm_90 and the device's architecture
+(``memopt_plugins.compress.codec.cuda_build``: failures, spills), then ``pytest`` of the CUDA
+tests (``tests/test_cuda_codec.py``, ``tests/test_cuda_training.py``), each in a child process;
+their summary lines go into the report.
+
 1. Codec throughput: quantize (nearest and stochastic) and decode of 2**26 elements, the Triton
-   kernels against the torch reference (``harness.timing.median_seconds``).
+   kernels against the torch reference (``harness.timing.median_seconds``), and a device copy of
+   the same tensor as the bandwidth to compare with.
 
 2. Memory and step time, on the bench's GPT and CNN (``harness/workloads.py`` at the bench's
    sizes and at a GPU-sized scale-up), in float32 and under bf16 autocast: the baseline and
@@ -14,16 +21,17 @@
    method's. Step time is the median forward + backward (``harness.timing.time_steps``:
    round-robin after a warm-up), as a ratio to the baseline of the same precision, with the
    Triton codec and again with ``MEMOPT_CODEC=torch``; the gradient error is against that
-   baseline (``harness.gradients``).
+   baseline (``harness.gradients``). On CUDA also Hugging Face GPT-2 (``hf_gpt2_workload``) at
+   the GPU-sized scale under bf16 autocast.
 
 Correctness on the GPU (the Triton kernels' bytes, unbiased rounding, dropout's one mask, exact
 recompute, drift) is tested by ``tests/test_cuda_codec.py`` and ``tests/test_cuda_training.py``,
 which skip without CUDA. ``python -m benchmarks.run --device cuda`` runs the whole bench on the GPU.
 
 Writes ``--out`` (markdown). Without a CUDA device it says so and exits with status 2.
-``--device cpu`` runs section 2 on tiny sizes, for checking this script where there is no GPU
-(no memory figures); it writes nothing unless ``--out`` is given. Timings are reported, never
-asserted.
+``--device cpu`` runs the build check and section 2 on tiny sizes, for checking this script
+where there is no GPU (no memory figures); it writes nothing unless ``--out`` is given. Timings
+are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import argparse
 import functools
 import math
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -57,7 +66,7 @@ from .harness.memory import one_step, read_memory
 from .harness.methods import BASELINE, INT2, INT4, INT8, METHODS, Method, Patched
 from .harness.sizes import FULL, QUICK
 from .harness.timing import median_seconds, time_steps
-from .harness.workloads import Workload, cnn_workload, gpt_workload
+from .harness.workloads import Workload, cnn_workload, gpt_workload, hf_gpt2_workload
 
 PRESET = "memopt combined preset"
 MEASURED = (BASELINE, INT8, INT4, INT2, PRESET)
@@ -67,6 +76,45 @@ GPU_SIZED = replace(
     gpt=replace(FULL.gpt, dim=512, depth=8, measure_batch=64),
     cnn=replace(FULL.cnn, width=128, measure_batch=1024),
 )
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_TESTS = ("tests/test_cuda_codec.py", "tests/test_cuda_training.py")
+
+
+def _child(args: list[str], timeout: float) -> tuple[int, str]:
+    """Exit status and output of ``python args`` in the repository root, without the Triton
+    interpreter (the kernels must compile for the GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        done = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout:.0f} s"
+    return done.returncode, done.stdout + done.stderr
+
+
+def build_check(device: torch.device) -> list[str]:
+    """Section 0, the builds: every kernel specialization for sm_80, sm_90 and this device."""
+    archs = {80, 90}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        archs.add(10 * major + minor)
+    jobs = str(os.cpu_count() or 1)
+    args = ["-m", "memopt_plugins.compress.codec.cuda_build", "--jobs", jobs, "--arch"]
+    status, output = _child([*args, *map(str, sorted(archs))], timeout=300)
+    lines = output.strip().splitlines() or ["no output"]
+    problems = [line for line in lines[:-1] if "FAILED" in line or "spilled" in line]
+    return [f"- Ahead-of-time builds (exit {status}): {lines[-1]}", *problems[:20]]
+
+
+def test_check() -> list[str]:
+    """Section 0, the tests: the CUDA tests' pytest summary line."""
+    status, output = _child(["-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS], 300)
+    last = output.strip().splitlines()[-1] if output.strip() else "no output"
+    return [f"- `pytest {' '.join(CUDA_TESTS)}` (exit {status}): {last}"]
 
 
 @contextmanager
@@ -99,6 +147,11 @@ def codec_throughput(device: torch.device) -> list[str]:
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(2**26, device=device).to(dtype)
         gigabytes = x.numel() * x.element_size() / 1e9
+        copy = median_seconds(x.clone, device)  # reads and writes x: the bandwidth to compare
+        rows.append(
+            f"| device copy | {str(dtype)[6:]} | - | - | {copy * 1e3:.2f} | "
+            f"{gigabytes / copy:.0f} (read) | - |"
+        )
         for bits in (8, 4):
             with codec("torch"):
                 reference = _codec_seconds(x, bits, device)
@@ -169,8 +222,10 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
-def report(device: torch.device, throughput: list[str], tables: list[str]) -> str:
-    """The results file: both sections as markdown."""
+def report(
+    device: torch.device, checks: list[str], throughput: list[str], tables: list[str]
+) -> str:
+    """The results file: the sections as markdown."""
     try:
         import triton
 
@@ -186,6 +241,8 @@ def report(device: torch.device, throughput: list[str], tables: list[str]) -> st
         "÷ the method's for memory and the method's ÷ the baseline's for step time. "
         "Correctness on the GPU: `pytest tests/test_cuda_codec.py tests/test_cuda_training.py`.",
     ]
+    if checks:
+        lines += ["", "## Builds and tests", "", *checks]
     if throughput:
         lines += [
             "",
@@ -199,6 +256,42 @@ def report(device: torch.device, throughput: list[str], tables: list[str]) -> st
     return "\n".join(lines) + "\n"
 
 
+def _workload_runs(cuda: bool) -> list[tuple[str, Workload, bool]]:
+    """(scale, workload, under bf16 autocast) of section 2: on CUDA the GPT and the CNN at both
+    scales and precisions, and HF GPT-2 GPU-sized under autocast; on the CPU tiny ones."""
+    if not cuda:
+        return [("tiny", build(QUICK), False) for build in (gpt_workload, cnn_workload)]
+    runs = [
+        (scale, build(sizes), autocast)
+        for scale, sizes in (("bench sizes", FULL), ("GPU-sized", GPU_SIZED))
+        for build in (gpt_workload, cnn_workload)
+        for autocast in (False, True)
+    ]
+    return [*runs, ("GPU-sized", hf_gpt2_workload(GPU_SIZED), True)]
+
+
+def memory_and_step_time(device: torch.device) -> list[str]:
+    """Section 2 as markdown tables, one per workload, scale and precision."""
+    header = (
+        "| method | peak MiB | peak ratio | retained MiB | retained ratio | step ms | "
+        "step ratio | step ratio, torch codec | gradient error |"
+    )
+    cuda = device.type == "cuda"
+    settings = FULL_SETTINGS if cuda else QUICK_SETTINGS
+    tables = []
+    for scale, workload, autocast in _workload_runs(cuda):
+        workload = workload.to(device)
+        try:
+            rows = measure_workload(workload, device, settings, autocast)
+        except Exception as exc:  # one workload's failure is a row; the others go on
+            rows = [f"| failed: {failure(exc)} |" + " |" * 8]
+        precision = "bf16 autocast" if autocast else "float32"
+        title = f"### {workload.title}, {scale}, {precision}"
+        tables += [title, "", header, "|---" * 9 + "|", *rows, ""]
+        print(f"{title[4:]} done", file=sys.stderr)
+    return tables
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda[:i] (default cuda), or cpu")
@@ -206,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out",
         type=Path,
         help="markdown to write (on CUDA, by default benchmarks/results-cuda.md)",
+    )
+    parser.add_argument(
+        "--skip-builds", action="store_true", help="leave out the ahead-of-time build check"
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -219,30 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cuda = device.type == "cuda"
     out = args.out or (RESULTS / "results-cuda.md" if cuda else None)
+    checks = ([] if args.skip_builds else build_check(device)) + (test_check() if cuda else [])
+    print(*checks, sep="\n", file=sys.stderr)
     try:
         throughput = codec_throughput(device) if cuda else []
     except Exception as exc:  # reported, and the measurements still run
         throughput = [f"| failed: {failure(exc)} |" + " |" * 6]
-    header = (
-        "| method | peak MiB | peak ratio | retained MiB | retained ratio | step ms | "
-        "step ratio | step ratio, torch codec | gradient error |"
-    )
-    tables = []
-    scales = (("bench sizes", FULL), ("GPU-sized", GPU_SIZED)) if cuda else (("tiny", QUICK),)
-    for scale, sizes in scales:
-        for build in (gpt_workload, cnn_workload):
-            workload = build(sizes).to(device)
-            for autocast in (False, True) if cuda else (False,):
-                precision = "bf16 autocast" if autocast else "float32"
-                settings = FULL_SETTINGS if cuda else QUICK_SETTINGS
-                try:
-                    rows = measure_workload(workload, device, settings, autocast)
-                except Exception as exc:  # one workload's failure is a row; the others go on
-                    rows = [f"| failed: {failure(exc)} |" + " |" * 8]
-                title = f"### {workload.title}, {scale}, {precision}"
-                tables += [title, "", header, "|---" * 9 + "|", *rows, ""]
-                print(f"{title[4:]} done", file=sys.stderr)
-    text = report(device, throughput, tables)
+    tables = memory_and_step_time(device)
+    text = report(device, checks, throughput, tables)
     if out is not None:
         out.write_text(text)
         print(f"wrote {out}", file=sys.stderr)

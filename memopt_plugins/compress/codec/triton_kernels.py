@@ -6,11 +6,13 @@ one pass back. At round-to-nearest both write the reference's bytes (:mod:`.refe
 float32 operations in the same order, ``div_rn``, no fused multiply-adds, bfloat16 rounding on the
 bits. Stochastic rounding draws Philox noise (``tl.randint``) from ``seed`` and the element's
 index, whatever the launch configuration. A program holds ``GROUPS`` groups as a
-``(GROUPS, BYTE_COLS, PER_BYTE)`` tile, so packing is a shift and a sum; groups are padded to a
-power of two by repeating their last element. Where ``group_size`` is not a multiple of the codes
-per byte, :mod:`memopt_plugins.packing` packs in torch. On the CPU the kernels run in Triton's
-interpreter (:data:`INTERPRETED`), which ``TRITON_INTERPRET=1`` must select before ``triton`` is
-first imported; this module refuses to import when its kernels and triton's library disagree.
+``(GROUPS, BYTE_COLS, PER_BYTE)`` tile fixed by the group size, so packing is a shift and a
+sum; groups are padded to a power of two by repeating their last element. Where ``group_size``
+is not a multiple of the codes per byte, :mod:`memopt_plugins.packing` packs in torch. Every
+launch's constants come from :mod:`.triton_launch`, which enumerates them for
+:mod:`.cuda_build`. On the CPU the kernels run in Triton's interpreter (:data:`INTERPRETED`),
+which ``TRITON_INTERPRET=1`` must select before ``triton`` is first imported; this module
+refuses to import when its kernels and triton's library disagree.
 """
 
 from __future__ import annotations
@@ -22,19 +24,17 @@ import triton
 import triton.language as tl
 
 from ...packing import pack_bits, unpack_bits
-from .reference import FIRST_LEVEL
+from . import triton_launch as launches
+from .triton_launch import BF16 as _BF16
+from .triton_launch import F16 as _F16
+from .triton_launch import F32 as _F32
 
-#: Elements a program holds (a whole group when the group is larger).
-_TILE = 2048
-#: Element types: the code the kernels switch on. bfloat16 is read and written as its bits.
-_F32, _BF16, _F16 = 0, 1, 2
 DTYPES = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
 # Group flags written by the quantize kernel.
 _EXACT, _CONSTANT = 1, 2
 # Half the least positive value of each element type: a float32 at or below it rounds to 0 there.
 _HALF_LEAST = {_F32: 0.0, _BF16: 2.0**-134, _F16: 2.0**-25}
-# Dropout masks: packed bytes (and unpacked elements) per program; floats of each size as bits.
-_MASK_BYTES = 512
+# Floats of each size as bits (the dropout masks' kernels read and write them so).
 _BITS_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -277,22 +277,13 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
 
 
-def _tiling(group_size: int, n_groups: int, per_byte: int) -> tuple[int, int, int]:
-    """(groups per program, byte columns per group, programs) for a ``_TILE``-element tile."""
-    padded = max(triton.next_power_of_2(group_size), per_byte)
-    groups = max(1, min(_TILE // padded, triton.next_power_of_2(n_groups)))
-    return groups, padded // per_byte, triton.cdiv(n_groups, groups)
-
-
-def _warps(tile: int) -> int:
-    """Warps of a program holding ``tile`` elements: 4, and more for a group beyond the tile."""
-    return 4 if tile <= _TILE else 8
-
-
-def _per_byte(bits: int, group_size: int) -> int:
-    """Codes per byte the kernels pack themselves: ``8 // bits`` unless bytes straddle groups."""
-    per_byte = 8 // bits
-    return per_byte if group_size % per_byte == 0 else 1
+def _run(launch: launches.Launch, programs: int, *args) -> None:
+    """Launch ``launch``'s kernel on ``programs`` programs: every launch passes here, with the
+    constants, warps and options :mod:`.cuda_build` compiles ahead of time."""
+    kernel = globals()[launch.kernel]
+    kernel[(programs,)](
+        *args, **launch.constants, num_warps=launch.num_warps, enable_fp_fusion=False
+    )
 
 
 def quantize(
@@ -306,23 +297,21 @@ def quantize(
     """
     numel, dtype = flat.numel(), DTYPES[flat.dtype]
     n_groups = -(-numel // group_size)
-    per_byte = _per_byte(bits, group_size)
+    launch = launches.quantize_launch(bits, group_size, dtype, seed is not None)
+    per_byte = launch.constants["PER_BYTE"]
     codes = flat.new_empty(-(-n_groups * group_size // per_byte), dtype=torch.uint8)
     scale = flat.new_empty(n_groups, dtype=torch.bfloat16)
     zero_point = flat.new_empty(n_groups, dtype=torch.uint8)
     flags = flat.new_empty(n_groups, dtype=torch.uint8)
     if numel == 0:
         return codes, scale, zero_point, flags.bool(), flags.bool()
-    groups, byte_cols, programs = _tiling(group_size, n_groups, per_byte)
     source = flat.view(torch.int16) if dtype == _BF16 else flat
     with _device(flat):
-        _quantize_kernel[(programs,)](
+        _run(
+            launch, triton.cdiv(n_groups, launch.constants["GROUPS"]),
             source, codes, scale.view(torch.int16), zero_point, flags,
             numel, n_groups, group_size, seed or 0,
             torch.finfo(flat.dtype).max, _HALF_LEAST[dtype],
-            BITS=bits, FIRST=FIRST_LEVEL[bits], DTYPE=dtype, STOCHASTIC=seed is not None,
-            GROUPS=groups, BYTE_COLS=byte_cols, PER_BYTE=per_byte,
-            num_warps=_warps(groups * byte_cols * per_byte), enable_fp_fusion=False,
         )  # fmt: skip
     if per_byte != 8 // bits:
         codes = pack_bits(codes, bits)
@@ -343,18 +332,15 @@ def decode(
     out = torch.empty(n_groups, group_size, dtype=dtype, device=codes.device)
     if n_groups == 0:
         return out
-    per_byte = _per_byte(bits, group_size)
-    if per_byte != 8 // bits:
-        codes = unpack_bits(codes, bits, n_groups * group_size)
-    groups, byte_cols, programs = _tiling(group_size, n_groups, per_byte)
     code = DTYPES[dtype]
+    launch = launches.decode_launch(bits, group_size, code)
+    if launch.constants["PER_BYTE"] != 8 // bits:
+        codes = unpack_bits(codes, bits, n_groups * group_size)
     with _device(codes):
-        _decode_kernel[(programs,)](
+        _run(
+            launch, triton.cdiv(n_groups, launch.constants["GROUPS"]),
             codes, scale.contiguous().view(torch.int16), zero_point.contiguous(),
             out.view(torch.int16) if code == _BF16 else out, n_groups, group_size,
-            BITS=bits, FIRST=FIRST_LEVEL[bits], DTYPE=code, GROUPS=groups, BYTE_COLS=byte_cols,
-            PER_BYTE=per_byte, LANE_BITS=8 // per_byte,
-            num_warps=_warps(groups * byte_cols * per_byte), enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -367,11 +353,10 @@ def pack_mask(noise: torch.Tensor) -> torch.Tensor:
     if numel == 0:
         return packed
     as_bits = noise.reshape(-1).view(_BITS_OF[noise.element_size()])
+    launch = launches.pack_mask_launch(noise.element_size())
+    programs = triton.cdiv(packed.numel(), launch.constants["BYTES"])
     with _device(noise):
-        _pack_mask_kernel[(triton.cdiv(packed.numel(), _MASK_BYTES),)](
-            as_bits, packed, numel, packed.numel(),
-            MAGNITUDE=2 ** (8 * noise.element_size() - 1) - 1, BYTES=_MASK_BYTES,
-        )  # fmt: skip
+        _run(launch, programs, as_bits, packed, numel, packed.numel())
     return packed
 
 
@@ -382,10 +367,7 @@ def unpack_mask(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.T
     if numel == 0:
         return out
     as_bits = out.view(_BITS_OF[out.element_size()])
-    one = int(torch.ones((), dtype=dtype).view(as_bits.dtype))  # the bits of 1.0
-    block = 8 * _MASK_BYTES
+    launch = launches.unpack_mask_launch(str(dtype).removeprefix("torch."))
     with _device(packed):
-        _unpack_mask_kernel[(triton.cdiv(numel, block),)](
-            packed, as_bits, numel, ONE=one, BLOCK=block
-        )
+        _run(launch, triton.cdiv(numel, launch.constants["BLOCK"]), packed, as_bits, numel)
     return out
