@@ -65,8 +65,9 @@ class PackedTensor:
         scale: ``bfloat16`` step size per group (0 for an all-zero group).
         zero_point: ``uint8`` code that decodes to exactly 0, per group.
         exact_index: ``int64`` indices of the groups kept exactly (NaN/Inf or unrepresentable
-            range), or ``None``; from the Triton kernels a fixed number of entries, the unused
-            ones past the last group (the same for ``const_index``).
+            range), or ``None``; from the Triton kernels and in compiled graphs a number of
+            entries fixed by the size (:func:`.reference.exact_slots`), the unused ones past the
+            last group (the same for ``const_index``).
         exact_values: those groups' values in the original dtype, ``(k, group_size)``, or ``None``.
         const_index: ``int64`` indices of constant groups whose value the codes cannot express
             exactly (e.g. ``1e-30``, ``inf``), or ``None``.
@@ -110,8 +111,8 @@ def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
     byte, plus 3 bytes per group: the bfloat16 scale and the ``uint8`` zero point. This is
     ``quantize(x, bits, group_size).nbytes`` for any ``x`` of ``numel`` elements without groups
     kept exactly (NaN/Inf or an unrepresentable range) or constant groups kept as one value (on
-    CUDA the side tables' fixed room comes on top, :func:`.reference.exact_slots`); the single
-    source of truth for estimates of the codec's cost.
+    CUDA and in compiled graphs the side tables' fixed room comes on top,
+    :func:`.reference.exact_slots`); the single source of truth for estimates of the codec's cost.
     """
     _check_settings(bits, group_size)
     if numel < 0:
@@ -286,9 +287,9 @@ def quantize(
         codes, scale, zero_point, *tables = ops.quantize_drawn_op(flat, bits, group_size, source)
     else:
         codes, scale, zero_point, *tables = ops.quantize_op(flat, bits, group_size, None)
-    exact_index, exact_values, const_index, const_values = (
-        t if t.numel() else None for t in tables
-    )
+    if not torch.compiler.is_compiling():  # an empty table is none
+        tables = [t if t.numel() else None for t in tables]
+    exact_index, exact_values, const_index, const_values = tables
     return PackedTensor(
         codes=codes,
         scale=scale,

@@ -171,15 +171,37 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Q
     return _QUANTIZE_KERNELS[_codec(x.device, x.dtype)](x, bits, group_size, seed)
 
 
-#: The operator compiled graphs call; the same function as :func:`quantize`.
-quantize_op = torch.library.custom_op("memopt::quantize", quantize, mutates_args=())
+def quantize_bounded(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
+    """:func:`quantize` with side tables of the Triton kernels' fixed room
+    (:func:`.reference.bounded_tables`): sizes known from ``x``'s size alone, what a compiled
+    graph needs (data-dependent sizes broke the graph). Groups past the room are lost as on CUDA:
+    decoded as NaN (scale 0, the top code)."""
+    quantized = quantize(x, bits, group_size, seed)
+    if _codec(x.device, x.dtype) == "triton":
+        return quantized  # its tables have that room already
+    codes, scale, zero_point, exact_index, _, const_index, _ = quantized
+    groups = reference.Groups.of(x, group_size)
+    exact, const = (_flags(index, len(groups)) for index in (exact_index, const_index))
+    tables, lost = reference.bounded_tables(groups, exact, const, scale, like=x)
+    scale = scale.masked_fill(lost, 0)
+    zero_point = zero_point.masked_fill(lost, 2**bits - 1)
+    return (codes, scale, zero_point, *tables)
+
+
+def _flags(index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The groups at ``index`` as a bool per group."""
+    flags = torch.zeros(n_groups, dtype=torch.bool, device=index.device)
+    return flags.index_fill_(0, index, True)
+
+
+#: The operator compiled graphs call: :func:`quantize_bounded`.
+quantize_op = torch.library.custom_op("memopt::quantize", quantize_bounded, mutates_args=())
 
 
 @quantize_op.register_fake
 def _quantize_fake(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
     groups = -(-x.numel() // group_size)
-    ctx = torch.library.get_ctx()
-    n_exact, n_const = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    n_exact, n_const = reference.exact_slots(groups), reference.const_slots(groups)
     index = {"dtype": torch.int64}
     return (
         x.new_empty(-(-groups * group_size * bits // 8), dtype=torch.uint8),
@@ -262,10 +284,11 @@ def _drawn(source: int) -> int:
 
 
 def quantize_drawn(x: torch.Tensor, bits: int, group_size: int, source: int) -> Quantized:
-    """:func:`quantize` with stochastic rounding at a seed drawn from seed source ``source``
-    when it runs: what a graph traced through :func:`~memopt_plugins.compress.codec.quantize`
-    calls, so that the draw is neither a graph break nor a constant of the trace."""
-    return quantize(x, bits, group_size, _drawn(source))
+    """:func:`quantize_bounded` with stochastic rounding at a seed drawn from seed source
+    ``source`` when it runs: what a graph traced through
+    :func:`~memopt_plugins.compress.codec.quantize` calls, so that the draw is neither a graph
+    break nor a constant of the trace."""
+    return quantize_bounded(x, bits, group_size, _drawn(source))
 
 
 #: The operator compiled graphs call: opaque, and tagged as seeded noise, so that no pass of the

@@ -369,13 +369,13 @@ def side_tables(
 def exact_slots(n_groups: int) -> int:
     """Rows of the table of groups kept exactly that :func:`bounded_tables` reserves for a
     tensor of ``n_groups`` groups: one, and one more per 1024 groups."""
-    return min(n_groups, 1 + n_groups // 1024)
+    return torch.sym_min(n_groups, 1 + n_groups // 1024)  # symbolic sizes too
 
 
 def const_slots(n_groups: int) -> int:
     """Entries of the table of constant groups that :func:`bounded_tables` reserves: 16, and one
     more per 64 groups (an index and a value each)."""
-    return min(n_groups, 16 + n_groups // 64)
+    return torch.sym_min(n_groups, 16 + n_groups // 64)
 
 
 def _bounded(flagged: torch.Tensor, slots: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
