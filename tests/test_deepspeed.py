@@ -279,6 +279,87 @@ def _accelerate(rank: int, root: Path) -> dict:
     return saved
 
 
+def _applied_after_zero3(rank: int) -> dict:
+    """memopt applied to a model ZeRO-3 has partitioned already (Lightning's order): int4 and
+    recompute give the gradients of memopt applied first; fused chains are refused."""
+    from memopt_plugins import ConfigError
+
+    out: dict = {}
+    for name, config in (("int4", INT4), ("recompute", {"recompute": {"modules": ["*.mlp"]}})):
+        grads = []
+        for order in ("before", "after"):
+            model, batch, loss_fn = _llama(8, rank)
+            opt = MemoryOptimizer(config)
+            if order == "before":
+                opt.apply(model)
+            engine = _engine(model, 3, 8)
+            if order == "after":
+                opt.apply(engine.module)
+            engine.backward(loss_fn(engine, batch))
+            grads.append(_full_grads(engine))
+            engine.destroy()
+        out[name] = _rel(grads[1], grads[0])
+    model, *_ = _llama(8, rank)
+    engine = _engine(model, 3, 8)
+    try:
+        MemoryOptimizer({"ops": {"fuse": ["mlp"]}}).apply(engine.module)
+    except ConfigError as err:
+        out["fuse refused"] = str(err)
+    engine.destroy()
+    return out
+
+
+def _trainer(rank: int, root: Path) -> dict:
+    """``MemOptTrainerCallback`` at int4 in a ``transformers.Trainer`` with a ZeRO-3
+    ``deepspeed=`` config: 4 steps, checks every 2 at a 1% threshold, a checkpoint at step 2
+    (DeepSpeed's, with memopt's state in trainer_state.json), and a run resumed from it."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from memopt_plugins.transformers import MemOptTrainerCallback
+
+    config = {"quantize": {"bits": 4}, "drift": {"check_every": 2, "threshold": 0.01}}
+    ids = tokens(0, 64) % 256
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    zero = ds_config(3, "auto")
+    zero["gradient_accumulation_steps"] = "auto"
+
+    class BitsAtStart(TrainerCallback):
+        def __init__(self, memopt):
+            self.memopt, self.bits = memopt, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.bits is None:
+                self.bits = self.memopt.bits
+
+    def fit(max_steps: int, resume: str | None = None):
+        memopt = MemOptTrainerCallback(config)
+        probe = BitsAtStart(memopt)
+        model, _, _ = _llama(4, rank)
+        args = TrainingArguments(
+            output_dir=str(root / "trainer"), max_steps=max_steps, per_device_train_batch_size=4,
+            learning_rate=1e-3, save_strategy="steps", save_steps=2, report_to="none",
+            disable_tqdm=True, seed=0, deepspeed=zero, logging_steps=1,
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[memopt, probe])
+        trainer.train(resume_from_checkpoint=resume)
+        rows = [r for r in trainer.state.log_history if "memopt/escalations" in r]
+        return trainer, memopt, probe, rows
+
+    trainer, memopt, _, rows = fit(4)
+    out = {
+        "engine": type(trainer.model_wrapped).__name__,
+        "escalations": [r["memopt/escalations"] for r in rows],
+        "bits": memopt.bits,
+        "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r],
+    }
+    saved = root / "trainer" / "checkpoint-2"
+    _, memopt, probe, _ = fit(3, str(saved))
+    out["resumed bits"] = probe.bits
+    state = (saved / "trainer_state.json").read_text()
+    out["saved"] = '"memopt"' in state
+    return out
+
+
 def _cases(out: Path) -> dict:
     os.environ["DS_ACCELERATOR"] = "cpu"
     return {
@@ -286,6 +367,8 @@ def _cases(out: Path) -> dict:
         "gradients": _gradients,
         "drift": _drift,
         "accelerate": functools.partial(_accelerate, root=out),
+        "applied after": _applied_after_zero3,
+        "trainer": functools.partial(_trainer, root=out),
     }
 
 
@@ -356,3 +439,24 @@ def test_accelerate_zero3_checks_alike_and_state_round_trips(two_ranks):
     for a in (a0, a1):
         assert a["loaded bits"] == a["bits"] and a["loaded steps"] == 3
         assert a["engine bits"] == a["bits"]
+
+
+@pytest.mark.slow
+def test_applied_after_zero3_partitions_compression_and_recompute_work_and_fusion_is_refused(
+    two_ranks,
+):
+    for r in two_ranks:
+        after = r["applied after"]
+        assert after["int4"] < 1e-6 and after["recompute"] < 1e-6
+        assert "already partitioned by DeepSpeed ZeRO-3" in after["fuse refused"]
+
+
+@pytest.mark.slow
+def test_trainer_with_a_zero3_config_escalates_alike_and_resumes_with_the_bits(two_ranks):
+    t0, t1 = (r["trainer"] for r in two_ranks)
+    assert t0["engine"] == "DeepSpeedEngine"
+    assert t0["bits"] == t1["bits"] and max(t0["bits"].values()) > 4
+    assert max(t0["escalations"]) > 0 and t0["saved"]
+    # the resumed run's first step runs at the bits of the checkpoint (the checks that raised
+    # them were at step 0, the checkpoint at step 2)
+    assert t0["resumed bits"] == t1["resumed bits"] == t0["bits"]
