@@ -249,10 +249,16 @@ _WEIGHT_MATH = {
 
 
 #: The modules whose saved-tensor hooks give a region a meaning of its own: torch's checkpoint
-#: (its forward region keeps only its inputs, its recomputation hands what it saves to the
-#: checkpoint) and ``save_on_cpu`` (offloads). Another pair pushed inside such a region would
-#: be the innermost one and take the region's tensors from it.
-REGION_OWNERS = frozenset({"torch.utils.checkpoint", "torch.autograd.graph"})
+#: and DeepSpeed's non-reentrant one (a forward region keeps only its inputs, its recomputation
+#: hands what it saves to the checkpoint) and ``save_on_cpu`` (offloads). Another pair pushed
+#: inside such a region would be the innermost one and take the region's tensors from it.
+REGION_OWNERS = frozenset(
+    {
+        "torch.utils.checkpoint",
+        "torch.autograd.graph",
+        "deepspeed.runtime.activation_checkpointing.checkpointing",
+    }
+)
 
 
 def in_foreign_region() -> bool:

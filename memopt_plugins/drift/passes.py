@@ -470,6 +470,28 @@ def fold(
     return out.float().cpu(), float(sq)
 
 
+#: What a reentrant checkpoint (torch's ``use_reentrant=True``, ``deepspeed.checkpointing``'s
+#: either form) raises under ``torch.autograd.grad``.
+_REENTRANT = "Checkpointing is not compatible with .grad()"
+
+
+def _differentiate(loss: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """``torch.autograd.grad(loss, inputs)`` (what it returns is taken by hooks), saying why when
+    a checkpoint in the model refuses it."""
+    try:
+        torch.autograd.grad(loss, inputs, allow_unused=True)
+    except RuntimeError as err:
+        if _REENTRANT not in str(err):
+            raise
+        raise RuntimeError(
+            "memopt's drift check differentiates with torch.autograd.grad (so that .grad, the "
+            "optimizer and DDP/ZeRO reducers never see it), which a checkpoint in the model "
+            "refuses: torch's reentrant checkpoint (use_reentrant=True) or "
+            "deepspeed.checkpointing (both forms). Use torch's non-reentrant checkpoint "
+            "(transformers' default) or turn drift checks off (drift.enabled: false)"
+        ) from err
+
+
 def gradients(
     loss: torch.Tensor,
     targets: Sequence[torch.Tensor],
@@ -520,7 +542,7 @@ def gradients(
         # Recorded activations are reached on the way to the parameters; asked for themselves
         # (only when no parameter is), their gradients would be held to the end of the pass.
         if leaves or inner:
-            torch.autograd.grad(loss, leaves or inner, allow_unused=True)
+            _differentiate(loss, leaves or inner)
     finally:
         for handle in handles:
             handle.remove()
