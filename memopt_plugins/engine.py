@@ -29,7 +29,7 @@ from .compress.hooks import CompressionHooks, PackObserver
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
-from .drift import DriftMonitor, DriftReport
+from .drift import CheckSample, CompressionFace, DriftCheck, DriftMonitor, DriftReport
 from .drift.budget import Pricing, priced_widths
 from .drift.passes import cut_sample, piece_samples
 from .dropout import DropoutPatch
@@ -527,54 +527,74 @@ class MemoryOptimizer:
         """
         model = self._require_model()
         hooks = self._hooks
-        cut, most = None, 0
-        if batch is not None:
-            batch_size = batch_size_of(batch) if batch_size is None else batch_size
-            batch = slice_batch(batch, self.config.drift.sample_size)
-            if takes_model_and_batch(loss_fn):  # the check's passes may run it in pieces
-                samples = batch_size_of(batch) or 1
-                stats = hooks.stats
-                most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
-                cut = partial(cut_sample, loss_fn, model, batch)
-        loss_fn = bind_loss(loss_fn, model, batch)
+        sample = self._check_sample(model, loss_fn, batch, batch_size)
         kept = hooks.stats.snapshot()
         step_ended = hooks.step_ended  # the check's passes are no training forward
         trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
         # Its per-module counts price the budget when they cover all of it (nothing compiled)
         eager = hooks.stats.forward_original == trained
         kept_modules, hooks.stats.modules = hooks.stats.modules, {}
+        pricing = None
+        if self.config.quantize.budget is not None:
+            pricing = self._pricing(trained, kept_modules if eager else {})
+        try:
+            with hooks.memory.paused():  # the check's passes are no training step's
+                check = DriftCheck(
+                    sample,
+                    self._compression_face(model),
+                    step=step,
+                    max_rounds=max_rounds,
+                    pricing=pricing,
+                    reduce_max=self.reduce_max,
+                    speaks=self.speaks,
+                )
+                return self._drift.check(check)
+        finally:
+            hooks.stats.restore(kept)
+            hooks.stats.modules = kept_modules
+            hooks.step_ended = step_ended
+
+    def _check_sample(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        batch: Any,
+        batch_size: int | None,
+    ) -> CheckSample:
+        """What a check's passes run: ``loss_fn`` bound to the model and the first
+        ``drift.sample_size`` samples of ``batch`` (where given), cut in pieces that fit what
+        the compressed training forward kept when it takes ``(model, batch)``."""
+        cut, most = None, 0
+        if batch is not None:
+            batch_size = batch_size_of(batch) if batch_size is None else batch_size
+            batch = slice_batch(batch, self.config.drift.sample_size)
+            if takes_model_and_batch(loss_fn):  # the check's passes may run it in pieces
+                samples = batch_size_of(batch) or 1
+                stats = self._hooks.stats
+                most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
+                cut = partial(cut_sample, loss_fn, model, batch)
+        bound = bind_loss(loss_fn, model, batch)
+        return CheckSample(model, bound, batch_size=batch_size, cut=cut, most=most)
+
+    def _compression_face(self, model: nn.Module) -> CompressionFace:
+        """What a drift check may do to compression: the bits, :meth:`set_bits`, the hooks'
+        suspension and training-size contexts, and the noise generators of the model's
+        devices."""
+        hooks = self._hooks
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
         # No drift-recorder hooks inside a recompute region (a planner's pick keeps its scopes
         # there): they would hide the region's saved tensors from the checkpoint. A recomputed
         # module's own scope is outside its region: it counts the boundary input.
         inside = {f for f, action in self._region_fqns().items() if action == IN_RECOMPUTE}
-        try:
-            with hooks.memory.paused():  # the check's passes are no training step's
-                return self._drift.check(
-                    model,
-                    loss_fn,
-                    self._table.compressed,
-                    set_bits=self.set_bits,
-                    suspend=hooks.suspend,
-                    as_training=hooks.as_training,
-                    generators=[hooks.noise(d) for d in devices],
-                    scopes=[f for f in self._table.scopes if f not in inside],
-                    min_numel=self.config.quantize.min_numel,
-                    reduce_max=self.reduce_max,
-                    speaks=self.speaks,
-                    step=step,
-                    max_rounds=max_rounds,
-                    batch_size=batch_size,
-                    cut=cut,
-                    most=most,
-                    pricing=None
-                    if self.config.quantize.budget is None
-                    else self._pricing(trained, kept_modules if eager else {}),
-                )
-        finally:
-            hooks.stats.restore(kept)
-            hooks.stats.modules = kept_modules
-            hooks.step_ended = step_ended
+        return CompressionFace(
+            self._table.compressed,
+            self.set_bits,
+            hooks.suspend,
+            as_training=hooks.as_training,
+            generators=[hooks.noise(d) for d in devices],
+            scopes=[f for f in self._table.scopes if f not in inside],
+            min_numel=self.config.quantize.min_numel,
+        )
 
     def _pricing(
         self, trained: int, counts: Mapping[str, ModuleSaved]

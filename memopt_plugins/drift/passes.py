@@ -602,3 +602,15 @@ def summed_over_shards(stats: torch.Tensor, sharded: Sequence[int]) -> torch.Ten
     out = stats.clone()
     out[..., index] = sum_over_ranks(stats[..., index].contiguous()).to(stats.device)
     return out
+
+
+def max_reduced(
+    reduce_max: Callable[[torch.Tensor], torch.Tensor],
+    values: list[float],
+    device: torch.device | None,
+) -> list[float]:
+    """``values`` max-reduced over ranks by ``reduce_max`` (as a float64 tensor on ``device``)."""
+    if not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device or torch.device("cpu"))
+    return reduce_max(t).cpu().tolist()
