@@ -388,10 +388,14 @@ def _backward_kernel(
     softcap: float | None,
     chunk: int,
     want_w: bool,
+    donate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_gradients` with the operator's schema (flat, and never donating)."""
+    """:func:`_gradients` with the operator's schema (flat; compiled graphs never donate).
+    The schema stays as it was: inductor's graph cache does not key on it, and a cached graph
+    calls the operator with every argument of the schema it was compiled against."""
     options = LossOptions(ignore_index, smoothing, softcap, chunk)
-    return _gradients(_Inputs(hidden, weight, bias, target), lse_bits, scale, options, want_w)
+    inputs = _Inputs(hidden, weight, bias, target)
+    return _gradients(inputs, lse_bits, scale, options, want_w, donate)
 
 
 #: :func:`_gradients` as one operator, for compiled graphs.
@@ -402,7 +406,8 @@ _backward_op = torch.library.custom_op(
 
 @_backward_op.register_fake
 def _(
-    hidden, weight, bias, target, lse_bits, scale, ignore_index, smoothing, softcap, chunk, want_w
+    hidden, weight, bias, target, lse_bits, scale, ignore_index, smoothing, softcap, chunk,
+    want_w, donate=False,
 ):  # fmt: skip
     work = torch.promote_types(hidden.dtype, torch.float32)
     return (
