@@ -3,15 +3,16 @@ are. The one place these rules are spelled: the hooks (eager and compiled), the 
 drift passes and the planner's estimate all ask here.
 
 Kept as it is (:func:`kept_as_is`): a parameter or buffer or a view of one (a compressed copy would
-keep the weight and feed backward a compressed weight); anything the codec cannot take
-(:func:`encodable`: DTensor and other subclasses, non-strided layouts, meta, nested, quantized);
-fewer than ``quantize.min_numel`` elements; a broadcast view; autocast's cached cast copy of a
-parameter. A weight the forward computes from parameters alone (:func:`computed_weight`) is kept
-at full width too, and counted as saved (the step's memory, not the model's). Of the rest,
-floating tensors are what the bits act on (:func:`compressible`); the hooks narrow integer
-tensors losslessly and keep bool and complex ones. Compiled graphs have reasons of their own
-(:func:`kept_in_graph`). This module imports nothing of memopt's but the config and
-module selection, so both compression and measurement can ask it.
+keep the weight and feed backward a compressed weight), or one a DTensor redistributes
+(:func:`redistributed_parameter`); what the codec cannot take (:func:`encodable`: subclasses,
+non-strided layouts, meta, nested, quantized; the hooks code a DTensor's local shard); fewer than
+``quantize.min_numel`` elements; a broadcast view; autocast's cached cast copy of a parameter. A
+weight the forward computes from parameters alone (:func:`computed_weight`) is kept at full
+width too, and counted as saved (the step's memory, not the model's). Of the rest, floating
+tensors are what the bits act on (:func:`compressible`); the hooks narrow integer tensors
+losslessly and keep bool and complex ones. Compiled graphs have reasons of their own
+(:func:`kept_in_graph`). This module imports nothing of memopt's but the config and module
+selection, so both compression and measurement can ask it.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def resolve_bits(
 def encodable(t: torch.Tensor) -> bool:
     """Whether the codec can take ``t`` at all: dense memory of its own (strided layout, not
     meta, nested or quantized) and no ``__torch_dispatch__`` subclass (a DTensor's
-    ``data_ptr()`` is its wrapper's, not its data's). Anything else is kept as it is."""
+    ``data_ptr()`` is its wrapper's, not its data's: the hooks code its local shard instead).
+    Anything else is kept as it is."""
     return (
         type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
         and t.layout is torch.strided
@@ -141,6 +143,21 @@ def is_autocast_copy(t: torch.Tensor) -> bool:
     source = node.next_functions[0][0]
     return source is not None and type(source).__name__ == "AccumulateGrad"
 
+
+def redistributed_parameter(t: torch.Tensor) -> bool:
+    """Whether DTensor ``t`` is a parameter redistributed for this op (all-gathered or resharded
+    by tensor parallelism: fresh memory, yet the weight), or a view of one: found through its
+    chain of view and ``Redistribute`` nodes back to a leaf. Compressed, it would feed backward a
+    compressed weight."""
+    node, redistributed = t.grad_fn, False
+    while node is not None and (node.name() in _VIEW_NODES or node.name() == _REDISTRIBUTE):
+        redistributed |= node.name() == _REDISTRIBUTE
+        node = node.next_functions[0][0]
+    return redistributed and node is not None and type(node).__name__ == "AccumulateGrad"
+
+
+#: The autograd node of ``DTensor.redistribute``.
+_REDISTRIBUTE = "RedistributeBackward"
 
 #: Autograd nodes of view operations: what autocast's copy of a weight is seen through.
 _VIEW_NODES = frozenset(
