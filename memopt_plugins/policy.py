@@ -18,6 +18,7 @@ selection, so both compression and measurement can ask it.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Container, Iterable
 from typing import Protocol
 
@@ -115,8 +116,13 @@ def kept_as_is(
 
     ``model``: the model's memory, ``t in memory`` for each: the storages of its parameters and
     buffers (:class:`~memopt_plugins.measure.ModelStorages`) and of the parameters a sharded
-    model's modules hold while they run (:class:`~.measure.storage.RunningParameters`).
+    model's modules hold while they run (:class:`~.measure.storage.RunningParameters`). A
+    DTensor is judged by its local shard, as the hooks code it.
     """
+    if _is_dtensor(t):
+        if redistributed_parameter(t):
+            return True
+        t = t._local_tensor
     if not encodable(t):
         return True  # a subclass, another layout, meta: nothing the codec can take
     if t.numel() < min_numel:
@@ -142,6 +148,11 @@ def is_autocast_copy(t: torch.Tensor) -> bool:
         return False
     source = node.next_functions[0][0]
     return source is not None and type(source).__name__ == "AccumulateGrad"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before its import
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def redistributed_parameter(t: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from memopt_plugins import MemoryOptimizer
+from memopt_plugins.drift.report import DISTRIBUTED_PARAMETERS
 from memopt_plugins.measure import storage_key
 from memopt_plugins.measure.process import in_use_bytes
 
@@ -264,9 +265,20 @@ def _changed_in_place(rank: int) -> dict:
     return out
 
 
+def _drift(rank: int) -> dict:
+    """A drift check at 2 bits under TP: what it measured, and why not the rest."""
+    model, opt = _built(
+        {"quantize": {"bits": 2, "rounding": "nearest"}}, init_device_mesh("cpu", (2,))
+    )
+    batch = _batch()[:64]
+    report = opt.check_drift(lambda: model(batch), max_rounds=1)
+    return {"measured": sorted(report.per_module), "unmeasured": dict(report.unmeasured)}
+
+
 def _cases(out: Path) -> dict:
     return {
         "tp": _tensor_parallel,
+        "drift": _drift,
         "in place": _changed_in_place,
         "redistributed": _redistributed,
         "2d": _two_dimensional,
@@ -330,6 +342,19 @@ def test_a_saved_dtensor_changed_in_place_fails_the_backward_as_without_memopt(t
         assert "modified by an inplace operation" in t["baseline"]
         assert "modified by an inplace operation" in t["int4"]
         assert "memopt saved it" in t["int4"]  # memopt's check, not one it left to torch
+
+
+def test_a_drift_check_says_it_cannot_measure_modules_judged_by_tensor_parallel_weights(
+    two_ranks,
+):
+    """The check takes no gradient of a DTensor parameter: the modules those judge are named
+    unmeasured with that reason (not "saves nothing"), the GELUs are measured."""
+    for r in two_ranks:
+        t = r["drift"]
+        assert t["measured"] == [f"blocks.{i}.act" for i in range(BLOCKS)]
+        for i in range(BLOCKS):
+            for name in ("up", "down"):
+                assert t["unmeasured"][f"blocks.{i}.{name}"] == DISTRIBUTED_PARAMETERS
 
 
 def test_a_redistributed_weight_is_kept_as_the_parameter_it_is(two_ranks):
