@@ -12,11 +12,16 @@ one rank, TP over two) runs the gathered DTensor weights.
 
 from __future__ import annotations
 
+import functools
 import gc
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from memopt_plugins.callbacks import MemOptCallback
 from ranks import run_two_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -27,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from torch.utils.data import DataLoader, TensorDataset
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.drift.report import DISTRIBUTED_PARAMETERS
@@ -275,9 +281,69 @@ def _drift(rank: int) -> dict:
     return {"measured": sorted(report.per_module), "unmeasured": dict(report.unmeasured)}
 
 
+class _TensorParallelMLP(pl.LightningModule):
+    """:class:`MLP` made tensor-parallel in ``configure_model`` on Lightning's TP mesh."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = None
+        self.losses: list[float] = []
+
+    def configure_model(self):
+        if self.model is None:
+            self.model, _ = _built(None, self.device_mesh["tensor_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(batch[0])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Ratio(Callback):
+    """memopt's ratio of saved to kept bytes, read while the fit trains."""
+
+    def __init__(self, memopt: MemOptCallback):
+        self.memopt = memopt
+        self.ratio = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ratio = self.memopt.memopt.hooks.stats.forward_ratio
+
+
+def _lightning(rank: int, root: Path) -> dict:
+    """Two steps of ``ModelParallelStrategy(tensor_parallel_size=2)``, without and with
+    ``MemOptCallback`` at int4; the losses and memopt's ratio of saved to kept bytes."""
+    out = {}
+    memopt = MemOptCallback(INT4)
+    for name, callbacks in (("baseline", []), ("int4", [memopt, _Ratio(memopt)])):
+        module = _TensorParallelMLP()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+            max_steps=2,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,  # the same batch on both ranks, as TP needs
+            default_root_dir=root,
+        )
+        trainer.fit(module, DataLoader(TensorDataset(_batch().repeat(2, 1)), batch_size=BATCH))
+        out[name] = module.losses
+        if callbacks:
+            out["int4 ratio"] = callbacks[1].ratio
+    return out
+
+
 def _cases(out: Path) -> dict:
     return {
         "tp": _tensor_parallel,
+        "lightning": functools.partial(_lightning, root=out),
         "drift": _drift,
         "in place": _changed_in_place,
         "redistributed": _redistributed,
@@ -355,6 +421,15 @@ def test_a_drift_check_says_it_cannot_measure_modules_judged_by_tensor_parallel_
         for i in range(BLOCKS):
             for name in ("up", "down"):
                 assert t["unmeasured"][f"blocks.{i}.{name}"] == DISTRIBUTED_PARAMETERS
+
+
+def test_lightning_model_parallel_strategy_with_tensor_parallelism_trains_at_int4(two_ranks):
+    for r in two_ranks:
+        t = r["lightning"]
+        assert t["int4"][0] == pytest.approx(t["baseline"][0], rel=1e-5)  # forward exact
+        assert t["int4"][1] == pytest.approx(t["baseline"][1], rel=0.02)  # after an int4 step
+        assert t["int4"][1] != t["baseline"][1]
+        assert t["int4 ratio"] >= 5.0
 
 
 def test_a_redistributed_weight_is_kept_as_the_parameter_it_is(two_ranks):
