@@ -427,8 +427,10 @@ def test_lightning_model_parallel_strategy_with_tensor_parallelism_trains_at_int
     for r in two_ranks:
         t = r["lightning"]
         assert t["int4"][0] == pytest.approx(t["baseline"][0], rel=1e-5)  # forward exact
-        assert t["int4"][1] == pytest.approx(t["baseline"][1], rel=0.02)  # after an int4 step
-        assert t["int4"][1] != t["baseline"][1]
+        # The last loss is the second step's (the callback's drift check runs the training step
+        # in between, for its passes): after an int4 step, near the baseline's
+        assert t["int4"][-1] == pytest.approx(t["baseline"][-1], rel=1e-3)
+        assert t["int4"][-1] != t["baseline"][-1]
         assert t["int4 ratio"] >= 5.0
 
 
