@@ -89,8 +89,9 @@ class PeakPlan:
             f"({self.peak / self.baseline_peak:.0%})"
             + ("" if self.met else " - over the target: no config of these options reaches it"),
         ]
-        if self.step_without is not None and self.fits is not None:
-            lines.append(f"# {fits_line(self.step_without, self.step_with)}")
+        fits = None if self.step_without is None else fits_line(self.step_without, self.step_with)
+        if fits is not None:
+            lines.append(f"# {fits}")
         if self.memory is not None:
             lines += self._batch_lines()
         return "\n".join(lines) + "\n" + self.suggestion.to_yaml()
