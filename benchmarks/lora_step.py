@@ -16,8 +16,8 @@ what they did with them.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
+import cProfile
 import os
 import pstats
 import shlex
