@@ -41,6 +41,7 @@ from ..routing import ModelRouting, RoutingMode
 from .chains import (
     batch_norm,
     geglu,
+    gated_mlp,
     gelu,
     gelu_mlp,
     layer_norm,
@@ -141,14 +142,17 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
         )
 
         def gated_forward(x: torch.Tensor) -> torch.Tensor:
-            # compiled (autocast off, bias-free): one operator each way over every chunk, as
-            # for the GELU MLP below; traced chunk by chunk, the graph saved every chunk's gate
-            # and up projections
-            if bias_free and torch.compiler.is_compiling():
-                if not torch.is_autocast_enabled(x.device.type):
-                    w_gate, w_up, w_down = (p()[0] for p in projections)
-                    tanh_gelu = gated == "geglu"
-                    return tiled_gated_mlp(x, w_gate, w_up, w_down, tanh_gelu, x.shape[-1])
+            # bias-free, eager: one node saving x alone (the norm's output before it, a recipe
+            # over the norm's compressed input); compiled (autocast off): one operator each way
+            # over every chunk, as for the GELU MLP below; traced chunk by chunk, the graph
+            # saved every chunk's gate and up projections
+            tanh_gelu = gated == "geglu"
+            if bias_free and not torch.compiler.is_compiling():
+                w_gate, w_up, w_down = (p()[0] for p in projections)
+                return gated_mlp(x, w_gate, w_up, w_down, tanh_gelu)
+            if bias_free and not torch.is_autocast_enabled(x.device.type):
+                w_gate, w_up, w_down = (p()[0] for p in projections)
+                return tiled_gated_mlp(x, w_gate, w_up, w_down, tanh_gelu, x.shape[-1])
             return tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
 
         return gated_forward
