@@ -24,6 +24,7 @@ bytes per sample over the method's. ``peaks in``: where the step peaks at batch 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -120,8 +121,8 @@ def steps(
 
 def _slopes(sizes: tuple[int, ...], values: list[int]) -> list[float]:
     """Bytes per sample between consecutive batches."""
-    pairs = zip(zip(sizes, values, strict=True), zip(sizes[1:], values[1:], strict=True))
-    return [(v1 - v0) / (n1 - n0) for (n0, v0), (n1, v1) in pairs]
+    points = zip(sizes, values, strict=True)
+    return [(v1 - v0) / (n1 - n0) for (n0, v0), (n1, v1) in itertools.pairwise(points)]
 
 
 def cell(key: str, layers: int, method: str, quick: bool) -> dict[str, Any]:

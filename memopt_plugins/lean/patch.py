@@ -40,8 +40,8 @@ from ..patching import InstanceForward
 from ..routing import ModelRouting, RoutingMode
 from .chains import (
     batch_norm,
-    geglu,
     gated_mlp,
+    geglu,
     gelu,
     gelu_mlp,
     layer_norm,
