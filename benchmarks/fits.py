@@ -45,15 +45,9 @@ import yaml
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers is imported
 
-from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    ResNetConfig,
-    ResNetForImageClassification,
-)
+from transformers import ResNetConfig, ResNetForImageClassification  # noqa: E402
 
+from examples.models import hf_gpt2_model, hf_llama_model  # noqa: E402
 from memopt_plugins import MemoryOptimizer  # noqa: E402
 from memopt_plugins.profiler.fit import resize_batch  # noqa: E402
 from memopt_plugins.profiler.meter import MemoryMeter  # noqa: E402
@@ -88,23 +82,15 @@ def _image_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def gpt2(quick: bool):
-    torch.manual_seed(0)
     seq, dim, layers = (64, 128, 2) if quick else (256, 256, 4)
-    cfg = GPT2Config(
-        vocab_size=2048, n_positions=seq, n_embd=dim, n_layer=layers, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(cfg), torch.randint(0, 2048, (16, seq)), _lm_loss
+    model = hf_gpt2_model(2048, seq, dim, layers, eager=False)  # seeded
+    return model, torch.randint(0, 2048, (16, seq)), _lm_loss
 
 
 def llama(quick: bool):
-    torch.manual_seed(0)
     seq, dim, layers = (64, 128, 2) if quick else (256, 256, 3)
-    cfg = LlamaConfig(
-        vocab_size=4096, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg), torch.randint(0, 4096, (16, seq)), _lm_loss
+    model = hf_llama_model(4096, seq, dim, layers, eager=False)  # seeded
+    return model, torch.randint(0, 4096, (16, seq)), _lm_loss
 
 
 def resnet(quick: bool):
