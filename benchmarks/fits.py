@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Collection
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,16 @@ from memopt_plugins.tree import batch_size_of  # noqa: E402
 
 from . import RESULTS, ROOT, chosen  # noqa: E402
 from .harness.memory import child_json  # noqa: E402
-from .harness.methods import checkpoint_blocks, inductor  # noqa: E402
+from .harness.methods import (  # noqa: E402
+    MEMOPT,
+    PYTORCH,
+    Method,
+    checkpoint_every,
+    memopt,
+    under_autocast,
+    unpatched,
+)
+from .harness.methods import compiled as compiled_patch  # noqa: E402
 from .harness.speed import Spread, timed_steps  # noqa: E402
 
 MIB = 1 << 20
@@ -124,63 +134,76 @@ MODELS = {
 }
 
 
-@dataclass(frozen=True)
-class Method:
-    """One row's method: what patches a fresh copy of the model, and how its step runs."""
+def _resolved(config: dict[str, Any]) -> Callable[[Model], dict[str, Any]]:
+    """``config`` on a model, drift off; ``"ops": "lean"`` becomes the model's lean section."""
 
-    name: str
-    config: dict[str, Any] | None = None  # memopt's; ``"ops": "lean"``: the model's lean section
-    checkpointed: bool = False  # PyTorch's checkpoint around every block
-    bf16: bool = False  # the step's forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``
-    compiled: bool = False  # the whole model under ``model.compile`` (inductor, ``dynamic=False``)
-    budget: float | None = None  # ``activation_memory_budget`` while compiling (None: torch's)
+    def on(model: Model) -> dict[str, Any]:
+        resolved = {**config, "drift": {"enabled": False}}
+        if resolved.get("ops") == "lean":
+            resolved["ops"] = model.lean
+        return resolved
 
-    def config_for(self, model: Model) -> dict[str, Any] | None:
-        """The memopt config on ``model`` (the lean ops its own), drift off."""
-        if self.config is None:
-            return None
-        config = {**self.config, "drift": {"enabled": False}}
-        if config.get("ops") == "lean":
-            config["ops"] = model.lean
-        return config
+    return on
 
-    def applies_to(self, model: Model) -> bool:
-        return self.config is None or self.config.get("ops") != "lean" or model.lean is not None
+
+def row_method(
+    name: str,
+    config: dict[str, Any] | None = None,
+    *,
+    checkpointed: bool = False,
+    bf16: bool = False,
+    compiled: bool = False,
+    budget: float | None = None,
+) -> Method:
+    """One row's method on a fresh copy of a :class:`Model`: memopt's ``config`` (``"ops":
+    "lean"``: the model's lean section; such a row is left out on a model without one), or
+    PyTorch's checkpoint around every block; the forward under bf16 autocast (CPU); the whole
+    model under ``model.compile`` (inductor, ``dynamic=False``) at ``activation_memory_budget``
+    ``budget`` (None: torch's). A planner plans on the first step, as a user's would."""
+    if config is None:
+        patch, family = (checkpoint_every if checkpointed else unpatched), PYTORCH
+    else:
+        patch, family = memopt(_resolved(config), name), MEMOPT
+    if compiled:
+        patch = compiled_patch(patch, budget, dynamic=False)
+    lean = config is not None and config.get("ops") == "lean"
+    made = Method(name, family, patch, applies=(lambda m: m.lean is not None) if lean else None)
+    return under_autocast(made, "cpu") if bf16 else made
 
 
 INT8, INT4, INT2 = ({"quantize": {"bits": b}} for b in (8, 4, 2))
 LEAN_INT4, LEAN_INT2 = ({"ops": "lean", **q} for q in (INT4, INT2))
 #: The rows read on the allocator's timeline, ``fits`` against the first.
 METHODS = [
-    Method("baseline"),
-    Method("checkpoint every block", checkpointed=True),
-    Method("memopt int8", INT8),
-    Method("memopt int4", INT4),
-    Method("memopt int2", INT2),
-    Method("memopt planner 0.3 + int8", {**INT8, "recompute": {"auto": {"budget": 0.3}}}),
+    row_method("baseline"),
+    row_method("checkpoint every block", checkpointed=True),
+    row_method("memopt int8", INT8),
+    row_method("memopt int4", INT4),
+    row_method("memopt int2", INT2),
+    row_method("memopt planner 0.3 + int8", {**INT8, "recompute": {"auto": {"budget": 0.3}}}),
     # int8 alone keeps about a quarter: under it, the planner recomputes on top
-    Method("memopt planner 0.1 + int8", {**INT8, "recompute": {"auto": {"budget": 0.1}}}),
-    Method("memopt lean ops", {"ops": "lean"}),
-    Method("memopt lean ops + int4", LEAN_INT4),
-    Method("memopt lean ops + int2", LEAN_INT2),
+    row_method("memopt planner 0.1 + int8", {**INT8, "recompute": {"auto": {"budget": 0.1}}}),
+    row_method("memopt lean ops", {"ops": "lean"}),
+    row_method("memopt lean ops + int4", LEAN_INT4),
+    row_method("memopt lean ops + int2", LEAN_INT2),
 ]
 #: The same under bf16 autocast, on these models, read the same way, ``fits`` against the first.
 BF16_MODELS = ("gpt2", "llama")
 BF16_METHODS = [
-    Method("bf16 autocast baseline", bf16=True),
-    Method("bf16 autocast memopt lean ops + int4", LEAN_INT4, bf16=True),
-    Method("bf16 autocast memopt lean ops + int2", LEAN_INT2, bf16=True),
+    row_method("bf16 autocast baseline", bf16=True),
+    row_method("bf16 autocast memopt lean ops + int4", LEAN_INT4, bf16=True),
+    row_method("bf16 autocast memopt lean ops + int2", LEAN_INT2, bf16=True),
 ]
 #: torch.compile rows, on these models, read in fresh processes (``COMPILED_NOTE``): ``fits``
 #: against the first (eager, not compiled), and against the second (the compiled baseline).
 COMPILED_MODELS = ("gpt2",)
 COMPILED_METHODS = [
-    Method("eager baseline, read as the compiled rows"),
-    Method("torch.compile", compiled=True),
-    Method("torch.compile activation_memory_budget 0.5", compiled=True, budget=0.5),
-    Method("torch.compile activation_memory_budget 0.1", compiled=True, budget=0.1),
-    Method("torch.compile + memopt int8", INT8, compiled=True),
-    Method("torch.compile + memopt lean ops + int4", LEAN_INT4, compiled=True),
+    row_method("eager baseline, read as the compiled rows"),
+    row_method("torch.compile", compiled=True),
+    row_method("torch.compile activation_memory_budget 0.5", compiled=True, budget=0.5),
+    row_method("torch.compile activation_memory_budget 0.1", compiled=True, budget=0.1),
+    row_method("torch.compile + memopt int8", INT8, compiled=True),
+    row_method("torch.compile + memopt lean ops + int4", LEAN_INT4, compiled=True),
 ]
 BY_NAME = {m.name: m for m in (*METHODS, *BF16_METHODS, *COMPILED_METHODS)}
 #: The rows whose samples/s is read by default (``--time``), each in ``--repeats`` processes:
@@ -231,9 +254,11 @@ class Prepared:
         self.loss_fn(self.model, self.batch).backward()
 
 
-def _under_bf16(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _within(
+    context: Callable[[], Any], loss_fn: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
     def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with context():
             return loss_fn(model, batch)
 
     return loss
@@ -245,19 +270,10 @@ def prepared(key: str, method: Method, quick: bool, n: int | None = None) -> Pre
     model, batch, loss_fn = spec.build(quick)
     if n is not None:
         batch = resize_batch(batch, n)
-    if method.checkpointed:
-        checkpoint_blocks(model, spec.block_class)
-    config = method.config_for(spec)
-    optimizer = MemoryOptimizer(config) if config is not None else None
-    if optimizer is not None:
-        optimizer.apply(model)
-    backend = None
-    if method.compiled:
-        backend = inductor(method.budget)
-        model.compile(backend=backend, dynamic=False)
-    return Prepared(
-        model, batch, _under_bf16(loss_fn) if method.bf16 else loss_fn, optimizer, backend
-    )
+    patched = method.apply(model, spec, None, steady=False)
+    if patched.context is not nullcontext:  # bf16 autocast around the forward
+        loss_fn = _within(patched.context, loss_fn)
+    return Prepared(model, batch, loss_fn, patched.optimizer, patched.backend)
 
 
 def _compiled_warm(p: Prepared, warmup: int) -> None:

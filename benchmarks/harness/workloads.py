@@ -217,7 +217,7 @@ def hf_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def hf_gpt2_workload(sizes: Sizes, trained: bool = False) -> Workload:
-    """Hugging Face GPT-2 from a config (tests/zoo.py's, with ASCII vocabulary and dropout 0.1).
+    """Hugging Face GPT-2 from a config (the tests' too), with ASCII vocabulary and dropout 0.1.
 
     Measured only in the bench: its training curve would repeat the GPT's at twice the cost.
     ``trained``: with the GPT's training and held-out text batches (``drift_metrics.py``).
