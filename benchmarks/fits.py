@@ -57,16 +57,7 @@ from memopt_plugins.tree import batch_size_of  # noqa: E402
 
 from . import RESULTS, ROOT, chosen  # noqa: E402
 from .harness.memory import child_json  # noqa: E402
-from .harness.methods import (  # noqa: E402
-    MEMOPT,
-    PYTORCH,
-    Method,
-    checkpoint_every,
-    memopt,
-    under_autocast,
-    unpatched,
-)
-from .harness.methods import compiled as compiled_patch  # noqa: E402
+from .harness.methods import Method, declared  # noqa: E402
 from .harness.speed import Spread, timed_steps  # noqa: E402
 
 MIB = 1 << 20
@@ -134,76 +125,39 @@ MODELS = {
 }
 
 
-def _resolved(config: dict[str, Any]) -> Callable[[Model], dict[str, Any]]:
-    """``config`` on a model, drift off; ``"ops": "lean"`` becomes the model's lean section."""
-
-    def on(model: Model) -> dict[str, Any]:
-        resolved = {**config, "drift": {"enabled": False}}
-        if resolved.get("ops") == "lean":
-            resolved["ops"] = model.lean
-        return resolved
-
-    return on
-
-
-def row_method(
-    name: str,
-    config: dict[str, Any] | None = None,
-    *,
-    checkpointed: bool = False,
-    bf16: bool = False,
-    compiled: bool = False,
-    budget: float | None = None,
-) -> Method:
-    """One row's method on a fresh copy of a :class:`Model`: memopt's ``config`` (``"ops":
-    "lean"``: the model's lean section; such a row is left out on a model without one), or
-    PyTorch's checkpoint around every block; the forward under bf16 autocast (CPU); the whole
-    model under ``model.compile`` (inductor, ``dynamic=False``) at ``activation_memory_budget``
-    ``budget`` (None: torch's). A planner plans on the first step, as a user's would."""
-    if config is None:
-        patch, family = (checkpoint_every if checkpointed else unpatched), PYTORCH
-    else:
-        patch, family = memopt(_resolved(config), name), MEMOPT
-    if compiled:
-        patch = compiled_patch(patch, budget, dynamic=False)
-    lean = config is not None and config.get("ops") == "lean"
-    made = Method(name, family, patch, applies=(lambda m: m.lean is not None) if lean else None)
-    return under_autocast(made, "cpu") if bf16 else made
-
-
 INT8, INT4, INT2 = ({"quantize": {"bits": b}} for b in (8, 4, 2))
 LEAN_INT4, LEAN_INT2 = ({"ops": "lean", **q} for q in (INT4, INT2))
 #: The rows read on the allocator's timeline, ``fits`` against the first.
 METHODS = [
-    row_method("baseline"),
-    row_method("checkpoint every block", checkpointed=True),
-    row_method("memopt int8", INT8),
-    row_method("memopt int4", INT4),
-    row_method("memopt int2", INT2),
-    row_method("memopt planner 0.3 + int8", {**INT8, "recompute": {"auto": {"budget": 0.3}}}),
+    declared("baseline"),
+    declared("checkpoint every block", checkpointed=True),
+    declared("memopt int8", INT8),
+    declared("memopt int4", INT4),
+    declared("memopt int2", INT2),
+    declared("memopt planner 0.3 + int8", {**INT8, "recompute": {"auto": {"budget": 0.3}}}),
     # int8 alone keeps about a quarter: under it, the planner recomputes on top
-    row_method("memopt planner 0.1 + int8", {**INT8, "recompute": {"auto": {"budget": 0.1}}}),
-    row_method("memopt lean ops", {"ops": "lean"}),
-    row_method("memopt lean ops + int4", LEAN_INT4),
-    row_method("memopt lean ops + int2", LEAN_INT2),
+    declared("memopt planner 0.1 + int8", {**INT8, "recompute": {"auto": {"budget": 0.1}}}),
+    declared("memopt lean ops", {"ops": "lean"}),
+    declared("memopt lean ops + int4", LEAN_INT4),
+    declared("memopt lean ops + int2", LEAN_INT2),
 ]
 #: The same under bf16 autocast, on these models, read the same way, ``fits`` against the first.
 BF16_MODELS = ("gpt2", "llama")
 BF16_METHODS = [
-    row_method("bf16 autocast baseline", bf16=True),
-    row_method("bf16 autocast memopt lean ops + int4", LEAN_INT4, bf16=True),
-    row_method("bf16 autocast memopt lean ops + int2", LEAN_INT2, bf16=True),
+    declared("bf16 autocast baseline", bf16=True),
+    declared("bf16 autocast memopt lean ops + int4", LEAN_INT4, bf16=True),
+    declared("bf16 autocast memopt lean ops + int2", LEAN_INT2, bf16=True),
 ]
 #: torch.compile rows, on these models, read in fresh processes (``COMPILED_NOTE``): ``fits``
 #: against the first (eager, not compiled), and against the second (the compiled baseline).
 COMPILED_MODELS = ("gpt2",)
 COMPILED_METHODS = [
-    row_method("eager baseline, read as the compiled rows"),
-    row_method("torch.compile", compiled=True),
-    row_method("torch.compile activation_memory_budget 0.5", compiled=True, budget=0.5),
-    row_method("torch.compile activation_memory_budget 0.1", compiled=True, budget=0.1),
-    row_method("torch.compile + memopt int8", INT8, compiled=True),
-    row_method("torch.compile + memopt lean ops + int4", LEAN_INT4, compiled=True),
+    declared("eager baseline, read as the compiled rows"),
+    declared("torch.compile", compiled=True),
+    declared("torch.compile activation_memory_budget 0.5", compiled=True, budget=0.5),
+    declared("torch.compile activation_memory_budget 0.1", compiled=True, budget=0.1),
+    declared("torch.compile + memopt int8", INT8, compiled=True),
+    declared("torch.compile + memopt lean ops + int4", LEAN_INT4, compiled=True),
 ]
 BY_NAME = {m.name: m for m in (*METHODS, *BF16_METHODS, *COMPILED_METHODS)}
 #: The rows whose samples/s is read by default (``--time``), each in ``--repeats`` processes:

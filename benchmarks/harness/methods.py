@@ -352,7 +352,7 @@ def inductor(budget: float | None = None) -> Callable[..., Any]:
     return backend
 
 
-def compiled(
+def whole_compiled(
     patch: Callable[..., Patched],
     budget: float | None = None,
     what: str | None = None,
@@ -391,6 +391,45 @@ def under_autocast(method: Method, device_type: str) -> Method:
     return replace(method, patch=patch)
 
 
+def _resolved(config: dict[str, Any]) -> Callable[[Any], dict[str, Any]]:
+    """``config`` on a workload, drift off; ``"ops": "lean"`` becomes the workload's ``lean``."""
+
+    def on(workload: Any) -> dict[str, Any]:
+        resolved = {**config, "drift": {"enabled": False}}
+        if resolved.get("ops") == "lean":
+            resolved["ops"] = workload.lean
+        return resolved
+
+    return on
+
+
+def declared(
+    name: str,
+    config: dict[str, Any] | None = None,
+    *,
+    checkpointed: bool = False,
+    bf16: bool = False,
+    compiled: bool = False,
+    budget: float | None = None,
+) -> Method:
+    """A method declared by what it sets: memopt's ``config``, drift off (``"ops": "lean"``: the
+    workload's ``lean`` section; the method is left out on a workload whose ``lean`` is None),
+    or PyTorch's checkpoint around every block; the forward under bf16 autocast (CPU); the
+    whole model under ``model.compile`` (inductor, ``dynamic=False``) at
+    ``activation_memory_budget`` ``budget`` (None: torch's). A planner plans on the first step
+    (no batch is given), as a user's would. For the studies that read one step of a fresh
+    model (``fits.py``, ``compile_time.py``, ``nanogpt_fits.py``)."""
+    if config is None:
+        patch, family = (checkpoint_every if checkpointed else unpatched), PYTORCH
+    else:
+        patch, family = memopt(_resolved(config), name), MEMOPT
+    if compiled:
+        patch = whole_compiled(patch, budget, dynamic=False)
+    lean = config is not None and config.get("ops") == "lean"
+    made = Method(name, family, patch, applies=(lambda m: m.lean is not None) if lean else None)
+    return under_autocast(made, "cpu") if bf16 else made
+
+
 def _eager(
     model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: list[str] | None
 ) -> Patched:
@@ -414,18 +453,18 @@ COMPILED_WORKLOADS = ("gpt", "hf-gpt2")
 #: own memory knob as peers; every ratio is to the compiled baseline (the first). The last, not
 #: compiled, puts the eager baseline on the same clock.
 COMPILED_METHODS: list[Method] = [
-    Method(C_BASELINE, PYTORCH, compiled(unpatched), exact=True),
-    Method(C_INT8, MEMOPT, compiled(memopt(_bits(8), "int8"))),
-    Method(C_INT4, MEMOPT, compiled(memopt(_bits(4), "int4"))),
-    Method(C_PLANNER_05, MEMOPT, compiled(memopt(_budget(0.5), "planner 0.5")), exact=True),
+    Method(C_BASELINE, PYTORCH, whole_compiled(unpatched), exact=True),
+    Method(C_INT8, MEMOPT, whole_compiled(memopt(_bits(8), "int8"))),
+    Method(C_INT4, MEMOPT, whole_compiled(memopt(_bits(4), "int4"))),
+    Method(C_PLANNER_05, MEMOPT, whole_compiled(memopt(_budget(0.5), "planner 0.5")), exact=True),
     # Not exact, though recompute: the budget's partitioner may recompute dropout in backward
     # with fresh random numbers (pytorch/pytorch#190758), which the gradient error shows.
-    Method(C_BUDGET_05, PYTORCH, compiled(unpatched, 0.5, "activation_memory_budget 0.5")),
-    Method(C_BUDGET_03, PYTORCH, compiled(unpatched, 0.3, "activation_memory_budget 0.3")),
+    Method(C_BUDGET_05, PYTORCH, whole_compiled(unpatched, 0.5, "activation_memory_budget 0.5")),
+    Method(C_BUDGET_03, PYTORCH, whole_compiled(unpatched, 0.3, "activation_memory_budget 0.3")),
     Method(
         C_INT8_BUDGET_03,
         MEMOPT,
-        compiled(memopt(_bits(8), "int8"), 0.3, "8 bits; activation_memory_budget 0.3"),
+        whole_compiled(memopt(_bits(8), "int8"), 0.3, "8 bits; activation_memory_budget 0.3"),
     ),
     Method(C_EAGER, PYTORCH, _eager),  # eager's own dropout masks: no gradient comparison
 ]
