@@ -246,10 +246,13 @@ def test_remove_leaves_no_process_wide_state():
 def test_the_console_handler_goes_with_the_last_patched_model(monkeypatch):
     import gc
     import logging
+    import weakref
 
+    from memopt_plugins import engine
     from memopt_plugins.logs import ConsoleHandler
 
-    gc.collect()  # models earlier tests dropped unremoved count as patched until collected
+    gc.collect()
+    monkeypatch.setattr(engine, "_PATCHED", weakref.WeakKeyDictionary())  # earlier tests' models
     memopt_log = logging.getLogger("memopt")
     monkeypatch.setattr(logging.root, "handlers", [])  # nothing would print memopt's lines
     monkeypatch.setattr(memopt_log, "handlers", [])
