@@ -175,7 +175,7 @@ def _saved_bytes(config, compile=None) -> tuple[dict[str, torch.Tensor], int, in
     if compile is not None:
         compile(model)
     loss_fn(model, batch).backward()
-    stats = opt.hooks.stats
+    stats = opt.compression.stats
     return (
         {n: p.grad for n, p in model.named_parameters()},
         stats.saved_original,
@@ -241,13 +241,13 @@ def test_a_change_of_bits_recompiles_only_the_graphs_of_that_module():
     compile_blocks(model, backend=counter)
     for _ in range(2):
         loss_fn(model, batch).backward()
-    frames, pairs = counter.frame_count, len(opt._hooks._pairs)
+    frames, pairs = counter.frame_count, len(opt.hooks._pairs)
     flipped = "transformer.h.1.mlp.c_fc"
     for bits in (4, 8) * 20:
         opt.set_bits(flipped, bits)
         loss_fn(model, batch).backward()
     assert counter.frame_count == frames + 1, (frames, counter.frame_count)
-    assert len(opt._hooks._pairs) <= pairs + 1
+    assert len(opt.hooks._pairs) <= pairs + 1
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
@@ -326,7 +326,7 @@ def test_dropout_and_batchnorm_modes_inside_a_compiled_model():
         F.cross_entropy(model(x), y).backward()
     assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
     assert torch.equal(bn.running_mean, stats[0]) and torch.equal(bn.running_var, stats[1])
-    assert opt.hooks.stats.saved_stored < opt.hooks.stats.saved_original / 2
+    assert opt.compression.stats.saved_stored < opt.compression.stats.saved_original / 2
 
 
 def test_the_planner_measures_compiled_models_eagerly(caplog):
@@ -396,7 +396,7 @@ def test_lean_ops_compile_without_graph_breaks_and_keep_the_gradients(mode):
         opt.apply(patched)
         MODES[mode](patched, backend=NO_CODEGEN)
         loss_fn(patched, batch)
-        saved.append(opt.hooks.stats.saved_original)
+        saved.append(opt.compression.stats.saved_original)
         opt.remove()
     assert saved[0] < saved[1]
 

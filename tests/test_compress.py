@@ -205,7 +205,7 @@ def test_tensor_saved_twice_is_packed_once():
     x = torch.randn(64, 128, requires_grad=True)
     opt = MemoryOptimizer(q(8, min_numel=1))
     loss = opt.apply(Square())(x)
-    assert opt.hooks.stats.forward_tensors == 1
+    assert opt.compression.stats.forward_tensors == 1
     loss.backward()
     opt.remove()
     expected = 2 * (2 * x.detach()).exp()
@@ -230,11 +230,11 @@ def test_consecutive_saves_of_one_tensor_share_one_decode(monkeypatch, second, d
     """Consecutive saves of one tensor (a layer norm's output by the query, key and value
     projections) run their backward nodes one after the other: one decode serves them all,
     unless a node writes its gradient into it, and then the next decodes its own."""
-    import memopt_plugins.compress.hooks as hooks_module
+    import memopt_plugins.compress.saved as saved_module
 
     calls = []
-    decode = hooks_module.dequantize
-    monkeypatch.setattr(hooks_module, "dequantize", lambda p: calls.append(1) or decode(p))
+    decode = saved_module.dequantize
+    monkeypatch.setattr(saved_module, "dequantize", lambda p: calls.append(1) or decode(p))
     x = torch.randn(64, 256, requires_grad=True)
     opt = MemoryOptimizer(q(8, min_numel=1, rounding="nearest"))
     opt.apply(_SavedTwiceInARow(second))(x).backward()
@@ -395,8 +395,8 @@ def test_functional_calls_inside_a_selected_module_are_compressed():
     opt = MemoryOptimizer(q(4))
     opt.apply(model)
     loss = model(x)
-    assert opt.hooks.stats.forward_original == 2 * 256 * 128 * 4  # x and the silu input
-    assert opt.hooks.stats.forward_ratio > 7.0
+    assert opt.compression.stats.forward_original == 2 * 256 * 128 * 4  # x and the silu input
+    assert opt.compression.stats.forward_ratio > 7.0
     loss.backward()
     opt.remove()
 
@@ -415,9 +415,9 @@ def test_dedup_cache_is_emptied_after_each_forward_even_when_the_root_is_not_cal
     for _ in range(3):
         wrapper.model(torch.randn(32, 64)).sum().backward()
         assert len(opt.hooks._cache) == 0
-        assert opt.hooks.stats.held_bytes == 0  # payloads freed with the graph
+        assert opt.compression.stats.held_bytes == 0  # payloads freed with the graph
     loss = wrapper.model(torch.randn(32, 64)).sum()
-    one_forward = opt.hooks.stats.forward_original
+    one_forward = opt.compression.stats.forward_original
     assert one_forward == 3 * 32 * 64 * 4  # x, the GELU input, the GELU output: one step only
     loss.backward()
     opt.remove()
@@ -465,7 +465,7 @@ def test_attention_output_saved_heads_apart_and_side_by_side_is_packed_once():
     side_by_side = heads.transpose(1, 2).view(2 * 64, 4 * 32)
     first = hooks.pack(heads, 4)
     second = hooks.pack(side_by_side, 4)
-    assert hooks.stats.forward_tensors == 1 and second.payload is first
+    assert hooks.counter.stats.forward_tensors == 1 and second.payload is first
     a, b = hooks.unpack(first), hooks.unpack(second)
     assert a.shape == heads.shape and a.stride() == heads.stride()
     assert b.shape == side_by_side.shape and b.is_contiguous()
