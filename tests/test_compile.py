@@ -137,7 +137,7 @@ def test_the_encoder_is_one_operator_where_the_c_kernels_serve(codec, bits, monk
     (opaque to inductor, which would otherwise compile the encoder into every kernel that saves
     a tensor); elsewhere the encoder is traced inline. Both write the same bytes (stochastic at
     the same seed too), which the traced decoder reads."""
-    monkeypatch.setenv("MEMOPT_CODEC", codec)
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", codec)
     x = torch.randn(4096 + 100)  # a last group padded
     x[:256] = float("nan")  # a group decoded as NaN
     x[256:512] = 3.0  # a constant group
@@ -147,7 +147,7 @@ def test_the_encoder_is_one_operator_where_the_c_kernels_serve(codec, bits, monk
     targets = {n.target for n in traced.graph.nodes if n.op == "call_function"} - {getitem}
     assert targets == {torch.ops.memopt.graph_encode.default} if native else len(targets) > 10
     got = traced(x, seed)
-    monkeypatch.setenv("MEMOPT_CODEC", "torch")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
     want = graph_codec.encode(x, bits, 256, seed)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     kept = torch.ones(got[1].numel(), dtype=torch.bool)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -495,3 +498,72 @@ def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
     sliced = hooks.pack(a[:, :128], 8)
     assert getattr(sliced, "payload", None) is not plain
     assert hooks.unpack(sliced).shape == (64, 128)
+
+
+def _frames_to_kernel(pack: Callable[[torch.Tensor], object], t: torch.Tensor) -> list[str]:
+    """The Python frames between ``pack(t)``'s call and the C kernel's, innermost first."""
+    from memopt_plugins.compress.codec import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the C kernels are not built here")
+    seen: list[list[str]] = []
+
+    class Kernels:  # the library, with the quantize entry point noting the stack
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def memopt_quantize(self, *args):
+            frame, names = sys._getframe(1), []
+            while frame is not None and frame.f_code.co_name != "calling_pack":
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            seen.append(names)
+            return lib.memopt_quantize(*args)
+
+    def calling_pack():
+        return pack(t)
+
+    before = native._state["lib"]
+    native._state["lib"] = Kernels()
+    try:
+        calling_pack()
+    finally:
+        native._state["lib"] = before
+    return seen[0]
+
+
+def test_a_saved_tensor_reaches_the_c_kernel_within_five_python_frames():
+    """Every frame on the eager pack path runs for every saved tensor: the scope's pack hook (a
+    GraphModule, as compiled graphs need) calls the hooks' pack directly, and pack reaches the
+    kernel through the codec's quantize and the kernel's wrapper only."""
+    opt = MemoryOptimizer(q(8, min_numel=1, rounding="nearest"))
+    model = opt.apply(nn.Linear(256, 256))
+    hook, _ = opt.hooks.pair("")
+    t = torch.randn(64, 256)
+    frames = _frames_to_kernel(hook, t)
+    opt.remove()
+    assert frames[-1] == "pack" and len(frames) <= 5, frames
+    del model
+
+
+def test_nothing_is_read_from_the_environment_per_saved_tensor(monkeypatch):
+    """``MEMOPT_CODEC`` is read once, at import: packing and unpacking read no variable."""
+    import os
+
+    reads = []
+
+    class Environment(dict):
+        def get(self, key, default=None):
+            reads.append(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            reads.append(key)
+            return super().__getitem__(key)
+
+    hooks = CompressionHooks(BitTable(), group_size=256, stochastic=True, min_numel=1)
+    monkeypatch.setattr(os, "environ", Environment(os.environ))
+    for bits in (8, 4, 2):
+        hooks.unpack(hooks.pack(torch.randn(64, 256), bits))
+    assert reads == []

@@ -339,59 +339,72 @@ class CompressionHooks:
         )
 
     # ----------------------------------------------------------------- pack / unpack
-    def pack(self, t: torch.Tensor, bits: int, scope: str | None = None) -> object:
+    def pack(
+        self, t: torch.Tensor, bits: int, scope: str | None = None, ranged: bool = False
+    ) -> object:
         """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself (with its version,
         :class:`_Kept`) or a compact copy; :meth:`unpack` gives the tensor back. The pack hook
-        of scope ``scope`` (:meth:`pair`): while AOTAutograd traces, the traced codec's ops."""
+        of scope ``scope`` (:meth:`pair`): while AOTAutograd traces, the traced codec's ops.
+        The codec is called from here through :meth:`_compress`, nothing deeper (every frame
+        on that path runs for every saved tensor); ``ranged``: inside the profiler's range."""
         if scope is not None:
             context = traced_context()
             if context is not None:
                 return self._pack_traced(t, context["_node"], context["_fw_graph"], scope)
-        # Kept as they are whatever the bits, decided before anything else: small tensors
-        # (normalization's statistics), parameters, what the codec cannot take.
-        if torch.autograd._profiler_enabled():
+        if not ranged and torch.autograd._profiler_enabled():
             with torch.profiler.record_function(PACK_RANGE):
-                saved, added = self._pack(t, bits)
-        elif t.numel() < self.min_numel and self.sample is None and encodable(t):
-            saved, added = t, 0
-        else:
-            saved, added = self._pack(t, bits)
+                return self.pack(t, bits, None, True)
+        # Small tensors (normalization's statistics) are kept as they are whatever the bits:
+        # decided first, before the model's storages or the dedup cache are looked at.
+        if t.numel() < self.min_numel and self.sample is None and encodable(t):
+            return self._told(t, t, 0)
+        key, found = self._found(t, bits)
+        if found is not None:
+            return self._told(t, *found)
+        if bits < OFF_BITS and t.is_floating_point() and self._computed is not None:
+            model = (self._storages, self._running)
+            if computed_weight(t, model, self._computed):  # kept as the parameters it is made of
+                bits = OFF_BITS
+        return self._told(t, *self._keep(t, self._compress(t, bits), bits, key))
+
+    def _told(self, t: torch.Tensor, saved: object, added: int) -> object:
+        """What autograd keeps for ``t``, ``saved`` (``added`` bytes), once the observer knows."""
         if self.observer is not None:
             self.observer.packed(t, saved, added)
         return _Kept(t) if saved is t else saved
 
-    def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
+    def _found(self, t: torch.Tensor, bits: int) -> tuple[tuple | None, tuple[object, int] | None]:
+        """``t``'s dedup key, and what is kept for it without compressing it here, if anything:
+        ``t`` itself (the policy keeps it as it is), the copy made of it earlier in this
+        forward, or a recipe over its compressed input (:meth:`_derived`)."""
         if not encodable(t):
             self._keep_unencodable(t)
-            return t, 0
-        if self._storages is None:
-            model: tuple = ()
-        else:
-            model = (self._storages, self._running)
+            return None, (t, 0)
+        model = () if self._storages is None else (self._storages, self._running)
         if kept_as_is(t, min_numel_at(t.shape, self.min_numel, self.sample), model):
-            return t, 0
+            return None, (t, 0)
         key = _alias_key(t)
         hit = self._cache.get(key) if key is not None else None
         # The cached tensor being alive proves its storage is, so the address is not a reused one.
         if hit is not None and hit[0]() is not None:
             if hit[1] is _no_copy:  # kept as it is by an earlier saver: so for every saver
-                return t, 0
+                return key, (t, 0)
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
-                return self._share(saved, t, hit[2], bits)
+                return key, self._share(saved, t, hit[2], bits)
         derived = self._derived(t, bits)
         self._last = None
-        # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its base
-        # lives as long as the storage does, and so proves the address is not reused.
-        base = t._base if t._base is not None else t
         if derived is not None:
             if key is not None:
-                self._cache[key] = (weakref.ref(base), weakref.ref(derived), t.stride())
-            return derived, 0
-        if bits < OFF_BITS and t.is_floating_point() and self._computed is not None:
-            if computed_weight(t, model, self._computed):  # kept as the parameters it is made of
-                bits = OFF_BITS
-        saved = self._compress(t, bits)
+                self._cache[key] = (weakref.ref(_base(t)), weakref.ref(derived), t.stride())
+            return key, (derived, 0)
+        return key, None
+
+    def _keep(
+        self, t: torch.Tensor, saved: object, bits: int, key: tuple | None
+    ) -> tuple[object, int]:
+        """Note ``saved``, what :meth:`_compress` made of ``t`` (maybe ``t`` itself), for the
+        counter, the dedup cache and the version check; it and the bytes it added."""
         if saved is not t:
             saved.watch(t)
             note_packed(t, saved, bits)
@@ -401,12 +414,12 @@ class CompressionHooks:
         self.counter.saved(t, saved, nbytes, scope, bits)
         if saved is t:
             if key is not None:
-                self._cache[key] = (weakref.ref(base), _no_copy, t.stride())
+                self._cache[key] = (weakref.ref(_base(t)), _no_copy, t.stride())
             return t, 0
         saved.counted, saved.scope = True, scope
         self._last = weakref.ref(saved)
         if key is not None:
-            self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
+            self._cache[key] = (weakref.ref(_base(t)), weakref.ref(saved), t.stride())
         return saved, nbytes
 
     def _share(
@@ -574,6 +587,12 @@ class CompressionHooks:
         if tag == HALVED:
             return saved[1].to(saved[2])
         return saved
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """What proves ``t``'s address is not a reused one while alive: a view made just to be saved
+    (a Linear's input flattened to 2-D) dies at once; its base lives as long as the storage."""
+    return t._base if t._base is not None else t
 
 
 def _release_process_state(seeds: int | None) -> None:
