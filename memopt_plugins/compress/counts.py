@@ -10,7 +10,6 @@ loop that counts no steps, at one with nothing held from an earlier forward.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 
@@ -18,6 +17,7 @@ import torch
 
 from ..config import OFF_BITS
 from ..measure.process import StepPeak
+from .saved import _Saved
 from .stats import ModuleSaved, SavedStats
 
 
@@ -65,7 +65,12 @@ class SavedCounts:
         return not seen
 
     def saved(
-        self, t: torch.Tensor, saved: object, nbytes: int, scope: str | None, bits: int
+        self,
+        t: torch.Tensor,
+        saved: _Saved | torch.Tensor,
+        nbytes: int,
+        scope: str | None,
+        bits: int,
     ) -> None:
         """``t`` (``original`` bytes) was saved in ``scope`` as ``saved``, ``nbytes`` bytes:
         ``t`` itself, or a compact copy whose bytes are held until autograd lets it go."""
@@ -80,10 +85,10 @@ class SavedCounts:
                 stats.keep_whole(scope, str(t.dtype).removeprefix("torch."), original)
             return
         stats.held_bytes += nbytes
-        weakref.finalize(saved, stats._release, nbytes)
+        saved.charge(stats, nbytes)  # released when autograd lets it go
 
     def resaved(
-        self, saved: object, view: torch.Tensor, moved: tuple[str | None, int] | None,
+        self, saved: _Saved, view: torch.Tensor, moved: tuple[str | None, int] | None,
         stored: int, held: int, scope: str | None,
     ) -> None:  # fmt: skip
         """The shared copy ``saved`` of ``view`` was made again (``stored`` bytes, ``held`` of
@@ -101,7 +106,7 @@ class SavedCounts:
         stats.forward_stored += stored - before
         if held != before:
             stats.held_bytes += held - before
-            weakref.finalize(saved, stats._release, held - before)
+            saved.charge(stats, held - before)
         self._count_module(scope, view, original, stored)
 
     def _count_module(self, fqn: str | None, t: torch.Tensor, original: int, stored: int) -> None:

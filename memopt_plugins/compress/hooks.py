@@ -515,7 +515,7 @@ class CompressionHooks:
             t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic,
             generator=generator,
         )  # fmt: skip
-        return _Saved(packed, _decoder(t), t.shape, bits)
+        return _Saved(packed, _decoder(t), packed.shape, bits)
 
     def _pack_traced(
         self, t: torch.Tensor, node: torch.fx.Node, graph: torch.fx.Graph, default: str

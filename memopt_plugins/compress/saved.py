@@ -12,6 +12,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -61,6 +62,12 @@ class _Kept:
 _HOLDING = threading.local()
 
 
+class _Meter(Protocol):
+    """What counts the bytes autograd still holds (:class:`.stats.SavedStats`)."""
+
+    def _release(self, nbytes: int) -> None: ...
+
+
 class _Saved:
     """What autograd holds instead of a tensor: a compact payload and how to restore it, and
     the original's version counter (through its base, held weakly) to check at unpack.
@@ -78,7 +85,7 @@ class _Saved:
 
     __slots__ = (
         "payload", "decode", "shape", "source", "version", "changed", "consumers", "held", "taken",
-        "shares", "bits", "kept", "counted", "scope", "__weakref__",
+        "shares", "bits", "kept", "counted", "scope", "meter", "charged", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -102,6 +109,18 @@ class _Saved:
         self.kept = False
         self.counted = False
         self.scope: str | None = None
+        self.meter: _Meter | None = None
+        self.charged = 0  # bytes counted against the meter while this lives
+
+    def charge(self, meter: _Meter, nbytes: int) -> None:
+        """Count ``nbytes`` (maybe fewer than 0) against ``meter`` until this is freed, which
+        then releases them: no finalizer object per saved tensor."""
+        self.meter = meter
+        self.charged += nbytes
+
+    def __del__(self) -> None:
+        if self.charged:
+            self.meter._release(self.charged)
 
     def watch(self, t: torch.Tensor) -> _Saved:
         """Check at unpack that ``t`` was not changed in place since (views share its base's
@@ -229,9 +248,16 @@ def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
 
 def _decoder(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
     """Decodes a :class:`PackedTensor` of ``t`` into a tensor of ``t``'s size and layout (see
-    :func:`_decoded_strides`)."""
-    shape, stride = t.shape, _decoded_strides(t)
-    return lambda packed: _with_strides(dequantize(packed), shape, stride)
+    :func:`_decoded_strides`): :func:`dequantize` itself where that is the layout it gives (a
+    contiguous tensor without size-1 dims, whose strides are then the standard ones; most
+    saves), else with ``t``'s strides bound (no closure per saved tensor)."""
+    if t.is_contiguous() and 1 not in t.shape:
+        return dequantize
+    return functools.partial(_decode_strided, _decoded_strides(t))
+
+
+def _decode_strided(stride: tuple[int, ...], packed: object) -> torch.Tensor:
+    return _with_strides(dequantize(packed), packed.shape, stride)
 
 
 def _decoded_strides(t: torch.Tensor) -> tuple[int, ...]:
