@@ -29,11 +29,11 @@ from typing_extensions import override
 
 from ..config import MemOptConfig
 from ..engine import DriftReport, MemoryOptimizer, slice_batch
-from ..loss_fn import bind_loss, takes_model_and_batch
+from ..loss_fn import takes_model_and_batch
 from ..session import MemOptSession
 from ..tree import batch_size_of
 from .memopt_profile import MemOptProfileCallback
-from .training_step import LossFn, loss_of, silenced_logging
+from .training_step import LossFn, silenced_logging, step_loss
 
 
 class MemOptCallback(Callback):
@@ -210,20 +210,37 @@ class MemOptCallback(Callback):
     def run_drift_check(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, step: int
     ) -> DriftReport:
-        """Run one drift check on a slice of ``batch`` now (all ranks must call it together)."""
+        """Run one drift check on a slice of ``batch`` now (all ranks must call it together).
+
+        The check is handed the slice and a loss of the form ``loss_fn(model, batch)`` (the
+        user's, or ``training_step``), so it may run its passes on pieces of the slice sized to
+        what the compressed step kept: no pass holds more than the step it guards. A closure
+        ``loss_fn()`` of the user's runs the slice whole.
+        """
+        if self.session.model is not pl_module:
+            raise MisconfigurationException(
+                "MemOptCallback: the drift check runs on the patched model, which is not the "
+                "LightningModule being trained; the callback patches the module it is set up with"
+            )
         sample = self.slicer(batch, self.config.drift.sample_size)
-        batch_idx = self._batch_idx
-
-        if self.loss_fn is not None:
-            loss_fn = bind_loss(self.loss_fn, pl_module, sample)
+        if self.loss_fn is not None and not takes_model_and_batch(self.loss_fn):
+            check, pieces = self.loss_fn, None  # a closure: its own sample, run whole
         else:
-
-            def loss_fn() -> torch.Tensor:
-                with trainer.strategy.precision_plugin.train_step_context():
-                    return loss_of(pl_module.training_step(sample, batch_idx))
-
+            check, pieces = self.loss_fn or self._step_loss(trainer), sample
         with silenced_logging(pl_module):
-            return self.session.check(loss_fn, step, batch_size_of(batch))
+            return self.session.check(check, step, batch_size_of(batch), batch=pieces)
+
+    def _step_loss(self, trainer: pl.Trainer) -> LossFn:
+        """``loss_fn(module, batch)``: ``training_step``'s loss on ``batch`` (a piece of the
+        check's slice), under the precision plugin's context as a training step runs."""
+        loss = step_loss(self._batch_idx)
+        precision = trainer.strategy.precision_plugin
+
+        def loss_fn(module: pl.LightningModule, batch: Any) -> torch.Tensor:
+            with precision.train_step_context():
+                return loss(module, batch)
+
+        return loss_fn
 
     # ----------------------------------------------------------------- state
     @override

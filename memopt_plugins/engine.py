@@ -30,7 +30,7 @@ from .compress.hooks import CompressionHooks, PackObserver
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
-from .drift import DriftMonitor, DriftReport
+from .drift import CheckSample, CompressionFace, DriftCheck, DriftMonitor, DriftReport
 from .drift.budget import Pricing, priced_widths
 from .drift.passes import cut_sample, piece_samples
 from .dropout import DropoutPatch
@@ -521,47 +521,67 @@ class MemoryOptimizer:
         """
         model = self._require_model()
         compression = self._compression
+        sample = self._check_sample(model, loss_fn, batch, batch_size)
+        # Its per-module counts price the budget when they cover all of it (nothing compiled)
+        eager = compression.stats.forward_original == compression.stats.saved_original
+        # The check's passes are no training forward: the counts are as before once it is done.
+        # ``trained``: the last training forward's saved bytes, for a budget in bytes.
+        with compression.snapshot() as (kept_modules, trained):
+            pricing = None
+            if self.config.quantize.budget is not None:
+                pricing = self._pricing(trained, kept_modules if eager else {})
+            check = DriftCheck(
+                sample,
+                self._compression_face(model),
+                step=step,
+                max_rounds=max_rounds,
+                pricing=pricing,
+                reduce_max=self.reduce_max,
+                speaks=self.speaks,
+            )
+            return self._drift.check(check)
+
+    def _check_sample(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        batch: Any,
+        batch_size: int | None,
+    ) -> CheckSample:
+        """What a check's passes run: ``loss_fn`` bound to the model and the first
+        ``drift.sample_size`` samples of ``batch`` (where given), cut in pieces that fit what
+        the compressed training forward kept when it takes ``(model, batch)``."""
         cut, most = None, 0
         if batch is not None:
             batch_size = batch_size_of(batch) if batch_size is None else batch_size
             batch = slice_batch(batch, self.config.drift.sample_size)
             if takes_model_and_batch(loss_fn):  # the check's passes may run it in pieces
                 samples = batch_size_of(batch) or 1
-                stats = compression.stats
+                stats = self._compression.stats
                 most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
                 cut = partial(cut_sample, loss_fn, model, batch)
-        loss_fn = bind_loss(loss_fn, model, batch)
-        # Its per-module counts price the budget when they cover all of it (nothing compiled)
-        eager = compression.stats.forward_original == compression.stats.saved_original
+        bound = bind_loss(loss_fn, model, batch)
+        return CheckSample(model, bound, batch_size=batch_size, cut=cut, most=most)
+
+    def _compression_face(self, model: nn.Module) -> CompressionFace:
+        """What a drift check may do to compression: the bits, :meth:`set_bits`, the hooks'
+        suspension and training-size contexts, and the noise generators of the model's
+        devices."""
+        compression = self._compression
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
         # No drift-recorder hooks inside a recompute region (a planner's pick keeps its scopes
         # there): they would hide the region's saved tensors from the checkpoint. A recomputed
         # module's own scope is outside its region: it counts the boundary input.
         inside = {f for f, action in self._region_fqns().items() if action == IN_RECOMPUTE}
-        # The check's passes are no training forward: the counts are as before once it is done.
-        # ``trained``: the last training forward's saved bytes, for a budget in bytes.
-        with compression.snapshot() as (kept_modules, trained):
-            return self._drift.check(
-                model,
-                loss_fn,
-                self._table.compressed,
-                set_bits=self.set_bits,
-                suspend=compression.suspend,
-                as_training=compression.as_training,
-                generators=[compression.noise(d) for d in devices],
-                scopes=[f for f in self._table.scopes if f not in inside],
-                min_numel=self.config.quantize.min_numel,
-                reduce_max=self.reduce_max,
-                speaks=self.speaks,
-                step=step,
-                max_rounds=max_rounds,
-                batch_size=batch_size,
-                cut=cut,
-                most=most,
-                pricing=None
-                if self.config.quantize.budget is None
-                else self._pricing(trained, kept_modules if eager else {}),
-            )
+        return CompressionFace(
+            self._table.compressed,
+            self.set_bits,
+            compression.suspend,
+            as_training=compression.as_training,
+            generators=[compression.noise(d) for d in devices],
+            scopes=[f for f in self._table.scopes if f not in inside],
+            min_numel=self.config.quantize.min_numel,
+        )
 
     def _pricing(
         self, trained: int, counts: Mapping[str, ModuleSaved]
@@ -647,7 +667,8 @@ class MemoryOptimizer:
         * ``memopt/kept_as_is_bytes``: of ``memopt/kept_bytes``, what the hooks kept as it is
           (integer and bool tensors, workspaces, tensors under ``min_numel``, unencodable ones);
         * ``memopt/unencodable``: saved tensors kept as they are since apply because the codec
-          cannot take them (DTensor, sparse layouts), once there was one.
+          cannot take them (sparse layouts, tensor subclasses other than DTensor), once there
+          was one.
 
         ``log.per_module`` adds ``memopt/bits/<fqn>`` (at the first call, then for modules whose
         bits changed; the root module is ``<root>``) and ``memopt/drift/<fqn>``;

@@ -8,11 +8,11 @@ An adapter of the Trainer's events over one :class:`~memopt_plugins.session.MemO
 ``accelerator.prepare`` wraps or compiles it); ``on_train_begin`` restores state and watches
 ``Trainer.compute_loss`` for a check's inputs (callbacks are not handed the batch);
 ``on_pre_optimizer_step`` runs a due drift check through the Trainer's own ``compute_loss`` on the
-patched model; ``on_step_end`` counts the step and logs through ``Trainer.log``; ``on_train_end``
-removes the patch and keeps its state. The console lines are the Lightning callback's: the plan
-with the bits the run starts from, the first step's memory, each check. The state is saved in
-``trainer_state.json`` and restored on resume whatever ``restore_callback_states_from_checkpoint``
-says (bits are numerics, like optimizer state). docs/integrations.md says more.
+patched model, in pieces of its sample sized to the compressed step; ``on_step_end`` counts the
+step and logs through ``Trainer.log``; ``on_train_end`` removes the patch and keeps its state.
+The console lines are the Lightning callback's. The state is saved in ``trainer_state.json`` and
+restored on resume whatever ``restore_callback_states_from_checkpoint`` says (bits are numerics,
+like optimizer state). docs/integrations.md says more.
 """
 
 from __future__ import annotations
@@ -196,16 +196,9 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
         if tap is None or not tap.keep:
             return
         tap.keep = False
-        sample, model = tap.take(), self.session.model
+        sample = tap.take()
         if sample is not None:
-            user_loss = self.loss_fn
-            if user_loss is None:
-                loss_fn = tap.loss_on(model, sample)
-            elif takes_model_and_batch(user_loss):  # each call its own copy: labels get popped
-                loss_fn = lambda: user_loss(model, copy.copy(sample))  # noqa: E731
-            else:
-                loss_fn = user_loss
-            self.session.check(loss_fn, state.global_step, self._batch_size)
+            self._check(tap, sample, state.global_step)
         elif not self._warned:
             self._warned = True
             log.warning(
@@ -213,6 +206,24 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
                 "compute_loss, where the callback takes its inputs from",
                 state.global_step,
             )
+
+    def _check(self, tap: TrainerTap, sample: Any, step: int) -> None:
+        """The drift check on ``sample``, handed a loss of the form ``loss_fn(model, batch)``
+        (``compute_loss``'s, or the user's) and the sample, so that it may run its passes on
+        pieces of it sized to what the compressed step kept (no pass above the step it guards);
+        a closure ``loss_fn()`` of the user's runs its own sample whole."""
+        user_loss = self.loss_fn
+        if user_loss is not None and not takes_model_and_batch(user_loss):
+            self.session.check(user_loss, step, self._batch_size)
+            return
+        if user_loss is None:
+            loss_fn = tap.loss_on
+        else:
+
+            def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+                return user_loss(model, copy.copy(batch))  # its own copy: labels get popped
+
+        self.session.check(loss_fn, step, self._batch_size, batch=sample)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -75,17 +75,13 @@ class TrainerTap:
         sample, self.sample = self.sample, None
         return sample
 
-    def loss_on(self, model: nn.Module, sample: Any) -> Callable[[], torch.Tensor]:
-        """``loss_fn()``: the Trainer's own loss of ``model`` on ``sample`` (``compute_loss_func``,
-        label smoothing and subclass overrides apply). Each call gets its own shallow copy of
-        ``sample``: ``compute_loss`` pops the labels when it computes the loss itself."""
-        trainer, compute_loss = self.trainer, self._compute_loss
-
-        def loss_fn() -> torch.Tensor:
-            with trainer.compute_loss_context_manager():
-                return compute_loss(model, copy.copy(sample))
-
-        return loss_fn
+    def loss_on(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The Trainer's own loss of ``model`` on ``batch`` (``compute_loss_func``, label
+        smoothing and subclass overrides apply), as ``loss_fn(model, batch)``. Each call gets its
+        own shallow copy of ``batch``: ``compute_loss`` pops the labels when it computes the loss
+        itself."""
+        with self.trainer.compute_loss_context_manager():
+            return self._compute_loss(model, copy.copy(batch))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """A row through ``Trainer.log`` (at the Trainer's own step)."""

@@ -48,6 +48,7 @@ SHARED = {
     "test_compile_fsdp.py": "compile_fsdp",
     "test_compress.py": "compress",
     "test_configs.py": "configs",
+    "test_deepspeed.py": "deepspeed",
     "test_dropout.py": "dropout",
     "test_fsdp.py": "fsdp",
     "test_hf_trainer.py": "hf_trainer",

@@ -1,7 +1,9 @@
-"""Helpers shared by the memory tests: one measured step and gradient comparisons."""
+"""Helpers shared by the memory tests: one measured step, gradient comparisons, and the peak of
+the CPU allocator's bytes over a stretch of code (:class:`AllocationPeak`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -99,3 +101,86 @@ def compile_whole(model, backend: str = "inductor") -> None:
 # frame counts) rather than of the memory or numbers of inductor's kernels. Generating the kernels
 # of the in-graph stochastic codec takes inductor minutes on a 2-core machine.
 NO_CODEGEN = "aot_eager_decomp_partition"
+
+
+class AllocationPeak:
+    """The peak of the bytes allocated on the CPU between :meth:`start` and :meth:`stop`, above
+    where they stood at :meth:`start` (blocks allocated before and freed in between are not
+    counted), read from the profiler's allocation events: for a stretch that no single call
+    covers (a training step of a framework's loop, from one callback event to another)."""
+
+    def __init__(self) -> None:
+        self._profile = None
+        self.peak = 0  # the last stretch's
+        self.end = 0  # what of it was still allocated at its end
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+
+    def stop(self) -> int:
+        profiled, self._profile = self._profile, None
+        profiled.__exit__(None, None, None)
+        self.peak, self.end = _peak_of(profiled)
+        return self.peak
+
+
+def peak_above_start(fn: Callable[[], object]) -> tuple[int, int]:
+    """(peak, end) of the bytes allocated on the CPU while ``fn`` runs, above where they stood
+    when it started (:class:`AllocationPeak`)."""
+    meter = AllocationPeak()
+    meter.start()
+    try:
+        fn()
+    finally:
+        meter.stop()
+    return meter.peak, meter.end
+
+
+def _peak_of(prof) -> tuple[int, int]:
+    """(peak, end) of the live bytes over a profile's allocation events, in time order."""
+    from torch._C._profiler import _EventType
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    events, stack = [], list(tree)
+    while stack:
+        e = stack.pop()
+        events.append(e)
+        stack.extend(e.children)
+    allocations = sorted(
+        (e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns
+    )
+    live, peak, opened = 0, 0, {}
+    for e in allocations:
+        size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
+        if size > 0:
+            opened[ptr] = size
+        elif ptr in opened:
+            size = -opened.pop(ptr)
+        else:
+            continue
+        live += size
+        peak = max(peak, live)
+    return peak, live
+
+
+def record_check_peaks(memopt: MemoryOptimizer) -> list[int]:
+    """From now on, every ``memopt.check_drift`` call (as an integration makes it) runs under
+    :func:`peak_above_start`; the list returned gets each check's peak."""
+    peaks: list[int] = []
+    check = memopt.check_drift
+
+    def measured(*args, **kwargs):
+        report = None
+
+        def run() -> None:
+            nonlocal report
+            report = check(*args, **kwargs)
+
+        peaks.append(peak_above_start(run)[0])
+        return report
+
+    memopt.check_drift = measured
+    return peaks

@@ -2,46 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
+from memory import peak_above_start
 from torch import nn
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.drift.passes import SKETCH, cut_sample, fold
 from memopt_plugins.tree import slice_batch
-
-
-def peak_above_start(fn: Callable[[], object]) -> tuple[int, int]:
-    """(peak, end) of the bytes allocated on the CPU while ``fn`` runs, above where they stood
-    when it started (blocks allocated before and freed during it are not counted)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    tree = prof.profiler.kineto_results.experimental_event_tree()
-    events, stack = [], list(tree)
-    while stack:
-        e = stack.pop()
-        events.append(e)
-        stack.extend(e.children)
-    allocations = sorted(
-        (e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns
-    )
-    live, peak, opened = 0, 0, {}
-    for e in allocations:
-        size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
-        if size > 0:
-            opened[ptr] = size
-        elif ptr in opened:
-            size = -opened.pop(ptr)
-        else:
-            continue
-        live += size
-        peak = max(peak, live)
-    return peak, live
 
 
 def test_check_costs_at_most_a_tenth_of_the_parameters_above_the_training_step():

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from memory import peak_above_start, record_check_peaks
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from zoo import hf_gpt2
@@ -206,12 +208,14 @@ def test_resumed_trainer_starts_from_the_checkpointed_bits(two_bit_run, tmp_path
     assert sum(c is resumed for c in trainer.callback_handler.callbacks) == 1
 
 
+@pytest.mark.parametrize("restore_flag", [False, True])
 def test_the_trainer_says_what_lightning_says_and_a_resumed_plan_names_the_bits_it_runs_at(
-    two_bit_run, tmp_path
+    two_bit_run, tmp_path, restore_flag
 ):
     """The console of a Trainer run has the Lightning callback's lines: the plan when training
     starts, the first step's memory (once, with the figure its row logs), each check. A resumed
-    run's plan counts the bits the checkpoint laid, not the config's."""
+    run's plan counts the bits the checkpoint laid (escalated modules at their widths), not the
+    config's, whether or not the Trainer swaps the callback for a copy."""
     trainer, _, _, messages, out = two_bit_run
     (plan,) = [m for m in messages if m.startswith("memopt: plan for")]
     (first,) = [m for m in messages if "first training step kept" in m]
@@ -220,7 +224,9 @@ def test_the_trainer_says_what_lightning_says_and_a_resumed_plan_names_the_bits_
     assert fits == round(memopt_rows(trainer)[0]["memopt/batch_fits_x"], 1)
 
     resumed = MemOptTrainerCallback(TWO_BITS)
-    again = make_trainer(out, [resumed], max_steps=4)
+    again = make_trainer(
+        out, [resumed], max_steps=4, restore_callback_states_from_checkpoint=restore_flag
+    )
     lines, logger = Lines(), logging.getLogger("memopt")
     level = logger.level
     logger.addHandler(lines)
@@ -231,21 +237,26 @@ def test_the_trainer_says_what_lightning_says_and_a_resumed_plan_names_the_bits_
         logger.removeHandler(lines)
         logger.setLevel(level)
     (plan,) = [m for m in lines.messages if m.startswith("memopt: plan for")]
-    widths = {b: list(resumed.bits.values()).count(b) for b in set(resumed.bits.values())}
-    assert len(widths) > 1  # the checkpoint's escalations: more than one width
-    assert all(f"{n} compress@{b}" in plan for b, n in widths.items())
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    saved = list(state["stateful_callbacks"]["MemOptTrainerCallback"][STATE_KEY]["bits"].values())
+    widths = {b: saved.count(b) for b in set(saved)}
+    assert len(widths) > 1 and max(widths) > 2  # the checkpoint's escalations: more than 2 bits
+    counts = re.findall(r"(\d+) compress@(\d+)", plan)
+    assert {int(b): int(n) for n, b in counts} == widths, plan
 
 
 # --------------------------------------------------------------------------- the loop
 def test_checks_at_optimizer_steps_on_a_slice_of_the_last_micro_batch(tmp_path):
     """Gradient accumulation 2: 10 micro-batches, 5 optimizer steps, checks at 0, 2, 4, each on
-    the first drift.sample_size samples of the step's last micro-batch."""
+    the first drift.sample_size samples of the step's last micro-batch (in pieces)."""
     seen: list[torch.Tensor] = []  # input_ids of every forward with grad (training and checks)
     checked: list[bool] = []
 
     def loss_fn(model, inputs):
-        # the first forward of a check follows the step's last training forward
-        checked.append(torch.equal(inputs["input_ids"], seen[-1][:3]))
+        # each of the check's forwards runs a piece of the first 3 samples of the step's last
+        # training forward (the last whole batch seen)
+        ids, last = inputs["input_ids"], next(i for i in reversed(seen) if len(i) == 4)
+        checked.append(any(torch.equal(ids, last[i : i + len(ids)]) for i in range(3)))
         return model(**inputs).loss
 
     memopt = MemOptTrainerCallback(
@@ -268,7 +279,7 @@ def test_checks_at_optimizer_steps_on_a_slice_of_the_last_micro_batch(tmp_path):
 
 def test_the_check_runs_the_trainers_own_loss(tmp_path):
     """With compute_loss_func the Trainer takes the labels out of the model's inputs: the check
-    goes through compute_loss, and so through compute_loss_func, on the sliced batch."""
+    goes through compute_loss, and so through compute_loss_func, on pieces of the sliced batch."""
     sizes: list[int] = []
 
     def compute_loss_func(outputs, labels, num_items_in_batch=None):
@@ -280,8 +291,92 @@ def test_the_check_runs_the_trainers_own_loss(tmp_path):
     trainer = make_trainer(tmp_path, [memopt], max_steps=1)
     trainer.compute_loss_func = compute_loss_func
     trainer.train()
-    assert sizes[0] == 4 and set(sizes[1:]) == {2} and len(sizes) >= 3
+    # the step's 4 samples, then the check's 2-sample slice in pieces of what 2 bits kept
+    assert sizes[0] == 4 and set(sizes[1:]) == {1} and len(sizes) >= 5
     assert memopt.state_dict()["drift"]["escalations"] > 0
+
+
+def test_the_check_runs_compute_loss_on_pieces_of_its_sample(tmp_path):
+    """The check is handed ``compute_loss`` as ``loss_fn(model, inputs)`` and its 4-sample slice,
+    so its passes run pieces sized to what the 2-bit step kept (one sample of a 4-sample batch
+    keeps more uncompressed than the whole batch at 2 bits): never the slice whole."""
+    sizes: list[int] = []
+    memopt = MemOptTrainerCallback({"quantize": {"bits": 2}, "drift": {"sample_size": 4}})
+    trainer = make_trainer(tmp_path, [memopt], max_steps=1)
+    compute_loss = trainer.compute_loss
+
+    def counted(model, inputs, *args, **kwargs):
+        sizes.append(inputs["input_ids"].shape[0])
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = counted
+    trainer.train()
+    assert sizes[0] == 4  # the training step
+    checked = sizes[1:]  # the check's exact, signed-halves and compressed passes
+    assert len(checked) >= 3 and max(checked) < 4 and sum(checked) % 4 == 0
+    assert memopt.state_dict()["drift"]["history"][0]["step"] == 0
+
+
+def test_a_checks_metrics_land_in_the_row_of_the_step_it_ran_in(tmp_path):
+    """Checks every 2 steps, rows every 3: a check's ``drift_max`` is in the row the Trainer
+    numbers for the optimizer step that ran it (its ``global_step`` then, plus one: the Trainer
+    counts the step taken), never in a later step's row; a logging step without a check has no
+    drift value."""
+    memopt = MemOptTrainerCallback({"quantize": {"bits": 2}, "drift": {"check_every": 2}})
+    checks: list[tuple[int, float]] = []  # (the Trainer's number for the step, the check's max)
+    check = memopt.memopt.check_drift
+
+    def recorded(*args, **kwargs):
+        report = check(*args, **kwargs)
+        checks.append((trainer.state.global_step + 1, report.max))
+        return report
+
+    memopt.memopt.check_drift = recorded
+    trainer = make_trainer(tmp_path, [memopt], max_steps=5, logging_steps=3)
+    trainer.train()
+    rows = memopt_rows(trainer)
+    assert [c for c, _ in checks] == [1, 3, 5]
+    assert [(r["step"], r["memopt/drift_max"]) for r in rows if "memopt/drift_max" in r] == checks
+    assert [r["step"] for r in rows] == [1, 3, 5]  # the check's steps (3 is a logging step too)
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [3]
+
+
+def check_over_step(model, batch_size: int, seq: int, tmp_path: Path) -> float:
+    """The drift check's peak over the int4 training step's it guards (``Trainer.training_step``:
+    forward and backward), at step 1 of a Trainer run (checks every step, the default drift
+    section otherwise), each above where it started."""
+    memopt = MemOptTrainerCallback({"quantize": {"bits": 4}, "drift": {"check_every": 1}})
+    checks = record_check_peaks(memopt.memopt)
+    trainer = make_trainer(
+        tmp_path, [memopt], model=model, max_steps=2, per_device_train_batch_size=batch_size
+    )
+    trainer.train_dataset = Tokens(2 * batch_size, seq)
+    steps: list[int] = []
+    training_step = trainer.training_step
+
+    def measured(*args, **kwargs):
+        out = None
+
+        def run() -> None:
+            nonlocal out
+            out = training_step(*args, **kwargs)
+
+        steps.append(peak_above_start(run)[0])
+        return out
+
+    trainer.training_step = measured
+    trainer.train()
+    assert len(checks) == len(steps) == 2
+    return checks[1] / steps[1]
+
+
+def test_a_check_through_the_trainer_peaks_no_higher_than_the_step_it_guards(tmp_path):
+    """GPT-2 (2 layers x 128, eager attention), 16 x 128 tokens at 4 bits: the check's 8-sample
+    slice run whole kept more than the compressed step; run through ``compute_loss`` in pieces of
+    what the step kept, the check peaks within 10% of the step."""
+    model, _, _ = hf_gpt2(batch_size=16, seq=128, dim=128, layers=2)
+    ratio = check_over_step(model, batch_size=16, seq=128, tmp_path=tmp_path)
+    assert ratio <= 1.10, ratio
 
 
 class OwnLossTrainer(Trainer):

@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from memopt_plugins.callbacks import MemOptCallback, MemOptProfileCallback
+from memory import AllocationPeak, record_check_peaks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
@@ -46,16 +47,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class GPT2Module(pl.LightningModule):
-    """Hugging Face GPT-2 (1 layer, width 32) as a LightningModule.
+    """Hugging Face GPT-2 (1 layer, width 32 by default) as a LightningModule.
 
     Args:
         lr: SGD learning rate.
+        seq, dim, layers: the GPT-2's context, width and depth.
     """
 
-    def __init__(self, lr: float = 0.01):
+    def __init__(self, lr: float = 0.01, seq: int = 32, dim: int = 32, layers: int = 1):
         super().__init__()
         self.lr = lr
-        self.model, _, self.loss_fn = hf_gpt2(batch_size=4, seq=32, dim=32, layers=1)
+        self.model, _, self.loss_fn = hf_gpt2(batch_size=4, seq=seq, dim=dim, layers=layers)
         self.log_calls = 0
 
     def forward(self, **inputs):
@@ -75,9 +77,9 @@ class GPT2Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def loader(n: int = 32, batch_size: int = 4) -> DataLoader:
+def loader(n: int = 32, batch_size: int = 4, seq: int = 32) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 512, (n, 32), generator=generator)
+    tokens = torch.randint(0, 512, (n, seq), generator=generator)
     return DataLoader(TensorDataset(tokens), batch_size)
 
 
@@ -327,6 +329,69 @@ def test_training_step_output_without_a_loss_tensor_is_refused_by_the_check(tmp_
     assert memopt.state_dict()["drift"]["history"][0]["step"] == 0
 
 
+class SizesSeen(GPT2Module):
+    """Records the sample count of every ``training_step`` call (training's and the checks')."""
+
+    def __init__(self, **size):
+        super().__init__(**size)
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.sizes.append(batch[0].shape[0])
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_check_runs_training_step_on_pieces_of_its_sample():
+    """The check is handed ``training_step`` as ``loss_fn(module, batch)`` and its 4-sample slice,
+    so its passes run pieces sized to what the 2-bit step kept (one sample of a 4-sample batch
+    keeps more uncompressed than the whole batch at 2 bits): never the slice whole."""
+    module = SizesSeen()
+    memopt = MemOptCallback({"quantize": {"bits": 2}, "drift": {"sample_size": 4}})
+    make_trainer(Path("."), [memopt], max_steps=1, logger=False).fit(module, loader())
+    assert module.sizes[0] == 4  # the training step
+    checked = module.sizes[1:]  # the check's exact, signed-halves and compressed passes
+    assert len(checked) >= 3 and max(checked) < 4 and sum(checked) % 4 == 0
+    assert memopt.state_dict()["drift"]["history"][0]["step"] == 0
+
+
+class StepPeak(Callback):
+    """The CPU allocator's peak over training step ``at``: from its batch's start to the optimizer
+    step, before the drift check (listed before the memopt callback, it stops first)."""
+
+    def __init__(self, at: int):
+        self.at = at
+        self.meter = AllocationPeak()
+        self.peak = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            self.meter.start()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.at:
+            self.peak = self.meter.stop()
+
+
+def check_over_step(module: GPT2Module, batch_size: int, seq: int) -> float:
+    """The drift check's peak over the int4 training step's it guards, at step 1 of a Lightning
+    fit (checks every step, the default drift section otherwise), each above where it started."""
+    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"check_every": 1}})
+    step = StepPeak(at=1)
+    trainer = make_trainer(Path("."), [step, memopt], max_steps=2, logger=False)
+    checks = record_check_peaks(memopt.memopt)
+    trainer.fit(module, loader(n=2 * batch_size, batch_size=batch_size, seq=seq))
+    assert len(checks) == 2 and step.peak > 0
+    return checks[1] / step.peak
+
+
+def test_a_check_through_lightning_peaks_no_higher_than_the_step_it_guards():
+    """GPT-2 (2 layers x 128, eager attention), 16 x 128 tokens at 4 bits: the check's 8-sample
+    slice run whole kept more than the compressed step; run through ``training_step`` in pieces
+    of what the step kept, the check peaks within 10% of the step."""
+    ratio = check_over_step(GPT2Module(seq=128, dim=128, layers=2), batch_size=16, seq=128)
+    assert ratio <= 1.10, ratio
+
+
 # --------------------------------------------------------------------------- set-up, tear-down
 def _hooks(module: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
@@ -496,8 +561,10 @@ def test_manual_optimization_needs_a_loss_fn_for_the_drift_check(tmp_path):
 
     memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"sample_size": 2}}, loss_fn)
     make_trainer(tmp_path, [memopt], max_steps=2).fit(ManualModule(), loader())
-    # the check at step 0 ran the user's loss_fn on 2 samples (exact pass + compressed rounds)
-    assert calls and set(calls) == {2}
+    # the check at step 0 ran the user's loss_fn on its 2-sample slice, in pieces of what the
+    # 4-bit step of 4 samples kept (under a quarter of its bytes: pieces of one sample), for
+    # each pass (exact, signed halves, compressed rounds)
+    assert calls and set(calls) == {1} and len(calls) % 2 == 0
     assert memopt.state_dict()["drift"]["history"][0]["step"] == 0
 
 

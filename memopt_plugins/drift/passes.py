@@ -13,7 +13,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..distributed import distributed, rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
-from ..measure.storage import RunningParameters, is_sharded
+from ..measure.storage import RunningParameters, is_sharded, local_part
 from ..policy import compressible, in_foreign_region, min_numel_at
 from ..tree import batch_size_of, map_tensors, tensors_in
 
@@ -181,7 +181,7 @@ class PassRecorder:
     def _counter(self, fqn: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def count(t: torch.Tensor) -> torch.Tensor:
             if compressible(t, 0, (self._storages, self.running)):
-                self._saves[fqn].append(t.shape)
+                self._saves[fqn].append(local_part(t).shape)  # a DTensor: its shard is coded
             return t
 
         return count
@@ -470,6 +470,28 @@ def fold(
     return out.float().cpu(), float(sq)
 
 
+#: What a reentrant checkpoint (torch's ``use_reentrant=True``, ``deepspeed.checkpointing``'s
+#: either form) raises under ``torch.autograd.grad``.
+_REENTRANT = "Checkpointing is not compatible with .grad()"
+
+
+def _differentiate(loss: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """``torch.autograd.grad(loss, inputs)`` (what it returns is taken by hooks), saying why when
+    a checkpoint in the model refuses it."""
+    try:
+        torch.autograd.grad(loss, inputs, allow_unused=True)
+    except RuntimeError as err:
+        if _REENTRANT not in str(err):
+            raise
+        raise RuntimeError(
+            "memopt's drift check differentiates with torch.autograd.grad (so that .grad, the "
+            "optimizer and DDP/ZeRO reducers never see it), which a checkpoint in the model "
+            "refuses: torch's reentrant checkpoint (use_reentrant=True) or "
+            "deepspeed.checkpointing (both forms). Use torch's non-reentrant checkpoint "
+            "(transformers' default) or turn drift checks off (drift.enabled: false)"
+        ) from err
+
+
 def gradients(
     loss: torch.Tensor,
     targets: Sequence[torch.Tensor],
@@ -520,7 +542,7 @@ def gradients(
         # Recorded activations are reached on the way to the parameters; asked for themselves
         # (only when no parameter is), their gradients would be held to the end of the pass.
         if leaves or inner:
-            torch.autograd.grad(loss, leaves or inner, allow_unused=True)
+            _differentiate(loss, leaves or inner)
     finally:
         for handle in handles:
             handle.remove()
@@ -580,3 +602,15 @@ def summed_over_shards(stats: torch.Tensor, sharded: Sequence[int]) -> torch.Ten
     out = stats.clone()
     out[..., index] = sum_over_ranks(stats[..., index].contiguous()).to(stats.device)
     return out
+
+
+def max_reduced(
+    reduce_max: Callable[[torch.Tensor], torch.Tensor],
+    values: list[float],
+    device: torch.device | None,
+) -> list[float]:
+    """``values`` max-reduced over ranks by ``reduce_max`` (as a float64 tensor on ``device``)."""
+    if not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device or torch.device("cpu"))
+    return reduce_max(t).cpu().tolist()

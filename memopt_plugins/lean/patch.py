@@ -413,6 +413,31 @@ def _twin(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(module, memo).to(dtype=dtype)
 
 
+def _refuse_probes_on_partitioned(model: nn.Module, fuse: list[str]) -> None:
+    """Refuse fused chains on a model whose parameters DeepSpeed ZeRO-3 has partitioned.
+
+    The exactness probe runs a copy of each module (:func:`_twin`), which carries ZeRO-3's
+    hooks but not its partitioned parameters' bookkeeping: it fails inside DeepSpeed, or runs on
+    the empty tensors a released parameter holds. Attention swaps no module and is not probed.
+    """
+    probed = [c for c in fuse if c != "attention"]
+    if not probed or not partitioned_by_zero3(model):
+        return
+    raise ConfigError(
+        f"ops.fuse {probed}: the model's parameters are already partitioned by DeepSpeed ZeRO-3 "
+        "(deepspeed.initialize, accelerator.prepare, a Lightning DeepSpeedStrategy or "
+        "deepspeed.zero.Init ran first), and memopt cannot probe fused modules on them. Apply "
+        "memopt before DeepSpeed wraps the model (MemOptPlugin.apply before prepare; the "
+        "Trainer callback does), or keep ops.fuse to [attention] (ops.loss and "
+        "ops.cross_entropy work either way)"
+    )
+
+
+def partitioned_by_zero3(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 manages ``model``'s parameters (it numbers each: ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def _first(out: Any) -> torch.Tensor:
     """A module's output tensor (a max-pool returning indices gives a pair)."""
     return out[0] if isinstance(out, tuple) else out
@@ -444,6 +469,7 @@ class LeanOps:
 
     def apply(self, model: nn.Module) -> dict[str, str]:
         """Patch ``model``; returns ``{fqn: action}`` for every patched module."""
+        _refuse_probes_on_partitioned(model, self.config.fuse)
         heads = self._loss_heads(model) if self.config.loss == "chunked" else []
         try:
             every = "all" in self.config.fuse
