@@ -4,15 +4,15 @@ Entering a selected module (a :class:`~memopt_plugins.measure.ScopeTracker` scop
 ``saved_tensors_hooks`` and leaving it leaves them, so every tensor autograd saves while the module
 runs, by an ``nn.Module`` or a functional call, goes through :meth:`CompressionHooks.pack` at the
 bits the :class:`~.bits.BitTable` gives that module. One pair serves eager and compiled code
-(:meth:`CompressionHooks.pair`, GraphModules that AOTAutograd inlines: :mod:`.compiled`).
+(:meth:`CompressionHooks.pair`, GraphModules that AOTAutograd inlines: :mod:`.compiled`); the
+hooks count nothing themselves, they tell their counter (:mod:`.counts`) what they kept.
 
 Scopes nest as torch's hooks do: the innermost pair wins. Inside a region whose hooks mean
 something else (a checkpoint memopt did not make, its replay, ``save_on_cpu``) a scope pushes
 nothing (:func:`memopt_plugins.policy.in_foreign_region`). A DTensor is packed as its local shard.
 What is kept as it is follows :mod:`memopt_plugins.policy`: parameters and what shares their memory
 never are, judged at pack time against the storages the modules hold then (FSDP2's freshly
-gathered weights too): a compressed weight would outlive resharding and feed backward a
-compressed weight.
+gathered weights too), since a compressed weight would outlive resharding.
 """
 
 from __future__ import annotations
