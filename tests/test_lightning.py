@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from memopt_plugins.callbacks import MemOptCallback, MemOptProfileCallback
 from memory import AllocationPeak, record_check_peaks
+from probes import BitsAtFirstBatch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
@@ -101,18 +102,6 @@ def make_trainer(root: Path, callbacks: list[Callback], **kwargs) -> pl.Trainer:
 def csv_rows(trainer: pl.Trainer) -> list[dict[str, str]]:
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
         return list(csv.DictReader(f))
-
-
-class BitsAtFirstBatch(Callback):
-    """Records the memopt bits in force when the first training batch starts."""
-
-    def __init__(self, memopt: MemOptCallback):
-        self.memopt = memopt
-        self.bits: dict[str, int] | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.bits is None:
-            self.bits = self.memopt.bits
 
 
 # --------------------------------------------------------------------------- the bar
@@ -295,7 +284,7 @@ def test_the_console_the_metrics_and_the_profile_give_one_batch_fits_figure(tmp_
     (line,) = [m for m in caplog.messages if "first training step kept" in m]
     console = float(re.search(r"a batch ([0-9.]+)x as large fits", line)[1])
     markdown = (Path(trainer.log_dir) / "memopt_profile.md").read_text()
-    profiled = float(re.search(r"a batch ([0-9.]+)x larger fits", markdown)[1])
+    profiled = float(re.search(r"a batch ([0-9.]+)x as large fits", markdown)[1])
     rows = [r for r in csv_rows(trainer) if r["memopt/kept_bytes"]]
     logged = float(rows[0]["memopt/batch_fits_x"])
     assert console == profiled == round(logged, 1)
