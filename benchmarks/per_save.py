@@ -11,7 +11,7 @@ Deterministic proxies, then a short paired timing (noisy on a shared machine):
 * ``seconds``: median forward+backward time of the CNN and of a tiny GPT-2 step, with and
   without memopt int8, interleaved.
 
-    python -m benchmarks.per_save
+    python -m benchmarks.per_save [--no-timing]
 """
 
 from __future__ import annotations
@@ -150,12 +150,13 @@ def paired_seconds(build, steps: int = 15) -> dict[str, float]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    out = {
+    out: dict[str, object] = {
         "frames": frames_per_save(),
         "calls": {"baseline": calls_per_forward(False), "int8": calls_per_forward(True)},
         "objects": {"baseline": objects_per_forward(False), "int8": objects_per_forward(True)},
-        "seconds": {"cnn": paired_seconds(small_cnn), "gpt2": paired_seconds(tiny_gpt2)},
     }
+    if "--no-timing" not in sys.argv:
+        out["seconds"] = {"cnn": paired_seconds(small_cnn), "gpt2": paired_seconds(tiny_gpt2)}
     print(json.dumps(out, indent=1))
 
 
