@@ -53,7 +53,7 @@ def _worker(rank: int, out: str) -> None:
         sgd.step()
         sgd.zero_grad()
         opt.count_step()
-    generator = opt.hooks.noise(torch.device("cpu"))
+    generator = opt.compression.noise(torch.device("cpu"))
     result = {
         "recomputed": opt.recomputed,
         "bits": opt.bits,

@@ -471,11 +471,11 @@ def test_check_restores_batchnorm_buffers_and_saved_stats():
     opt = MemoryOptimizer({"quantize": {"bits": 4}})
     opt.apply(model)
     loss_fn(model, batch)  # a training forward: stats describe it
-    stats = dataclasses.astuple(opt.hooks.stats)
+    stats = dataclasses.astuple(opt.compression.stats)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     report = opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 2)), max_rounds=1)
     assert report.per_module and report.max > 0
-    assert dataclasses.astuple(opt.hooks.stats) == stats
+    assert dataclasses.astuple(opt.compression.stats) == stats
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
     assert all(p.grad is None for p in model.parameters())
 
@@ -558,7 +558,7 @@ def test_metrics_report_drift_bits_escalations_and_kept_bytes():
     assert changed == {f or "<root>" for f in report.escalated}  # the others were in `before`
     assert all(m[f"memopt/bits/{f or '<root>'}"] == new for f, (_, new) in report.escalated.items())
     assert m["memopt/escalations"] == len(report.escalated) > 0
-    stats = opt.hooks.stats
+    stats = opt.compression.stats
     assert m["memopt/kept_bytes"] == stats.forward_stored > 0
     ratio = m["memopt/compression_ratio"]
     assert ratio == pytest.approx(stats.forward_ratio) and stats.forward_ratio > 4
