@@ -484,7 +484,8 @@ def fold(
 
 def squared_norm(flat: torch.Tensor) -> float:
     """The squared norm of the flat tensor ``flat`` in float64, a chunk's copy at a time."""
-    chunks = (flat[lo : lo + MOST_CHUNK].double() for lo in range(0, flat.numel(), MOST_CHUNK))
+    size = min(MOST_CHUNK, max(CHUNK, flat.numel() // CHUNKS))  # as a fold's, of SKETCH alone
+    chunks = (flat[lo : lo + size].double() for lo in range(0, flat.numel(), size))
     return float(sum(torch.linalg.vecdot(c, c) for c in chunks))
 
 
