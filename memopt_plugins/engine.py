@@ -681,7 +681,8 @@ class MemoryOptimizer:
         * ``memopt/kept_as_is_bytes``: of ``memopt/kept_bytes``, what the hooks kept as it is
           (integer and bool tensors, workspaces, tensors under ``min_numel``, unencodable ones);
         * ``memopt/unencodable``: saved tensors kept as they are since apply because the codec
-          cannot take them (DTensor, sparse layouts), once there was one.
+          cannot take them (sparse layouts, tensor subclasses other than DTensor), once there
+          was one.
 
         ``log.per_module`` adds ``memopt/bits/<fqn>`` (at the first call, then for modules whose
         bits changed; the root module is ``<root>``) and ``memopt/drift/<fqn>``;

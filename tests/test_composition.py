@@ -192,14 +192,18 @@ opt.apply(model)
 x = distribute_tensor(torch.randn(64, 64), mesh, [Replicate()]).requires_grad_()
 model(x).sum().backward()
 exact = 2 * (1 - torch.tanh(x.full_tensor()) ** 2)
+stats = opt.hooks.stats
 print(type(x.grad).__name__, float((x.grad.full_tensor() - exact).abs().max()),
-      opt.hooks.stats.unencodable)
+      stats.forward_original // stats.forward_stored, stats.unencodable)
 dist.destroy_process_group()
 """
 
 
-def test_a_dtensor_activation_is_kept_as_it_is_not_handed_to_the_codec():
-    """In a child process: before, the C kernel read the wrapper's ``data_ptr()`` and crashed."""
+def test_a_dtensor_activation_is_coded_by_its_local_shard_not_its_wrapper():
+    """In a child process: once, the C kernel read the wrapper's ``data_ptr()`` and crashed; then
+    DTensors were kept whole. Now the local shard is coded (4x smaller at 8 bits) and the DTensor
+    rebuilt at unpack; the gradient is a DTensor within int8's error (tests/test_tensor_parallel.py
+    runs tensor parallelism on two ranks)."""
     import subprocess
     import sys
 
@@ -207,9 +211,10 @@ def test_a_dtensor_activation_is_kept_as_it_is_not_handed_to_the_codec():
         [sys.executable, "-c", _DTENSOR_STEP], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    kind, error, counts = done.stdout.split(" ", 2)
-    assert kind == "DTensor" and float(error) < 1e-6  # kept as it is: exact up to rounding
-    assert counts.strip() == "{'DTensor': 1}"
+    kind, error, ratio, counts = done.stdout.split(" ", 3)
+    assert kind == "DTensor" and 0 < float(error) < 0.05  # tanh' = 1 - y², y coded to ±1/127
+    assert int(ratio) >= 3
+    assert counts.strip() == "{}"  # nothing kept as it is for want of a codec
 
 
 # --------------------------------------------------------------------------- process-wide state

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..measure.storage import is_sharded
 from .passes import CheckedParameters, PassGradients, PassRecorder
 from .report import (
     CALLS_DIFFER,
+    DISTRIBUTED_PARAMETERS,
     NEGLIGIBLE_GRADIENT,
     NEGLIGIBLE_NOISE,
     NOTHING_TO_JUDGE,
@@ -41,6 +43,8 @@ def find_judges(
     """What judges each module (see :mod:`memopt_plugins.drift`), from the exact pass's record."""
     judges: dict[str, Judge] = {}
     unmeasured: dict[str, str] = {}
+    # Parameters that ran as DTensors (tensor parallelism): the passes take no gradient of them.
+    distributed = {i for i, t in enumerate(checked.targets(rec.running)) if is_sharded(t)}
     for fqn in fqns:
         if rec.saved.get(fqn, 0) == 0:
             unmeasured[fqn] = SAVES_NOTHING
@@ -61,6 +65,10 @@ def find_judges(
                 judges[fqn] = Judge(PARAMS, own)
             else:
                 unmeasured[fqn] = NOTHING_TO_JUDGE
+        judge = judges.get(fqn)
+        if judge is not None and judge.kind == PARAMS and set(judge.indices) <= distributed:
+            del judges[fqn]
+            unmeasured[fqn] = DISTRIBUTED_PARAMETERS
     return judges, unmeasured
 
 

@@ -13,7 +13,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..distributed import distributed, rank_share, sum_over_ranks
 from ..measure import ModelStorages, ScopeTracker, Watch, isolated
-from ..measure.storage import RunningParameters, is_sharded
+from ..measure.storage import RunningParameters, is_sharded, local_part
 from ..policy import compressible, in_foreign_region, min_numel_at
 from ..tree import batch_size_of, map_tensors, tensors_in
 
@@ -181,7 +181,7 @@ class PassRecorder:
     def _counter(self, fqn: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def count(t: torch.Tensor) -> torch.Tensor:
             if compressible(t, 0, (self._storages, self.running)):
-                self._saves[fqn].append(t.shape)
+                self._saves[fqn].append(local_part(t).shape)  # a DTensor: its shard is coded
             return t
 
         return count

@@ -3,7 +3,8 @@ recomputing its cheap internals in backward, so that what they save is what memo
 
 * :func:`linear_cross_entropy` -- the loss head and the cross-entropy in chunks of tokens;
 * :func:`gelu`, :func:`gelu_mlp` (a GPT-2 MLP saving its input only: backward does its up
-  projection again), :func:`swiglu`,
+  projection again), :func:`gated_mlp` (a bias-free SwiGLU / GeGLU MLP saving its input only),
+  :func:`swiglu`,
   :func:`geglu`, :func:`rms_norm`, :func:`layer_norm`, :func:`batch_norm` -- activation and
   norm chains;
 * :func:`conv`, :func:`relu`, :func:`max_pool` -- a CNN's ops with leaner backwards;
@@ -11,7 +12,7 @@ recomputing its cheap internals in backward, so that what they save is what memo
   the swap is exact, and a Hugging Face causal LM's loss for the chunked one.
 """
 
-from .chains import batch_norm, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu
+from .chains import batch_norm, gated_mlp, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu
 from .conv import conv, max_pool, relu
 from .loss import linear_cross_entropy
 from .patch import LeanOps
@@ -20,6 +21,7 @@ __all__ = [
     "LeanOps",
     "batch_norm",
     "conv",
+    "gated_mlp",
     "geglu",
     "gelu",
     "gelu_mlp",

@@ -29,7 +29,7 @@ from torch import nn
 from ..config import OFF_BITS, MemOptConfig
 from ..tree import tensors_in
 from .plan import Suggestion, suggest_config
-from .report import ProfileReport, StepMemory
+from .report import ProfileReport, StepMemory, fits_line, step_fits
 from .run import batch_size, profile_model, step_memory
 from .training import Training, resize_batch, training_peak
 from .units import human_bytes
@@ -62,10 +62,21 @@ class PeakPlan:
     baseline_batch: int | None = None  # the largest without memopt, verified the same way
     optimizer: str | None = None  # the optimizer whose state is counted, as named to the plan
     steps: int | None = None  # whole-training readings: steps each ran (None: the step alone)
+    step_without: StepMemory | None = None  # the baseline's step at the factory's batch
+    step_with: StepMemory | None = None  # the same under this config (``peak`` is its peak)
 
     @property
     def met(self) -> bool:
         return self.peak <= self.target_peak * 1.05
+
+    @property
+    def fits(self) -> float | None:
+        """How many times larger a batch fits with this config, from the two steps' per-sample
+        peaks (:func:`~.report.step_fits`: the profile report's and ``memopt/batch_fits_x``'s
+        figure); ``None`` without both steps or their per-sample slopes."""
+        if self.step_without is None:
+            return None
+        return step_fits(self.step_without, self.step_with)
 
     def to_yaml(self) -> str:
         """The config with a commented header of the peak figures."""
@@ -77,6 +88,9 @@ class PeakPlan:
             f"({self.peak / self.baseline_peak:.0%})"
             + ("" if self.met else " - over the target: no config of these options reaches it"),
         ]
+        fits = None if self.step_without is None else fits_line(self.step_without, self.step_with)
+        if fits is not None:
+            lines.append(f"# {fits}")
         if self.memory is not None:
             lines += self._batch_lines()
         return "\n".join(lines) + "\n" + self.suggestion.to_yaml()
@@ -208,15 +222,35 @@ def plan_peak(
         fixed,
         batch_size(batch),
         optimizer=optimizer_name or (type(optimizer).__name__ if optimizer else None),
+        step_without=report.step,
+        step_with=step,
     )
     if memory is None:
         return plan
+    plan = dataclasses.replace(plan, memory=memory)
+    return _with_largest_batches(plan, model, batch, loss_fn, report, step, training, device)
+
+
+def _with_largest_batches(
+    plan: PeakPlan,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    report: ProfileReport,
+    step: StepMemory,
+    training: Training | None,
+    device: str | torch.device | None,
+) -> PeakPlan:
+    """``plan`` with the largest batches that fit ``plan.memory``, with its config and without
+    memopt: by the step alone on the allocator's timeline, or with ``training``, by whole
+    training runs read in fresh processes."""
+    memory, config = plan.memory, plan.suggestion.config
     if training is None:
         held = model_bytes(report)
-        found = largest_batch(model, batch, loss_fn, suggestion.config, memory, step, held, device)
+        found = largest_batch(model, batch, loss_fn, config, memory, step, held, device)
         baseline = largest_batch(model, batch, loss_fn, None, memory, report.step, held, device)
     else:
-        n, config = batch_size(batch), suggestion.config
+        n = batch_size(batch)
         found = fitting_batch(
             lambda size: training_peak(training, config, size), n, _per_sample(step, batch), memory
         )
@@ -228,7 +262,6 @@ def plan_peak(
         )
     plan = dataclasses.replace(
         plan,
-        memory=memory,
         baseline_batch=None if baseline is None else baseline[0],
         steps=None if training is None else training.steps,
     )
