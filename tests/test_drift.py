@@ -30,7 +30,7 @@ from memopt_plugins.drift import (
     next_rung,
 )
 from memopt_plugins.drift.judges import Drifts
-from memopt_plugins.tree import slice_batch
+from memopt_plugins.tree import batch_size_of, slice_batch
 
 
 def patched(build, config: dict, **size):
@@ -180,6 +180,29 @@ def test_noise_drift_matches_the_two_halves_computed_by_hand(unfolded):
     expected = float((q - g).square().sum() / (halves.square().sum() / 4))
     assert expected > 1e-3
     assert report.per_module["transformer.h.0.mlp.c_fc"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("metric", ["sgd", "noise", "rel_l2"])
+def test_a_check_that_changes_nothing_runs_one_exact_and_one_compressed_pass(metric):
+    """Given the training batch, the exact pass runs the sample's two halves as its pieces and
+    measures the gradient's sampling variance from them (metrics sgd and noise): a check that
+    changes nothing forwards its sample twice, exact and compressed. A closure, which cannot be
+    cut, needs a pass of its own for the variance: three times."""
+    model, batch, loss_fn = hf_gpt2(batch_size=16, seq=32, layers=1)
+    opt = MemoryOptimizer({"quantize": {"bits": 8}, "drift": {"metric": metric, "threshold": 1}})
+    opt.apply(model)
+    forwarded = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: forwarded.append(batch_size_of((args, kwargs))), with_kwargs=True
+    )
+    sample = opt.config.drift.sample_size
+    report = opt.check_drift(loss_fn, batch=batch)
+    assert not report.escalated and report.per_module
+    assert sum(forwarded) == 2 * sample
+    assert forwarded == ([sample // 2] * 4 if metric != "rel_l2" else [sample] * 2)
+    forwarded.clear()
+    opt.check_drift(lambda: loss_fn(model, batch[:sample]))
+    assert sum(forwarded) == (3 if metric != "rel_l2" else 2) * sample
 
 
 def test_a_check_in_pieces_judges_the_mean_of_the_pieces_gradients(unfolded, monkeypatch):
