@@ -137,7 +137,7 @@ def test_autocast_copy_of_a_frozen_weight_is_kept_as_it_is():
     opt.apply(layer)
     try:
         got = input_grad(layer)
-        stats = opt.hooks.stats
+        stats = opt.compression.stats
         assert torch.equal(got, expected)
         weight_copy = 64 * 96 * 2  # bf16
         assert stats.forward_stored >= weight_copy
@@ -156,7 +156,7 @@ def test_a_frozen_weight_shaped_activation_is_still_compressed():
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(x).float().sum().backward()
-        modules = opt.hooks.stats.modules
+        modules = opt.compression.stats.modules
         relu, frozen = modules["1"], modules["2"]  # bf16 (64, 64), the frozen weight's shape
         assert relu.original == frozen.original == frozen.stored == 64 * 64 * 2
         assert relu.stored < relu.original

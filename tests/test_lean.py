@@ -764,7 +764,7 @@ def test_a_projection_keeps_no_copy_of_an_rms_norms_output():
     assert opt.plan["norm"].lean == "lean rmsnorm"
     model.zero_grad()
     model(x).square().sum().backward()
-    modules = opt.hooks.stats.modules
+    modules = opt.compression.stats.modules
     assert "head" not in modules and modules["norm"].stored > 0
     for name, p in model.named_parameters():
         assert _relative(p.grad, exact[name]) < 0.05, name
