@@ -233,10 +233,10 @@ else:  # the child run (or TRITON_INTERPRET=1 pytest tests/test_triton.py)
         for name in ("pack", "unpack"):
             hook = getattr(CompressionHooks, name)
 
-            def watched(*args, _hook=hook, _name=name):
+            def watched(*args, _hook=hook, _name=name, **kwargs):
                 calls.append(_name)
                 with _NoDeviceReads():
-                    return _hook(*args)
+                    return _hook(*args, **kwargs)
 
             monkeypatch.setattr(CompressionHooks, name, staticmethod(watched) if name == "unpack"
                                 else watched)  # fmt: skip
