@@ -442,14 +442,6 @@ class LogConfig(_Section):
             "(memopt/bits/<module>) and its drift at each check (memopt/drift/<module>)."
         ),
     )
-    legacy_names: bool = Field(
-        False,
-        description=(
-            "Also log the metrics under their names of memopt 0.1 (memopt/saved_bytes, "
-            "memopt/saved_ratio, memopt/deescalations, memopt/drift/max, memopt/drift/skipped) "
-            "beside the new ones; deprecated, removed in the next release."
-        ),
-    )
 
 
 # --------------------------------------------------------------------------- top level

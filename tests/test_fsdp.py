@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from memopt_plugins.callbacks import MemOptCallback
+from memopt_plugins.callbacks import MemOptCallback, MemOptProfileCallback
 from ranks import TIMEOUT, WORLD, local, rel, run_two_ranks, shard, tokens, train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -138,9 +138,9 @@ def test_drift_on_a_one_rank_mesh_is_the_unsharded_models(mesh):
 def test_callback_profile_is_refused_under_model_parallel_strategy():
     """The profile runs on rank 0 alone; a sharded forward would wait for the other ranks."""
     trainer = SimpleNamespace(strategy=ModelParallelStrategy())
-    memopt = MemOptCallback({"quantize": {"bits": 8}}, profile=True)
+    profile = MemOptProfileCallback()
     with pytest.raises(MisconfigurationException, match="rank 0 alone"):
-        memopt.setup(trainer, ShardedGPT2(), "fit")
+        profile.setup(trainer, ShardedGPT2(), "fit")
 
 
 # --------------------------------------------------------------------------- two processes
