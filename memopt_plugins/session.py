@@ -166,15 +166,19 @@ class MemOptSession:
         batch: Any = None,
         step: int | None = None,
         batch_size: int | None = None,
-    ) -> DriftReport:
+        if_due: bool = False,
+    ) -> DriftReport | None:
         """Run the drift check on ``loss_fn()`` now (every rank together); its INFO line says
         what it found and changed.
 
         ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch cut from
         a training batch of ``batch_size`` samples; or, with ``batch`` (that small batch),
         ``loss_fn(model, batch)``, which the check may run on pieces of ``batch``. The
-        arguments are :meth:`MemoryOptimizer.check_drift`'s, in its order.
+        arguments are :meth:`MemoryOptimizer.check_drift`'s, in its order; ``if_due=True``
+        checks only when :meth:`due`, else returns ``None``.
         """
+        if if_due and not self.due(step):
+            return None
         self._tell_plan()
         report = self.memopt.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
         self._report, self._checked = report, True

@@ -78,7 +78,7 @@ def test_a_weight_computed_in_the_forward_is_kept_as_it_is(kind):
         opt = MemoryOptimizer(_TWO_BITS)
         opt.apply(net)
         loss = net(x).sum()
-        scope = opt.hooks.stats.modules.get("2")
+        scope = opt.internal.hooks.stats.modules.get("2")
         scopes.append(None if scope is None else (scope.original, scope.stored))
         loss.backward()
         opt.remove()
@@ -110,7 +110,7 @@ def test_activations_made_from_parameters_and_data_stay_compressed():
     opt = MemoryOptimizer(_TWO_BITS)
     opt.apply(model)
     model(ids, x).backward()
-    modules = opt.hooks.stats.modules
+    modules = opt.internal.hooks.stats.modules
     for fqn in ("after_embed", "after_first"):
         assert modules[fqn].stored * 8 < modules[fqn].original, fqn
     opt.remove()

@@ -69,7 +69,7 @@ def test_unsharded_weights_and_their_views_are_never_compressed(mesh, order):
     if order == "after":
         opt.apply(model)
     loss_fn(model, batch).backward()
-    stats, want = opt.hooks.stats, expected.hooks.stats
+    stats, want = opt.internal.hooks.stats, expected.hooks.stats
     assert (stats.forward_tensors, stats.forward_original) == (
         want.forward_tensors,
         want.forward_original,
@@ -98,7 +98,7 @@ def test_recompute_regions_and_fsdp_units_nest_either_way(mesh, order, nesting):
     shard(model, units)
     if order == "after":
         opt.apply(model)
-    assert len(opt.recomputed) == 2
+    assert len(opt.plan.recomputed) == 2
     assert rel(train(model, loss_fn, batch, opt=opt), baseline) < 1e-5
     opt.remove()  # memopt's hooks go, FSDP's stay
     hooks = [
@@ -159,7 +159,7 @@ def _memory(rank: int) -> dict[str, int]:
         shard(model)
         loss_fn(model, batch).backward()  # gradients and FSDP's buffers exist first
         meter = MemoryMeter("cpu")
-        stats = opt.hooks.stats if opt is not None else None
+        stats = opt.internal.hooks.stats if opt is not None else None
         step = functools.partial(loss_fn, model, batch)
         readings = [meter.measure(step, stats) for _ in range(2)]
         out[name] = min(max(r.retained, r.packed) for r in readings)
@@ -229,7 +229,7 @@ def _grad_keeping_check(model, opt, loss_fn, batch, kept: list[bool]):
 
     def check(step: int) -> None:
         before = [local(p.grad) for p in model.parameters()]
-        opt.maybe_check_drift(lambda: loss_fn(model, batch[:4]), step)
+        opt.check_drift(lambda: loss_fn(model, batch[:4]), step=step, if_due=True)
         after = [local(p.grad) for p in model.parameters()]
         kept.append(all(torch.equal(b, a) for b, a in zip(before, after, strict=True)))
 
@@ -292,7 +292,7 @@ def _drift(rank: int) -> dict:
     bits, escalated = [], []
 
     def check(step):
-        report = opt.maybe_check_drift(lambda: loss_fn(model, batch[:4]), step)
+        report = opt.check_drift(lambda: loss_fn(model, batch[:4]), step=step, if_due=True)
         bits.append(opt.bits)
         escalated.append(dict(report.escalated))
 

@@ -148,7 +148,7 @@ def test_scopes_a_call_of_a_submodule_abandoned_are_left_at_the_next_call(interr
         model.body(h)
     opt.remove()
     _nothing_left_on_the_thread()
-    assert opt.hooks is None
+    assert opt.internal.hooks is None
 
 
 @pytest.mark.parametrize("outside", [False, True], ids=["model", "submodule"])
@@ -171,7 +171,7 @@ def test_an_interrupt_in_a_drift_checks_compressed_pass_leaves_nothing(interrupt
     model.interrupter.arm(interrupt, at=2)
     with pytest.raises(interrupt):
         opt.check_drift(loss_fn)
-    assert opt.hooks._local.scopes == [] and not opt.hooks.suspended
+    assert opt.internal.hooks._local.scopes == [] and not opt.internal.hooks.suspended
     _nothing_left_on_the_thread()
     assert torch.equal(_lone_linear_input_grad(), exact_lone)
     _assert_equal(_step(model, x), _step(twin, x))

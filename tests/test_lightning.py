@@ -388,10 +388,10 @@ def test_setup_patches_teardown_restores_and_other_stages_do_not_patch(tmp_path)
     trainer = make_trainer(tmp_path, [memopt], max_steps=1)
 
     memopt.setup(trainer, module, "validate")
-    assert memopt.memopt.model is None
+    assert memopt.memopt.internal.model is None
     memopt.setup(trainer, module, "fit")
     patched = _hooks(module)
-    assert patched > 0 and memopt.memopt.model is module
+    assert patched > 0 and memopt.memopt.internal.model is module
     memopt.setup(trainer, module, "fit")  # idempotent
     assert _hooks(module) == patched
     memopt.teardown(trainer, module, "fit")
@@ -790,7 +790,7 @@ class SizedGPT2Module(GPT2Module):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # a module hook: trials call it
         memopt = patched_by(self)
-        ratio = memopt.hooks.stats.forward_ratio if memopt is not None else 1.0
+        ratio = memopt.internal.hooks.stats.forward_ratio if memopt is not None else 1.0
         self.seen.append((batch[0].shape[0], ratio))
 
 

@@ -343,7 +343,7 @@ class RecomputePlanner:
             log.warning(
                 "memopt: recompute.auto could not measure the first training forward: the model "
                 "runs as one compiled graph, which hides its modules. Call "
-                "MemoryOptimizer.plan_recompute(loss_fn) before training instead (it measures the "
+                "plan_recompute(opt, loss_fn) before training instead (it measures the "
                 "model eagerly), or compile per block."
             )
             return
