@@ -11,13 +11,13 @@ with the drift section of ``configs/int4_drift.yaml`` under each metric (``sgd``
 then ``cosine``, ``rel_l2``, ``noise``); 4 bits with ``quantize.budget``; 2 bits without a guard
 and with the default guard.
 
-The check runs where a plain loop runs ``check_drift(..., if_due=True)``: before the step's forward, on the
-first ``sample_size`` samples of its batch, so the step of a check trains at the bits it chose.
-Per run it records the bits
-after each check, the byte-weighted mean bits at the end (``memopt/bits_mean``), how often each
-module changed width, and with a budget the bytes the bits keep after each check: predicted by
-the check (``DriftReport.budget``) and measured by the next training forward
-(``SavedStats.saved_stored``). Writes ``bits.md`` and ``bits.json`` to ``--out``.
+The check runs where a plain loop runs ``check_drift(..., if_due=True)``: before the step's
+forward, on the first ``sample_size`` samples of its batch, so the step of a check trains at the
+bits it chose. Per run it records the bits after each check, the byte-weighted mean bits at the
+end (``memopt/bits_mean``), how often each module changed width, and with a budget the bytes the
+bits keep after each check: predicted by the check (``DriftReport.budget``) and measured by the
+next training forward (``SavedStats.saved_stored``). Writes ``bits.md`` and ``bits.json`` to
+``--out``.
 
     python -m benchmarks.bits_both_ways [--quick] [--steps 200] [--seeds N]
         [--workloads gpt,cnn,nano] [--out DIR]

@@ -27,10 +27,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..config import MemOptConfig
-from ..engine import DriftReport, MemoryOptimizer, slice_batch
+from ..engine import DriftReport, MemoryOptimizer
 from ..loss_fn import takes_model_and_batch
 from ..session import MemOptSession
-from ..tree import batch_size_of
+from ..tree import batch_size_of, slice_batch
 from .training_step import LossFn, silenced_logging, step_loss
 
 

@@ -2,7 +2,7 @@
 
 from .config import ConfigError, MemOptConfig
 from .engine import MemoryOptimizer, plan_recompute
-from .recompute import RecomputeError
+from .recompute.wrap import RecomputeError
 
 __all__ = ["ConfigError", "MemOptConfig", "MemoryOptimizer", "RecomputeError", "plan_recompute"]
 __version__ = "0.1.0"

@@ -23,10 +23,10 @@ from accelerate import Accelerator
 from torch import nn
 
 from .config import MemOptConfig
-from .engine import DriftReport, MemoryOptimizer, slice_batch
+from .engine import DriftReport, MemoryOptimizer
 from .loss_fn import bind_loss, takes_model_and_batch
 from .session import MemOptSession
-from .tree import batch_size_of
+from .tree import batch_size_of, slice_batch
 
 __all__ = ["MemOptPlugin"]
 

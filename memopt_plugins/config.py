@@ -30,23 +30,7 @@ from pydantic import (
 from . import presets
 from .config_io import Allowed, ConfigError, closest, config_error, dump_yaml, read_yaml, show
 
-__all__ = [
-    "BITS_CHOICES",
-    "AutoRecomputeConfig",
-    "BatchNormConfig",
-    "ConfigError",
-    "DriftConfig",
-    "DropoutConfig",
-    "LogConfig",
-    "MemOptConfig",
-    "QuantizeConfig",
-    "RecomputeConfig",
-    "checked_bits",
-    "closest",
-    "is_preset_name",
-    "load_config",
-    "memory_bytes",
-]
+__all__ = ["ConfigError", "MemOptConfig", "load_config"]
 
 
 # --------------------------------------------------------------------------- field types

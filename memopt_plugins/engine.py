@@ -1,8 +1,8 @@
 """MemoryOptimizer: turns a config and a model into a plan, applies it, removes it, owns state.
 
-Integrations (Lightning, Accelerate, the CLI and profiler) use the names exported here and
-nothing below it: besides the optimizer, the plan's action names, :class:`DriftReport` and
-:func:`slice_batch`.
+Users hold :class:`MemoryOptimizer`'s twelve names and :func:`plan_recompute`; the integrations
+(Lightning, Accelerate, transformers) go through :class:`~.session.MemOptSession`, which reads
+the rest through the one member :attr:`MemoryOptimizer.internal`.
 """
 
 from __future__ import annotations
@@ -24,47 +24,38 @@ from .batchnorm import BatchNormPatch
 from .compress.bits import BitTable
 from .compress.codec import NoiseGenerators
 from .compress.estimate import storage_ratio
-from .compress.hooks import CompressionHooks, PackObserver
+from .compress.hooks import CompressionHooks
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
-from .drift import DriftMonitor, DriftReport
 from .drift.budget import Pricing, priced_widths
+from .drift.monitor import DriftMonitor
 from .drift.passes import cut_sample, piece_samples
+from .drift.report import DriftReport
 from .dropout import DropoutPatch
-from .lean import LeanOps
+from .lean.patch import LeanOps
 from .logs import release_console, show_on_console
 from .loss_fn import bind_loss, takes_model_and_batch
 from .measure.process import StepPeak, batch_fits
 from .measure.scopes import InterruptGuard, ScopeTracker, scripted_modules
 from .policy import resolve_bits
-from .recompute import (
-    IN_RECOMPUTE,
-    RECOMPUTE,
-    Recompute,
-    RecomputePlan,
-    RecomputePlanner,
-    recompute_targets,
-    region_actions,
-)
+from .recompute.planner import RecomputePlan, RecomputePlanner
+from .recompute.wrap import IN_RECOMPUTE, RECOMPUTE, Recompute, recompute_targets, region_actions
 from .saved_state import SavedState, read_state, resumed_bits
 from .select import layer_kind, parent_fqns
 from .tree import batch_size_of, slice_batch
 
 __all__ = [
     "COMPRESS",
-    "EngineInternals",
     "IN_RECOMPUTE",
     "KEEP",
     "RECOMPUTE",
     "DriftReport",
     "MemoryOptimizer",
     "ModulePlan",
-    "PackObserver",
     "Plan",
     "patched_by",
     "plan_recompute",
-    "slice_batch",
 ]
 
 log = logging.getLogger("memopt")
@@ -489,16 +480,7 @@ class MemoryOptimizer:
             return self._check_if_due(loss_fn, batch, step, batch_size, max_rounds)
         model = self._require_model()
         hooks = self._hooks
-        cut, most = None, 0
-        if batch is not None:
-            batch_size = batch_size_of(batch) if batch_size is None else batch_size
-            batch = slice_batch(batch, self.config.drift.sample_size)
-            if takes_model_and_batch(loss_fn):  # the check's passes may run it in pieces
-                samples = batch_size_of(batch) or 1
-                stats = hooks.stats
-                most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
-                cut = partial(cut_sample, loss_fn, model, batch)
-        loss_fn = bind_loss(loss_fn, model, batch)
+        loss_fn, batch_size, cut, most = self._sample(loss_fn, batch, batch_size)
         kept = hooks.stats.snapshot()
         step_ended = hooks.step_ended  # the check's passes are no training forward
         trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
@@ -537,6 +519,25 @@ class MemoryOptimizer:
             hooks.stats.restore(kept)
             hooks.stats.modules = kept_modules
             hooks.step_ended = step_ended
+
+    def _sample(
+        self, loss_fn: Callable[..., torch.Tensor], batch: Any, batch_size: int | None
+    ) -> tuple[Callable[[], torch.Tensor], int | None, Callable[..., Any] | None, int]:
+        """The check's loss on its sample, the first ``drift.sample_size`` samples of ``batch``
+        (a closure ``loss_fn()`` as it is), with the training batch's size (default: ``batch``'s)
+        and, for a ``loss_fn(model, batch)``, how to cut the sample into pieces and the most
+        samples a piece may hold (:func:`.passes.piece_samples`; ``None, 0``: whole)."""
+        model = self._model
+        cut, most = None, 0
+        if batch is not None:
+            batch_size = batch_size_of(batch) if batch_size is None else batch_size
+            batch = slice_batch(batch, self.config.drift.sample_size)
+            if takes_model_and_batch(loss_fn):  # the check's passes may run it in pieces
+                samples = batch_size_of(batch) or 1
+                stats = self._hooks.stats
+                most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
+                cut = partial(cut_sample, loss_fn, model, batch)
+        return bind_loss(loss_fn, model, batch), batch_size, cut, most
 
     def _pricing(
         self, trained: int, counts: Mapping[str, ModuleSaved]

@@ -30,11 +30,11 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from .config import ConfigError, MemOptConfig
-from .engine import MemoryOptimizer, patched_by, slice_batch
+from .engine import MemoryOptimizer, patched_by
 from .loss_fn import takes_model_and_batch
 from .session import MemOptSession
 from .transformers_tap import TrainerTap, calling_trainer
-from .tree import batch_size_of
+from .tree import batch_size_of, slice_batch
 
 __all__ = ["MemOptTrainerCallback"]
 

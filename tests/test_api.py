@@ -123,7 +123,7 @@ def test_integrations_refuse_a_loss_fn_of_neither_form_when_built(callback):
         callback(CONFIG, loss_fn=lambda model, batch, extra: 0)
 
 
-# --------------------------------------------------------------------------- check_drift(if_due=True)
+# ------------------------------------------------------------------ check_drift(if_due=True)
 @pytest.mark.parametrize("pass_step", [True, False])
 def test_check_drift_if_due_checks_once_per_optimizer_step_under_accumulation(pass_step):
     """Four micro-batches per optimizer step call it four times with the same step: one check

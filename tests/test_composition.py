@@ -225,7 +225,7 @@ def test_remove_leaves_no_process_wide_state():
     from torch._functorch import config as functorch_config
 
     from memopt_plugins.compress.codec import ops
-    from memopt_plugins.measure import ScopeTracker
+    from memopt_plugins.measure.scopes import ScopeTracker
 
     gc.collect()  # models earlier tests dropped unremoved hold the setting until collected
     before = functorch_config.saved_tensors_hooks_filtering_mode
@@ -395,7 +395,7 @@ def _state_of(model: nn.Module) -> list:
 
 
 def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch):
-    from memopt_plugins.recompute import Recompute
+    from memopt_plugins.recompute.wrap import Recompute
 
     model, batch, loss_fn = hf_gpt2(batch_size=2, seq=32, dim=64, layers=2, dropout=0.1)
     before = _state_of(model)

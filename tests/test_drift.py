@@ -19,14 +19,9 @@ from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.config import ConfigError, DriftConfig
-from memopt_plugins.drift import (
-    HISTORY_LIMIT,
-    NEGLIGIBLE_GRADIENT,
-    SAVES_NOTHING,
-    DriftMonitor,
-    next_rung,
-)
 from memopt_plugins.drift.judges import Drifts
+from memopt_plugins.drift.monitor import DriftMonitor
+from memopt_plugins.drift.report import HISTORY_LIMIT, NEGLIGIBLE_GRADIENT, SAVES_NOTHING, next_rung
 from memopt_plugins.tree import slice_batch
 
 

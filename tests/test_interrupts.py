@@ -182,7 +182,7 @@ def test_an_interrupt_in_a_drift_checks_compressed_pass_leaves_nothing(interrupt
 def test_hooks_of_two_models_on_one_module_are_each_left_and_the_thread_holds_none():
     """A module inside two hooked models (the model and a submodule measured on its own) carries
     two hook pairs, whose exits torch runs in the order of their entries: each is left."""
-    from memopt_plugins.measure import ScopeTracker
+    from memopt_plugins.measure.scopes import ScopeTracker
 
     inner = nn.Linear(4, 4)
     outer = nn.Sequential(inner)

@@ -16,19 +16,19 @@ from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.buffers import mark_private
-from memopt_plugins.lean import (
+from memopt_plugins.lean.chains import (
     batch_norm,
-    conv,
     geglu,
     gelu,
     gelu_mlp,
     layer_norm,
-    linear_cross_entropy,
-    relu,
     rms_norm,
     swiglu,
+    tiled_gated_mlp,
+    tiled_gelu_mlp,
 )
-from memopt_plugins.lean.chains import tiled_gated_mlp, tiled_gelu_mlp
+from memopt_plugins.lean.conv import conv, relu
+from memopt_plugins.lean.loss import linear_cross_entropy
 from memopt_plugins.measure.timeline import record_step
 from memopt_plugins.profiler.run import step_memory
 

@@ -14,7 +14,7 @@ from torch import nn
 from zoo import hf_resnet
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.lean import conv, max_pool, relu
+from memopt_plugins.lean.conv import conv, max_pool, relu
 from memopt_plugins.profiler.run import step_memory
 
 pytestmark = pytest.mark.usefixtures("one_thread")

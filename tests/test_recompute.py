@@ -16,8 +16,9 @@ from transformers import ResNetConfig, ResNetForImageClassification
 from zoo import hf_gpt2, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer, plan_recompute
-from memopt_plugins.measure import Measurement, ModuleCost
-from memopt_plugins.recompute import RecomputeError, choose, estimated_peak, existing_checkpointing
+from memopt_plugins.measure.step import Measurement, ModuleCost
+from memopt_plugins.recompute.planner import choose, estimated_peak
+from memopt_plugins.recompute.wrap import RecomputeError, existing_checkpointing
 from memopt_plugins.select import layer_kind, outermost, within
 
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.measure import isolated
-from memopt_plugins.recompute import RecomputeError
+from memopt_plugins.measure.isolate import isolated
+from memopt_plugins.recompute.wrap import RecomputeError
 
 DIM = 8
 

@@ -32,9 +32,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..buffers import mark_private, shared_until_written, sole_holder
 from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
-from ..measure import ModelStorages, ScopeTracker, Watch, storage_key
 from ..measure.process import StepPeak
-from ..measure.storage import ComputedWeights, RunningParameters
+from ..measure.scopes import ScopeTracker, Watch
+from ..measure.storage import ComputedWeights, ModelStorages, RunningParameters, storage_key
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
 from ..policy import (

@@ -19,7 +19,7 @@ from torch import nn
 from ..config import OFF_BITS, DriftConfig, checked_bits
 from ..config_io import reading_state, state_count, state_list, state_map, state_name
 from ..distributed import is_rank_zero, max_over_ranks
-from ..measure import eagerly
+from ..measure.scopes import eagerly
 from .budget import Pricing, log_outcome, solve, step_size
 from .judges import (
     NOT_FINITE,

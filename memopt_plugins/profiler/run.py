@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compress.hooks import PackObserver
 from ..config import MemOptConfig, load_config
-from ..engine import MemoryOptimizer, PackObserver, patched_by
+from ..engine import MemoryOptimizer, patched_by
 from ..logs import quiet
-from ..measure import Measurement, SavedStorage, StepRecorder, isolated
+from ..measure.isolate import isolated
+from ..measure.step import Measurement, SavedStorage, StepRecorder
 from ..measure.timeline import StepTimeline, record_step
 from ..select import layer_kind, parent_fqns
 from ..tree import slice_batch, tensors_in
