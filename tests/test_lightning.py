@@ -503,7 +503,7 @@ def test_fsdp_checkpointing_policy_with_recompute_section_is_refused(tmp_path):
         memopt.setup(trainer, GPT2Module(), "fit")
     no_recompute = MemOptCallback({"quantize": {"bits": 8}})
     no_recompute.setup(trainer, module := GPT2Module(), "fit")  # compression alone is fine
-    assert no_recompute.memopt.model is module
+    assert no_recompute.session.model is module
     no_recompute.teardown(trainer, module, "fit")
 
 

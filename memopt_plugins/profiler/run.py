@@ -66,7 +66,7 @@ def _timed_step(
     optimizer: MemoryOptimizer | None,
 ) -> tuple[MemoryReading, StepTimeline]:
     """One forward and backward on the allocator's timeline."""
-    hooks = optimizer.hooks if optimizer is not None else None
+    hooks = optimizer.internal.hooks if optimizer is not None else None
     packed = [0]
 
     def forward() -> torch.Tensor:
@@ -86,7 +86,7 @@ def _recorded_step(
 ) -> Measurement:
     """One forward and backward recorded per module (a step of its own: the recorder's operation
     counter, a dispatch mode, would hide memopt's ranges from the timeline)."""
-    hooks = optimizer.hooks if optimizer is not None else None
+    hooks = optimizer.internal.hooks if optimizer is not None else None
     recorder = StepRecorder(model, tensors_in(batch))
     observer: PackObserver = recorder
     with hooks.observed(observer) if hooks is not None else nullcontext():
