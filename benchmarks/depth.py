@@ -10,18 +10,21 @@ GPT-2-style (width 256, 4 heads) and Llama-style (width 256, intermediate 1024, 
 ``configs/lean.yaml``'s ``ops`` section with int4 and with int2.
 
 Each (model, depth, method) runs in a fresh process on one thread and is read on the allocator's
-timeline (:func:`memopt_plugins.profiler.run.step_memory`: after a warm-up step, at batch 8 and
-at 4, so that weights, gradients and workspaces cancel in the slope). ``fits``: the baseline's
-peak per sample over the method's; ``kept``: the baseline's retained bytes per sample over the
-method's. ``peaks in``: where the step peaks at batch 8. Writes ``depth.md`` and ``depth.json``
-to ``--out``.
+timeline (:func:`memopt_plugins.measure.timeline.record_step`) after a warm-up step at the
+largest batch, at batches 4, 8 and 16: the per-sample figures are the slopes between 8 and 16,
+so that weights, gradients and workspaces cancel; the slope between 4 and 8 is shown beside
+them, as at small batches the gradients' allocation can set the peak and the slope reads low.
+``fits``: the baseline's peak per sample over the method's; ``kept``: the baseline's retained
+bytes per sample over the method's. ``peaks in``: where the step peaks at batch 16. Writes
+``depth.md`` and ``depth.json`` to ``--out``.
 
-    python -m benchmarks.depth [--quick] [--out DIR] [--only gpt2,llama]
+    python -m benchmarks.depth [--quick] [--out DIR] [--only gpt2,llama] [--depths 4,12,24]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -36,7 +39,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers 
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from memopt_plugins.profiler.run import step_memory  # noqa: E402
+from memopt_plugins import MemoryOptimizer  # noqa: E402
+from memopt_plugins.config import load_config  # noqa: E402
+from memopt_plugins.logs import quiet  # noqa: E402
+from memopt_plugins.measure.isolate import isolated
+from memopt_plugins.measure.timeline import StepTimeline, record_step  # noqa: E402
 
 from . import RESULTS, chosen  # noqa: E402
 from .fits import LEAN_OPS  # noqa: E402
@@ -44,7 +51,8 @@ from .harness.memory import in_fresh_process  # noqa: E402
 
 MIB = 1 << 20
 DEPTHS, QUICK_DEPTHS = (4, 12, 24), (1, 2)
-BATCH, QUICK_BATCH = 8, 4
+#: the batches measured: the full run's, and --quick's; slopes between consecutive ones
+BATCHES, QUICK_BATCHES = (4, 8, 16), (2, 4, 8)
 #: (width, tokens, vocabulary): the full run's, and --quick's
 SIZES = {False: (256, 256, 2048), True: (32, 16, 128)}
 MODEL_NAMES = {"gpt2": "GPT-2-style", "llama": "Llama-style"}
@@ -82,12 +90,39 @@ class Row:
     model: str
     layers: int
     method: str
-    peak_per_sample: float
+    peak_per_sample: float  # the slope between the two largest batches
     retained_per_sample: float
     peak_site: str
-    alive_at_peak: dict[str, int]  # at the larger batch, by kind (the timeline's)
+    alive_at_peak: dict[str, int]  # at the largest batch, by kind (the timeline's)
+    peak_slopes: list[float]  # between consecutive batches, smallest first
+    retained_slopes: list[float]
     fits: float = 1.0
     kept: float = 1.0  # the baseline's retained per sample over this row's
+
+
+def steps(
+    model: torch.nn.Module, batches: list[torch.Tensor], config: dict[str, Any] | None
+) -> list[StepTimeline]:
+    """One step per batch on the allocator's timeline, after a warm-up step at the largest (its
+    gradients and lazy state exist first), as is or under ``config`` (applied, then removed);
+    the model, its gradients and the RNG are left as they were."""
+    with isolated(model, clear_grads=True):
+        optimizer = MemoryOptimizer(load_config(config)) if config is not None else None
+        if optimizer is not None:
+            with quiet():
+                optimizer.apply(model)
+        try:
+            _lm_loss(model, batches[-1]).backward()
+            return [record_step(model, lambda b=b: _lm_loss(model, b)) for b in batches]
+        finally:
+            if optimizer is not None:
+                optimizer.remove()
+
+
+def _slopes(sizes: tuple[int, ...], values: list[int]) -> list[float]:
+    """Bytes per sample between consecutive batches."""
+    points = zip(sizes, values, strict=True)
+    return [(v1 - v0) / (n1 - n0) for (n0, v0), (n1, v1) in itertools.pairwise(points)]
 
 
 def cell(key: str, layers: int, method: str, quick: bool) -> dict[str, Any]:
@@ -95,12 +130,14 @@ def cell(key: str, layers: int, method: str, quick: bool) -> dict[str, Any]:
     config = dict(METHODS)[method]
     model = build(key, layers, quick)
     _, tokens, vocab = SIZES[quick]
-    batch = torch.randint(0, vocab, (QUICK_BATCH if quick else BATCH, tokens))
-    step = step_memory(model, batch, _lm_loss, config)
-    per = step.per_sample
-    timeline = step.timeline
-    row = Row(MODEL_NAMES[key], layers, method, per.peak, per.retained, str(timeline.site),
-              dict(timeline.alive_at_peak))  # fmt: skip
+    sizes = QUICK_BATCHES if quick else BATCHES
+    batch = torch.randint(0, vocab, (sizes[-1], tokens))
+    timelines = steps(model, [batch[:n] for n in sizes], config)
+    peaks = _slopes(sizes, [t.peak for t in timelines])
+    retained = _slopes(sizes, [t.retained for t in timelines])
+    last = timelines[-1]
+    row = Row(MODEL_NAMES[key], layers, method, peaks[-1], retained[-1], str(last.site),
+              dict(last.alive_at_peak), peaks, retained)  # fmt: skip
     return asdict(row)
 
 
@@ -112,10 +149,10 @@ def _in_child(key: str, layers: int, method: str, quick: bool) -> Row:
         return Row(**json.loads(target.read_text()))
 
 
-def run(keys: list[str], quick: bool) -> list[Row]:
+def run(keys: list[str], quick: bool, depths: tuple[int, ...] | None = None) -> list[Row]:
     rows: list[Row] = []
     for key in keys:
-        for layers in QUICK_DEPTHS if quick else DEPTHS:
+        for layers in depths or (QUICK_DEPTHS if quick else DEPTHS):
             baseline: Row | None = None
             for method, _ in METHODS:
                 row = _in_child(key, layers, method, quick)
@@ -134,26 +171,29 @@ def run(keys: list[str], quick: bool) -> list[Row]:
 
 def markdown(rows: list[Row], quick: bool) -> str:
     width, tokens, vocab = SIZES[quick]
-    batch = QUICK_BATCH if quick else BATCH
+    sizes = QUICK_BATCHES if quick else BATCHES
     out = [
         "# Depth: the batch that fits, and the bytes kept for backward",
         "",
         "Generated by `python -m benchmarks.depth" + (" --quick" if quick else "") + "` (the "
         f"module docstring says how): width {width}, {tokens} tokens, vocabulary {vocab}, SDPA "
         "attention, one thread, each row in a fresh process. Per sample: the slope between "
-        f"batches {batch // 2} and {batch} on the allocator's timeline. `fits`: the baseline's "
-        "peak per sample over the method's (how many times larger a batch fits in the same "
-        "peak); `kept`: the baseline's retained bytes per sample over the method's. "
-        f"`peaks in`: where the step peaks at batch {batch}.",
+        f"batches {sizes[-2]} and {sizes[-1]} on the allocator's timeline (after a warm-up "
+        f"step); `peak, {sizes[0]}-{sizes[1]}`: the peak's slope between the two smaller "
+        "batches, for how stable it is. `fits`: the baseline's peak per sample over the "
+        "method's (how many times larger a batch fits in the same peak); `kept`: the "
+        "baseline's retained bytes per sample over the method's. `peaks in`: where the step "
+        f"peaks at batch {sizes[-1]}.",
         "",
-        "| model | layers | method | peak / sample | fits | retained / sample | kept | peaks in |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        f"| model | layers | method | peak / sample | peak, {sizes[0]}-{sizes[1]} | fits | "
+        "retained / sample | kept | peaks in |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         out.append(
             f"| {r.model} | {r.layers} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
-            f"{r.fits:.2f}x | {r.retained_per_sample / MIB:.3f} MiB | {r.kept:.2f}x | "
-            f"{r.peak_site} |"
+            f"{r.peak_slopes[0] / MIB:.3f} MiB | {r.fits:.2f}x | "
+            f"{r.retained_per_sample / MIB:.3f} MiB | {r.kept:.2f}x | {r.peak_site} |"
         )
     return "\n".join(out) + "\n"
 
@@ -163,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models, for a smoke run")
     parser.add_argument("--out", default=str(RESULTS), help="folder for depth.md and depth.json")
     parser.add_argument("--only", default=",".join(MODEL_NAMES), help="models, comma-separated")
+    parser.add_argument("--depths", default=None, help="layers, comma-separated (4,12,24)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # cell's JSON arguments
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -170,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(cell(**json.loads(args.child))))
         return 0
     keys = chosen(parser, args.only, MODEL_NAMES)
-    rows = run(keys, args.quick)
+    depths = tuple(int(d) for d in args.depths.split(",")) if args.depths else None
+    rows = run(keys, args.quick, depths)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "depth.md").write_text(markdown(rows, args.quick))

@@ -32,6 +32,7 @@ from .drift.budget import Pricing, priced_widths
 from .drift.monitor import DriftMonitor
 from .drift.passes import cut_sample, piece_samples
 from .drift.report import DriftReport
+from .drift.request import CheckSample, CompressionFace, DriftCheck
 from .dropout import DropoutPatch
 from .lean.patch import LeanOps
 from .logs import release_console, show_on_console
@@ -480,54 +481,43 @@ class MemoryOptimizer:
             return self._check_if_due(loss_fn, batch, step, batch_size, max_rounds)
         model = self._require_model()
         hooks = self._hooks
-        loss_fn, batch_size, cut, most = self._sample(loss_fn, batch, batch_size)
+        sample = self._check_sample(model, loss_fn, batch, batch_size)
         kept = hooks.stats.snapshot()
         step_ended = hooks.step_ended  # the check's passes are no training forward
         trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
         # Its per-module counts price the budget when they cover all of it (nothing compiled)
         eager = hooks.stats.forward_original == trained
         kept_modules, hooks.stats.modules = hooks.stats.modules, {}
-        devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
-        # No drift-recorder hooks inside a recompute region (a planner's pick keeps its scopes
-        # there): they would hide the region's saved tensors from the checkpoint. A recomputed
-        # module's own scope is outside its region: it counts the boundary input.
-        inside = {f for f, action in self._region_fqns().items() if action == IN_RECOMPUTE}
+        pricing = None
+        if self.config.quantize.budget is not None:
+            pricing = self._pricing(trained, kept_modules if eager else {})
         try:
             with hooks.memory.paused():  # the check's passes are no training step's
-                return self._drift.check(
-                    model,
-                    loss_fn,
-                    self._table.compressed,
-                    set_bits=self.set_bits,
-                    suspend=hooks.suspend,
-                    as_training=hooks.as_training,
-                    generators=[hooks.noise(d) for d in devices],
-                    scopes=[f for f in self._table.scopes if f not in inside],
-                    min_numel=self.config.quantize.min_numel,
-                    reduce_max=self._reduce_max,
-                    speaks=self._speaks,
+                check = DriftCheck(
+                    sample,
+                    self._compression_face(model),
                     step=step,
                     max_rounds=max_rounds,
-                    batch_size=batch_size,
-                    cut=cut,
-                    most=most,
-                    pricing=None
-                    if self.config.quantize.budget is None
-                    else self._pricing(trained, kept_modules if eager else {}),
+                    pricing=pricing,
+                    reduce_max=self._reduce_max,
+                    speaks=self._speaks,
                 )
+                return self._drift.check(check)
         finally:
             hooks.stats.restore(kept)
             hooks.stats.modules = kept_modules
             hooks.step_ended = step_ended
 
-    def _sample(
-        self, loss_fn: Callable[..., torch.Tensor], batch: Any, batch_size: int | None
-    ) -> tuple[Callable[[], torch.Tensor], int | None, Callable[..., Any] | None, int]:
-        """The check's loss on its sample, the first ``drift.sample_size`` samples of ``batch``
-        (a closure ``loss_fn()`` as it is), with the training batch's size (default: ``batch``'s)
-        and, for a ``loss_fn(model, batch)``, how to cut the sample into pieces and the most
-        samples a piece may hold (:func:`.passes.piece_samples`; ``None, 0``: whole)."""
-        model = self._model
+    def _check_sample(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        batch: Any,
+        batch_size: int | None,
+    ) -> CheckSample:
+        """What a check's passes run: ``loss_fn`` bound to the model and the first
+        ``drift.sample_size`` samples of ``batch`` (where given), cut in pieces that fit what
+        the compressed training forward kept when it takes ``(model, batch)``."""
         cut, most = None, 0
         if batch is not None:
             batch_size = batch_size_of(batch) if batch_size is None else batch_size
@@ -537,7 +527,28 @@ class MemoryOptimizer:
                 stats = self._hooks.stats
                 most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
                 cut = partial(cut_sample, loss_fn, model, batch)
-        return bind_loss(loss_fn, model, batch), batch_size, cut, most
+        bound = bind_loss(loss_fn, model, batch)
+        return CheckSample(model, bound, batch_size=batch_size, cut=cut, most=most)
+
+    def _compression_face(self, model: nn.Module) -> CompressionFace:
+        """What a drift check may do to compression: the bits, :meth:`set_bits`, the hooks'
+        suspension and training-size contexts, and the noise generators of the model's
+        devices."""
+        hooks = self._hooks
+        devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
+        # No drift-recorder hooks inside a recompute region (a planner's pick keeps its scopes
+        # there): they would hide the region's saved tensors from the checkpoint. A recomputed
+        # module's own scope is outside its region: it counts the boundary input.
+        inside = {f for f, action in self._region_fqns().items() if action == IN_RECOMPUTE}
+        return CompressionFace(
+            self._table.compressed,
+            self.set_bits,
+            hooks.suspend,
+            as_training=hooks.as_training,
+            generators=[hooks.noise(d) for d in devices],
+            scopes=[f for f in self._table.scopes if f not in inside],
+            min_numel=self.config.quantize.min_numel,
+        )
 
     def _pricing(
         self, trained: int, counts: Mapping[str, ModuleSaved]
@@ -625,7 +636,8 @@ class MemoryOptimizer:
         * ``memopt/kept_as_is_bytes``: of ``memopt/kept_bytes``, what the hooks kept as it is
           (integer and bool tensors, workspaces, tensors under ``min_numel``, unencodable ones);
         * ``memopt/unencodable``: saved tensors kept as they are since apply because the codec
-          cannot take them (DTensor, sparse layouts), once there was one.
+          cannot take them (sparse layouts, tensor subclasses other than DTensor), once there
+          was one.
 
         ``log.per_module`` adds ``memopt/bits/<fqn>`` (at the first call, then for modules whose
         bits changed; the root module is ``<root>``) and ``memopt/drift/<fqn>``.

@@ -3,20 +3,22 @@ are. The one place these rules are spelled: the hooks (eager and compiled), the 
 drift passes and the planner's estimate all ask here.
 
 Kept as it is (:func:`kept_as_is`): a parameter or buffer or a view of one (a compressed copy would
-keep the weight and feed backward a compressed weight); anything the codec cannot take
-(:func:`encodable`: DTensor and other subclasses, non-strided layouts, meta, nested, quantized);
-fewer than ``quantize.min_numel`` elements; a broadcast view; autocast's cached cast copy of a
-parameter. A weight the forward computes from parameters alone (:func:`computed_weight`) is kept
-at full width too, and counted as saved (the step's memory, not the model's). Of the rest,
-floating tensors are what the bits act on (:func:`compressible`); the hooks narrow integer
-tensors losslessly and keep bool and complex ones. Compiled graphs have reasons of their own
-(:func:`kept_in_graph`). This module imports nothing of memopt's but the config and
-module selection, so both compression and measurement can ask it.
+keep the weight and feed backward a compressed weight), or one a DTensor redistributes
+(:func:`redistributed_parameter`); what the codec cannot take (:func:`encodable`: subclasses,
+non-strided layouts, meta, nested, quantized; the hooks code a DTensor's local shard); fewer than
+``quantize.min_numel`` elements; a broadcast view; autocast's cached cast copy of a parameter. A
+weight the forward computes from parameters alone (:func:`computed_weight`) is kept at full
+width too, and counted as saved (the step's memory, not the model's). Of the rest, floating
+tensors are what the bits act on (:func:`compressible`); the hooks narrow integer tensors
+losslessly and keep bool and complex ones. Compiled graphs have reasons of their own
+(:func:`kept_in_graph`). This module imports nothing of memopt's but the config and module
+selection, so both compression and measurement can ask it.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Container, Iterable
 from typing import Protocol
 
@@ -98,7 +100,8 @@ def resolve_bits(
 def encodable(t: torch.Tensor) -> bool:
     """Whether the codec can take ``t`` at all: dense memory of its own (strided layout, not
     meta, nested or quantized) and no ``__torch_dispatch__`` subclass (a DTensor's
-    ``data_ptr()`` is its wrapper's, not its data's). Anything else is kept as it is."""
+    ``data_ptr()`` is its wrapper's, not its data's: the hooks code its local shard instead).
+    Anything else is kept as it is."""
     return (
         type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
         and t.layout is torch.strided
@@ -113,8 +116,13 @@ def kept_as_is(
 
     ``model``: the model's memory, ``t in memory`` for each: the storages of its parameters and
     buffers (:class:`~memopt_plugins.measure.ModelStorages`) and of the parameters a sharded
-    model's modules hold while they run (:class:`~.measure.storage.RunningParameters`).
+    model's modules hold while they run (:class:`~.measure.storage.RunningParameters`). A
+    DTensor is judged by its local shard, as the hooks code it.
     """
+    if _is_dtensor(t):
+        if redistributed_parameter(t):
+            return True
+        t = t._local_tensor
     if not encodable(t):
         return True  # a subclass, another layout, meta: nothing the codec can take
     if t.numel() < min_numel:
@@ -141,6 +149,26 @@ def is_autocast_copy(t: torch.Tensor) -> bool:
     source = node.next_functions[0][0]
     return source is not None and type(source).__name__ == "AccumulateGrad"
 
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before its import
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def redistributed_parameter(t: torch.Tensor) -> bool:
+    """Whether DTensor ``t`` is a parameter redistributed for this op (all-gathered or resharded
+    by tensor parallelism: fresh memory, yet the weight), or a view of one: found through its
+    chain of view and ``Redistribute`` nodes back to a leaf. Compressed, it would feed backward a
+    compressed weight."""
+    node, redistributed = t.grad_fn, False
+    while node is not None and (node.name() in _VIEW_NODES or node.name() == _REDISTRIBUTE):
+        redistributed |= node.name() == _REDISTRIBUTE
+        node = node.next_functions[0][0]
+    return redistributed and node is not None and type(node).__name__ == "AccumulateGrad"
+
+
+#: The autograd node of ``DTensor.redistribute``.
+_REDISTRIBUTE = "RedistributeBackward"
 
 #: Autograd nodes of view operations: what autocast's copy of a weight is seen through.
 _VIEW_NODES = frozenset(

@@ -15,8 +15,9 @@ import torch
 import yaml
 from fresh import context
 
-from memopt_plugins import MemOptConfig
+from memopt_plugins import MemOptConfig, cli
 from memopt_plugins.cli import main
+from memopt_plugins.measure.process import batch_fits
 
 # A BERT-style factory this repository does not contain (built from a config, no download).
 BERT_FACTORY = textwrap.dedent(
@@ -163,6 +164,32 @@ def test_plan_prints_yaml_that_loads(factories, tmp_path, capsys):
     assert config.quantize.bits in (4, 8, 16)
     measured = re.search(r"# measured with this config: peak .* \((\d+)%\)", stdout)
     assert int(measured.group(1)) <= 85 + 5
+
+
+def test_plan_prints_the_batch_fits_figure_of_its_measurements(
+    factories, tmp_path, capsys, monkeypatch
+):
+    """The plan's "a batch Nx as large fits" is :func:`batch_fits` of the per-sample peaks it
+    measured without and with its config, and the profile report of that config prints the
+    same figure (one figure, computed one way)."""
+    plans, plan_peak = [], cli.plan_peak
+
+    def recorded(*args, **kwargs):
+        plans.append(plan_peak(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(cli, "plan_peak", recorded)
+    target = tmp_path / "plan.yaml"
+    spec = f"{factories}/toy.py:mlp"
+    assert main(["plan", "--model", spec, "--budget", "0.5", "--bits", "4", "-o", str(target)]) == 0
+    printed = re.search(r"# a batch ([0-9.]+)x as large fits", capsys.readouterr().out)
+    (plan,) = plans
+    expected = batch_fits(plan.step_without.per_sample.peak, plan.step_with.per_sample.peak)
+    assert expected is not None and printed[1] == f"{expected:.1f}"
+    rc = main(["profile", "--model", spec, "--config", str(target), "--out", str(tmp_path / "r")])
+    assert rc == 0
+    profiled = re.search(r"a batch ([0-9.]+)x as large fits", capsys.readouterr().out)
+    assert profiled[1] == printed[1]
 
 
 def test_plan_under_a_memory_cap_prints_the_largest_batch_that_fits(factories, capsys):

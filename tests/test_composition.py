@@ -135,9 +135,8 @@ def test_autocast_copies_of_weights_are_kept_also_when_saved_as_views():
     opt.apply(model)
     compressed: list[tuple[int, ...]] = []
     compress = opt.internal.hooks._compress
-    opt.internal.hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[
-        1
-    ]
+    hooks = opt.internal.hooks
+    hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
     got = grads()
     opt.remove()
     assert compressed and all(shape[0] == 96 for shape in compressed), compressed
@@ -194,14 +193,18 @@ opt.apply(model)
 x = distribute_tensor(torch.randn(64, 64), mesh, [Replicate()]).requires_grad_()
 model(x).sum().backward()
 exact = 2 * (1 - torch.tanh(x.full_tensor()) ** 2)
+stats = opt.internal.hooks.stats
 print(type(x.grad).__name__, float((x.grad.full_tensor() - exact).abs().max()),
-      opt.internal.hooks.stats.unencodable)
+      stats.forward_original // stats.forward_stored, stats.unencodable)
 dist.destroy_process_group()
 """
 
 
-def test_a_dtensor_activation_is_kept_as_it_is_not_handed_to_the_codec():
-    """In a child process: before, the C kernel read the wrapper's ``data_ptr()`` and crashed."""
+def test_a_dtensor_activation_is_coded_by_its_local_shard_not_its_wrapper():
+    """In a child process: once, the C kernel read the wrapper's ``data_ptr()`` and crashed; then
+    DTensors were kept whole. Now the local shard is coded (4x smaller at 8 bits) and the DTensor
+    rebuilt at unpack; the gradient is a DTensor within int8's error (tests/test_tensor_parallel.py
+    runs tensor parallelism on two ranks)."""
     import subprocess
     import sys
 
@@ -209,9 +212,10 @@ def test_a_dtensor_activation_is_kept_as_it_is_not_handed_to_the_codec():
         [sys.executable, "-c", _DTENSOR_STEP], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    kind, error, counts = done.stdout.split(" ", 2)
-    assert kind == "DTensor" and float(error) < 1e-6  # kept as it is: exact up to rounding
-    assert counts.strip() == "{'DTensor': 1}"
+    kind, error, ratio, counts = done.stdout.split(" ", 3)
+    assert kind == "DTensor" and 0 < float(error) < 0.05  # tanh' = 1 - y², y coded to ±1/127
+    assert int(ratio) >= 3
+    assert counts.strip() == "{}"  # nothing kept as it is for want of a codec
 
 
 # --------------------------------------------------------------------------- process-wide state
@@ -349,9 +353,8 @@ def test_a_graph_kept_across_steps_does_not_grow_the_counts_and_new_weights_stay
         model[0].weight = nn.Parameter(model[0].weight.clone())
     compressed: list[tuple[int, ...]] = []
     compress = opt.internal.hooks._compress
-    opt.internal.hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[
-        1
-    ]
+    hooks = opt.internal.hooks
+    hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
     model(x).sum().backward()
     assert (128, 64) not in compressed and (64, 128) not in compressed, compressed
     opt.remove()

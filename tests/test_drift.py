@@ -22,6 +22,7 @@ from memopt_plugins.config import ConfigError, DriftConfig
 from memopt_plugins.drift.judges import Drifts
 from memopt_plugins.drift.monitor import DriftMonitor
 from memopt_plugins.drift.report import HISTORY_LIMIT, NEGLIGIBLE_GRADIENT, SAVES_NOTHING, next_rung
+from memopt_plugins.drift.request import CheckSample, CompressionFace, DriftCheck
 from memopt_plugins.tree import slice_batch
 
 
@@ -510,7 +511,9 @@ def test_history_is_bounded():
     monitor = DriftMonitor(DriftConfig())
     model = nn.Linear(2, 2)
     for step in range(HISTORY_LIMIT + 50):
-        monitor.check(model, lambda: model.weight.sum(), {}, set_bits=None, suspend=None, step=step)
+        sample = CheckSample(model, lambda: model.weight.sum())
+        face = CompressionFace({}, set_bits=None, suspend=None)
+        monitor.check(DriftCheck(sample, face, step=step))
     assert len(monitor.history) == HISTORY_LIMIT
     assert monitor.history[0]["step"] == 50 and monitor.history[-1]["step"] == HISTORY_LIMIT + 49
 
@@ -678,7 +681,7 @@ def test_a_module_that_keeps_flipping_stops_being_lowered(monkeypatch, lower_cha
         over = opt.bits["0"] == 4 and checks[0] % 3 == 0
         return Drifts([0.2 if f == "0" and over else 0.0 for f in fqns], {}, {})
 
-    monkeypatch.setattr("memopt_plugins.drift.monitor.module_drifts", scripted)
+    monkeypatch.setattr("memopt_plugins.drift.rounds.module_drifts", scripted)
     widths = []
     for check in range(1, 25):
         checks[0] = check

@@ -18,6 +18,7 @@ from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.buffers import mark_private
 from memopt_plugins.lean.chains import (
     batch_norm,
+    gated_mlp,
     geglu,
     gelu,
     gelu_mlp,
@@ -361,6 +362,55 @@ def test_gated_products_equal_the_chain(fn, act):
     assert torch.autograd.gradcheck(fn, (g64, u64))
 
 
+def _gated_chain(x, w_gate, w_up, w_down, tanh_gelu):
+    gate = F.linear(x, w_gate)
+    act = F.gelu(gate, approximate="tanh") if tanh_gelu else F.silu(gate)
+    return F.linear(act * F.linear(x, w_up), w_down)
+
+
+@pytest.mark.parametrize("tanh_gelu", [False, True], ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("private", [False, True])
+def test_gated_mlp_equals_the_chain(tanh_gelu, private):
+    """A bias-free gated MLP as one node over chunks of 8 tokens (21 tokens: two chunks and a
+    part one): the chain's outputs and gradients, whether its saved input comes back as the
+    caller's tensor or a decoded one; the caller's tensors are left as they were; gradcheck in
+    float64, and a graph-building backward (second derivatives) through torch's own ops."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    weights = [torch.randn(*s, requires_grad=True) for s in ((96, 24), (96, 24), (24, 96))]
+    inputs = [x, *weights]
+    kept = [t.detach().clone() for t in inputs]
+    ref = _gated_chain(*inputs, tanh_gelu)
+    with _decoded(private):
+        mine = gated_mlp(*inputs, tanh_gelu, 8)
+    assert mine.shape == ref.shape and _relative(mine, ref) <= 1e-6
+    grad = torch.randn_like(ref)
+    for a, r in zip(
+        torch.autograd.grad(mine, inputs, grad), torch.autograd.grad(ref, inputs, grad), strict=True
+    ):
+        assert _relative(a, r) <= 1e-5
+    assert all(torch.equal(t, k) for t, k in zip(inputs, kept, strict=True))
+    parts = (x[:1, :3], weights[0][:8], weights[1][:8], weights[2][:, :8])
+    small = tuple(t.detach().double().requires_grad_() for t in parts)
+    assert torch.autograd.gradcheck(lambda *t: gated_mlp(*t, tanh_gelu, 2), small)
+    assert torch.autograd.gradgradcheck(lambda *t: gated_mlp(*t, tanh_gelu, 2), small)
+
+
+def test_gated_mlp_under_autocast_runs_in_autocasts_dtype():
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, requires_grad=True)
+    weights = [torch.randn(*s, requires_grad=True) for s in ((64, 16), (64, 16), (16, 64))]
+    outs, grads = [], []
+    for fn in (gated_mlp, lambda *t: _gated_chain(*t, False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x, *weights)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.float().sum(), (x, *weights)))
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16 and torch.equal(*outs)
+    for a, r in zip(*grads, strict=True):
+        assert a.dtype == r.dtype and _relative(a.float(), r.float()) <= 1e-2
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_equals_torchs(approximate):
     torch.manual_seed(0)
@@ -483,6 +533,7 @@ _ROWS = 8192  # x 512: 16 MiB inputs, four of the chains' pieces (PIECE elements
 _DONORS = {  # op and its inputs' shapes
     "swiglu": (swiglu, [(_ROWS, 512), (_ROWS, 512)]),
     "gelu": (lambda x: gelu(x, "tanh"), [(_ROWS, 512)]),
+    "gated_mlp": (gated_mlp, [(_ROWS, 512), (512, 512), (512, 512), (512, 512)]),
     "rms_norm": (lambda x, w: rms_norm(x, w, 1e-6), [(_ROWS, 512), (512,)]),
     "batch_norm": (
         lambda x, w, b: batch_norm(x, w, b, None, None, 0.1, 1e-5),
@@ -566,11 +617,12 @@ def test_a_tiled_mlp_gives_the_mlps_outputs_and_gradients(name):
         assert _relative(a, b) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["gpt2", "nanogpt"])
+@pytest.mark.parametrize("name", ["gpt2", "nanogpt", "llama"])
 def test_a_tiled_gelu_mlp_saves_its_input_only(name):
     """Each chunk of a GPT-2 MLP is one node saving the chunk: a token's block saves its input,
     one width, where its three ops save nine (the input, the widened tensor, the GELU's
-    output)."""
+    output). A Llama MLP is one node saving its input: its ops save thirteen widths (the input,
+    gate, up, the activation and the product)."""
     mlp = _mlps()[name]
     opt = MemoryOptimizer({"ops": {"fuse": ["mlp"]}})
     opt.apply(mlp)
@@ -693,6 +745,30 @@ def test_a_projection_keeps_no_copy_of_a_layer_norms_output():
     opt.remove()
     with pytest.raises(ConfigError, match="layernorm"):
         MemoryOptimizer({"ops": {"fuse": ["layernorm"]}}).apply(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_a_projection_keeps_no_copy_of_an_rms_norms_output():
+    """With fuse: [rmsnorm] the projection after a Llama RMSNorm saves the norm's output as a
+    recipe over the norm's compressed input, as after a layer norm: nothing is packed in the
+    projection's scope, and the gradients are those of compressing the input alone (within
+    what 8 bits cost)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    model = _NormedHead()
+    model.norm = LlamaRMSNorm(64, eps=1e-6)
+    x = torch.randn(8, 32, 64)
+    exact = gradients(model, x)
+    opt = MemoryOptimizer({"ops": {"fuse": ["rmsnorm"]}, "quantize": {"bits": 8}})
+    opt.apply(model)
+    assert opt.plan["norm"].lean == "lean rmsnorm"
+    model.zero_grad()
+    model(x).square().sum().backward()
+    modules = opt.internal.hooks.stats.modules
+    assert "head" not in modules and modules["norm"].stored > 0
+    for name, p in model.named_parameters():
+        assert _relative(p.grad, exact[name]) < 0.05, name
+    opt.remove()
 
 
 def gradients(model, x):

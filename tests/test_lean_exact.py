@@ -64,6 +64,14 @@ def _cases() -> dict[str, tuple]:
             lambda x, a, b, c: _fn(ce, "chains._TiledGatedMlp").apply(x, a, b, c, False, 2),
             (_t(2, 3, 4), _t(6, 4), _t(6, 4), _t(4, 6)),
         ),
+        f"{ce}.chains._GatedMlp": (
+            lambda x, a, b, c: _fn(ce, "chains._GatedMlp").apply(x, a, b, c, False, 2),
+            (_t(2, 3, 4), _t(6, 4), _t(6, 4), _t(4, 6)),
+        ),
+        f"{ce}.chains._GatedMlp[geglu]": (
+            lambda x, a, b, c: _fn(ce, "chains._GatedMlp").apply(x, a, b, c, True, 2),
+            (_t(2, 3, 4), _t(6, 4), _t(6, 4), _t(4, 6)),
+        ),
         f"{ce}.chains._GatedProduct": (
             lambda g, u: _fn(ce, "chains._GatedProduct").apply(g, u, False),
             (_t(3, 4), _t(3, 4)),

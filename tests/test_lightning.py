@@ -279,7 +279,7 @@ def test_the_console_the_metrics_and_the_profile_give_one_batch_fits_figure(tmp_
     (line,) = [m for m in caplog.messages if "first training step kept" in m]
     console = float(re.search(r"a batch ([0-9.]+)x as large fits", line)[1])
     markdown = (Path(trainer.log_dir) / "memopt_profile.md").read_text()
-    profiled = float(re.search(r"a batch ([0-9.]+)x larger fits", markdown)[1])
+    profiled = float(re.search(r"a batch ([0-9.]+)x as large fits", markdown)[1])
     rows = [r for r in csv_rows(trainer) if r["memopt/kept_bytes"]]
     logged = float(rows[0]["memopt/batch_fits_x"])
     assert console == profiled == round(logged, 1)

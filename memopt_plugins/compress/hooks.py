@@ -8,11 +8,11 @@ bits the :class:`~.bits.BitTable` gives that module. One pair serves eager and c
 
 Scopes nest as torch's hooks do: the innermost pair wins. Inside a region whose hooks mean
 something else (a checkpoint memopt did not make, its replay, ``save_on_cpu``) a scope pushes
-nothing (:func:`memopt_plugins.policy.in_foreign_region`); the enclosing scope compresses the
-checkpoint's inputs. What is kept as it is follows :mod:`memopt_plugins.policy`: parameters and
-anything sharing their memory never are, judged when a tensor is packed, against the storages the
-modules hold then (FSDP2's freshly gathered weights included), since a compressed weight would
-outlive resharding and feed backward a compressed weight.
+nothing (:func:`memopt_plugins.policy.in_foreign_region`). A DTensor is packed as its local shard.
+What is kept as it is follows :mod:`memopt_plugins.policy`: parameters and what shares their memory
+never are, judged at pack time against the storages the modules hold then (FSDP2's freshly
+gathered weights too): a compressed weight would outlive resharding and feed backward a
+compressed weight.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
 from ..measure.process import StepPeak
 from ..measure.scopes import ScopeTracker, Watch
-from ..measure.storage import ComputedWeights, ModelStorages, RunningParameters, storage_key
+from ..measure.storage import (
+    ComputedWeights,
+    ModelStorages,
+    RunningParameters,
+    is_sharded,
+    storage_key,
+)
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
 from ..packing import narrow_int, widen_int
 from ..policy import (
@@ -44,6 +50,7 @@ from ..policy import (
     kept_as_is,
     kept_in_graph,
     min_numel_at,
+    redistributed_parameter,
 )
 from .bits import BitTable
 from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
@@ -353,6 +360,9 @@ class CompressionHooks:
         self._local = _PerThread()
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref, tuple[int, ...]]] = {}
         self._last: weakref.ref | None = None  # the compressed save just before, if any
+        # This forward's packed DTensors: their wrappers' versions, which in-place changes bump
+        # and their local shards' do not, are looked at when it ends (as the cache's are).
+        self._dtensors: list[weakref.ref] = []
         self._storages: ModelStorages | None = None
         self._running: RunningParameters | None = None
         self._computed: ComputedWeights | None = None
@@ -406,6 +416,7 @@ class CompressionHooks:
             self._computed.remove()
             self._computed = None
         self._cache.clear()
+        self._dtensors = []
         self._last = None
         self._storages = None
         if self._release is not None:  # graphs compiled before still run, rounding with seed 0
@@ -519,11 +530,13 @@ class CompressionHooks:
                 scope.__exit__(None, None, None)
                 self._local.names.pop()
             if not scopes:
-                for _, saved, _ in self._cache.values():  # in-place changes in this forward
+                looked = [saved for _, saved, _ in self._cache.values()] + self._dtensors
+                for saved in looked:  # in-place changes in this forward
                     saved = saved()
                     if saved is not None:
                         saved.look()
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
+                self._dtensors = []
                 self._last = None
                 self.stats.add_compiled(self._compiled.forward_done(output))
                 if self.memory is not None and torch.is_grad_enabled():
@@ -562,6 +575,8 @@ class CompressionHooks:
         return _Kept(t) if saved is t else saved
 
     def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
+        if is_sharded(t):
+            return self._pack_distributed(t, bits)
         if not encodable(t):
             self._keep_unencodable(t)
             return t, 0
@@ -614,6 +629,23 @@ class CompressionHooks:
         if key is not None:
             self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
         return saved, nbytes
+
+    def _pack_distributed(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
+        """What autograd keeps for DTensor ``t`` (tensor parallelism): its local shard, this
+        rank's memory, packed as any tensor is (counted, deduplicated, kept where it is a
+        parameter's), and rebuilt on unpack with ``t``'s mesh, placements, shape and strides. A
+        parameter redistributed for this op is kept, as the parameter it is."""
+        if redistributed_parameter(t):
+            return t, 0
+        local = t._local_tensor
+        saved, added = self._pack(local, bits)
+        if saved is local:
+            return t, 0
+        rebuild = functools.partial(_as_dtensor, t.device_mesh, t.placements, t.shape, t.stride())
+        wrapped = _Saved(saved, rebuild, t.shape, saved.bits)
+        wrapped.shares = True  # the shard's own save decides whether its decode is private
+        self._dtensors.append(weakref.ref(wrapped))
+        return wrapped.watch(t), added
 
     def _share(
         self, saved: _Saved, t: torch.Tensor, first: tuple[int, ...], bits: int
@@ -861,6 +893,16 @@ def compact_copy(t: torch.Tensor) -> tuple[object, Callable[[object], torch.Tens
     unwatched = _Saved(saved, _decode_unwatched, saved.shape)
     unwatched.shares = True
     return unwatched, hooks[1]
+
+
+def _as_dtensor(mesh, placements, shape, stride, shard: _Saved) -> torch.Tensor:
+    """The DTensor a packed local ``shard`` stands for (:meth:`CompressionHooks._pack_distributed`):
+    the shard's decode, its version checked, placed as it was, without a collective."""
+    from torch.distributed.tensor import DTensor
+
+    shard.check()
+    local = shard.value()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _decode_unwatched(saved: _Saved) -> torch.Tensor:

@@ -5,17 +5,23 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..measure.storage import is_sharded
 from .passes import CheckedParameters, PassGradients, PassRecorder
 from .report import (
     CALLS_DIFFER,
+    DISTRIBUTED_PARAMETERS,
     NEGLIGIBLE_GRADIENT,
     NEGLIGIBLE_NOISE,
     NOTHING_TO_JUDGE,
     SAVES_NOTHING,
 )
+
+if TYPE_CHECKING:
+    from .exact import ExactPass
 
 #: Drift slot of a module without measurable drift (a max over ranks ignores it).
 UNMEASURED = -1.0
@@ -37,6 +43,8 @@ def find_judges(
     """What judges each module (see :mod:`memopt_plugins.drift`), from the exact pass's record."""
     judges: dict[str, Judge] = {}
     unmeasured: dict[str, str] = {}
+    # Parameters that ran as DTensors (tensor parallelism): the passes take no gradient of them.
+    distributed = {i for i, t in enumerate(checked.targets(rec.running)) if is_sharded(t)}
     for fqn in fqns:
         if rec.saved.get(fqn, 0) == 0:
             unmeasured[fqn] = SAVES_NOTHING
@@ -57,6 +65,10 @@ def find_judges(
                 judges[fqn] = Judge(PARAMS, own)
             else:
                 unmeasured[fqn] = NOTHING_TO_JUDGE
+        judge = judges.get(fqn)
+        if judge is not None and judge.kind == PARAMS and set(judge.indices) <= distributed:
+            del judges[fqn]
+            unmeasured[fqn] = DISTRIBUTED_PARAMETERS
     return judges, unmeasured
 
 
@@ -153,85 +165,137 @@ class NoiseScale:
         return self.good
 
 
+@dataclass(frozen=True)
+class Judging:
+    """How a check judges its rounds: ``drift.metric`` as it runs (``sgd`` falls back to
+    ``cosine`` without the gradient's sampling noise) and, for ``sgd``, the smoothed noise scale
+    over the training batch per module and for the whole parameter gradient under ``None``
+    (:class:`NoiseScale`; ``inf`` where none is known yet: the cost is then its bound for any
+    noise scale)."""
+
+    metric: str
+    scales: Mapping[str | None, float] | None = None
+
+
+def noise_scales(
+    whole: NoiseScale,
+    modules: dict[str, NoiseScale],
+    judges: Mapping[str, Judge],
+    exact: ExactPass,
+    batch: int,
+) -> dict[str | None, float]:
+    """The exact pass's measurement added to the smoothed noise scales (:class:`NoiseScale`) of
+    the whole parameter gradient (``whole``, key ``None``) and of each judged module
+    (``modules``, added where missing), and each one's last good ``B_noise / batch`` (``inf``
+    where none has been finite and positive yet: one check's infinite, NaN or negative estimate
+    is never decided on)."""
+    finite, variance = exact.gradients.finite, exact.variance
+    groups: dict[str | None, list[int]] = {
+        None: [i for i in range(exact.params) if bool(finite[i])]
+    }
+    groups.update({f: list(j.indices) for f, j in judges.items()})
+    out: dict[str | None, float] = {}
+    for key, idx in groups.items():
+        noise = whole if key is None else modules.setdefault(key, NoiseScale())
+        if idx and max(idx) < len(variance):
+            noise.update(float(exact.sq[idx].sum()), float(variance[idx].sum()), exact.samples)
+        out[key] = float("inf") if noise.good is None else noise.good / batch
+    return out
+
+
 def module_drifts(
     fqns: Sequence[str],
     judges: Mapping[str, Judge],
-    floors: Mapping[str, float],
-    exact: PassGradients,
-    exact_sq: torch.Tensor,
+    exact: ExactPass,
     approx: PassGradients,
-    metric: str,
-    variance: torch.Tensor | None = None,
-    scales: Mapping[str | None, float] | None = None,
-    params: int = 0,
+    judging: Judging,
 ) -> Drifts:
-    """Per-module drift from the exact and the compressed pass.
+    """Per-module drift from the exact and the compressed pass, as ``judging`` says.
 
     A sharded parameter's fold is already the whole gradient's (its shares' folds summed over
-    ranks) and ``exact_sq`` is summed over ranks, so its drift is measured over the whole
-    parameter, as unsharded. ``variance``
-    (metrics ``noise`` and ``sgd``): per target, the sampling variance of the sample's mean exact
-    gradient; a module whose variance is at most ``floors[kind] ** 2`` has no measurable drift.
-    ``scales`` (``sgd``): per module, and for the whole parameter gradient under ``None``, the
-    smoothed noise scale over the training batch (:class:`NoiseScale`; ``inf`` where none is
-    known yet: the cost is then its bound for any noise scale).
-    ``params``: the first ``params`` targets are the model's parameters (the whole model's cost).
-    """
-    n = len(approx.folds)  # recorded tensors are missing when the passes ran differently
-    # per target: |q - g|^2, <q, g>, |q|^2, |g|^2 (of the folds: for cosine, a fold's errors
-    # cancel in its own ratio)
-    stats = torch.zeros(4, n, dtype=torch.float64)
-    for i in range(n):
-        e, q = exact.fold(i, approx), approx.fold(i, exact)
-        stats[:, i] = torch.stack([(q - e).square().sum(), (q * e).sum(), q.square().sum(),
-                                   e.square().sum()])  # fmt: skip
-    finite = exact.finite[:n] & approx.finite[:n]  # sharded gradients' folds are whole
-    diff_sq, dot, approx_sq, exact_fold_sq = stats.unbind()
-    total = None
-    scales = scales or {}
-    if metric == "sgd" and variance is not None:
-        own = [i for i in range(min(n, params)) if bool(finite[i])]
-        spread = float(variance[own].sum())
-        if own and spread > floors[PARAMS] ** 2:
-            error_sq = float(diff_sq[own].sum())
-            scale = scales.get(None, float("inf"))
-            total = Whole(progress_cost(error_sq / spread, scale), error_sq, spread, scale)
+    ranks) and the exact squared norms are summed over ranks, so its drift is measured over the
+    whole parameter, as unsharded. Metrics ``noise`` and ``sgd``: a module whose exact
+    gradient's sampling variance is at most its floor squared has no measurable drift."""
+    compared = _Compared(exact, approx, judging)
     drift = [UNMEASURED] * len(fqns)
     missing: dict[str, str] = {}
-    parts: dict[str, tuple[float, float]] = {}
     for k, fqn in enumerate(fqns):
         judge = judges.get(fqn)
         if judge is None:
             continue
-        idx = list(judge.indices)
-        if any(i >= n for i in idx):
-            missing[fqn] = CALLS_DIFFER
-            continue
-        if not bool(finite[idx].all()):
-            drift[k] = NOT_FINITE
-            continue
-        norm_sq = float(exact_sq[idx].sum())
-        norm = norm_sq**0.5
-        if norm <= floors[judge.kind] or norm == 0.0:
-            missing[fqn] = NEGLIGIBLE_GRADIENT
-            continue
-        if metric in ("noise", "sgd"):
-            spread = float(variance[idx].sum()) if max(idx) < len(variance) else None
-            if spread is None:
-                missing[fqn] = CALLS_DIFFER
-                continue
-            if spread <= floors[judge.kind] ** 2 or spread == 0.0:
-                missing[fqn] = NEGLIGIBLE_NOISE
-                continue
-            if metric == "noise":
-                drift[k] = float(diff_sq[idx].sum()) / spread
-                continue
-            scale = scales.get(fqn, float("inf"))
-            error = float(diff_sq[idx].sum()) / spread
-            drift[k], parts[fqn] = progress_cost(error, scale), (error, scale)
-        elif metric == "cosine":
-            denom = float((approx_sq[idx].sum() * exact_fold_sq[idx].sum()).sqrt())
-            drift[k] = max(0.0, 1.0 - float(dot[idx].sum()) / denom) if denom > 0 else 1.0
+        found = compared.drift(fqn, judge)
+        if isinstance(found, str):
+            missing[fqn] = found
         else:
-            drift[k] = float(diff_sq[idx].sum().sqrt()) / norm
-    return Drifts(drift, missing, parts, total, diff_sq)
+            drift[k] = found
+    return Drifts(drift, missing, compared.parts, compared.whole(), compared.diff_sq)
+
+
+class _Compared:
+    """The two passes' gradients compared target by target: per target ``|q - g|^2``,
+    ``<q, g>``, ``|q|^2`` and ``|g|^2`` of the folds (for cosine, a fold's errors cancel in its
+    own ratio); targets past the compressed pass's are missing (the passes ran differently)."""
+
+    def __init__(self, exact: ExactPass, approx: PassGradients, judging: Judging):
+        self.exact, self.judging = exact, judging
+        gradients = exact.gradients
+        n = self.n = len(approx.folds)
+        stats = torch.zeros(4, n, dtype=torch.float64)
+        for i in range(n):
+            e, q = gradients.fold(i, approx), approx.fold(i, gradients)
+            stats[:, i] = torch.stack([(q - e).square().sum(), (q * e).sum(), q.square().sum(),
+                                       e.square().sum()])  # fmt: skip
+        self.finite = gradients.finite[:n] & approx.finite[:n]  # sharded folds are whole
+        self.diff_sq, self.dot, self.approx_sq, self.exact_fold_sq = stats.unbind()
+        #: metric ``sgd``: ``{fqn: (error, scale)}`` of the modules judged (:class:`Drifts`)
+        self.parts: dict[str, tuple[float, float]] = {}
+
+    def whole(self) -> Whole | None:
+        """Metric ``sgd``: the cost of the whole parameter gradient (``None``: other metrics,
+        or its sampling variance is negligible)."""
+        exact, scales = self.exact, self.judging.scales or {}
+        if self.judging.metric != "sgd" or exact.variance is None:
+            return None
+        own = [i for i in range(min(self.n, exact.params)) if bool(self.finite[i])]
+        spread = float(exact.variance[own].sum())
+        if not (own and spread > exact.floors[PARAMS] ** 2):
+            return None
+        error_sq = float(self.diff_sq[own].sum())
+        scale = scales.get(None, float("inf"))
+        return Whole(progress_cost(error_sq / spread, scale), error_sq, spread, scale)
+
+    def drift(self, fqn: str, judge: Judge) -> float | str:
+        """The drift of ``fqn`` by ``judge``'s targets, ``NOT_FINITE``, or why it has none."""
+        idx = list(judge.indices)
+        if any(i >= self.n for i in idx):
+            return CALLS_DIFFER
+        if not bool(self.finite[idx].all()):
+            return NOT_FINITE
+        floor = self.exact.floors[judge.kind]
+        norm_sq = float(self.exact.sq[idx].sum())
+        norm = norm_sq**0.5
+        if norm <= floor or norm == 0.0:
+            return NEGLIGIBLE_GRADIENT
+        metric = self.judging.metric
+        if metric in ("noise", "sgd"):
+            return self._against_noise(fqn, idx, floor)
+        if metric == "cosine":
+            denom = float((self.approx_sq[idx].sum() * self.exact_fold_sq[idx].sum()).sqrt())
+            return max(0.0, 1.0 - float(self.dot[idx].sum()) / denom) if denom > 0 else 1.0
+        return float(self.diff_sq[idx].sum().sqrt()) / norm
+
+    def _against_noise(self, fqn: str, idx: list[int], floor: float) -> float | str:
+        """Metrics ``noise`` and ``sgd``: the error over the sampling variance, and for ``sgd``
+        the share of progress it costs (its parts noted in :attr:`parts`)."""
+        variance = self.exact.variance
+        spread = float(variance[idx].sum()) if max(idx) < len(variance) else None
+        if spread is None:
+            return CALLS_DIFFER
+        if spread <= floor**2 or spread == 0.0:
+            return NEGLIGIBLE_NOISE
+        if self.judging.metric == "noise":
+            return float(self.diff_sq[idx].sum()) / spread
+        scale = (self.judging.scales or {}).get(fqn, float("inf"))
+        error = float(self.diff_sq[idx].sum()) / spread
+        self.parts[fqn] = (error, scale)
+        return progress_cost(error, scale)

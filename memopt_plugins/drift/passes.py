@@ -14,7 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..distributed import distributed, rank_share, sum_over_ranks
 from ..measure.isolate import isolated
 from ..measure.scopes import ScopeTracker, Watch
-from ..measure.storage import ModelStorages, RunningParameters, is_sharded
+from ..measure.storage import ModelStorages, RunningParameters, is_sharded, local_part
 from ..policy import compressible, in_foreign_region, min_numel_at
 from ..tree import batch_size_of, map_tensors, tensors_in
 
@@ -182,7 +182,7 @@ class PassRecorder:
     def _counter(self, fqn: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def count(t: torch.Tensor) -> torch.Tensor:
             if compressible(t, 0, (self._storages, self.running)):
-                self._saves[fqn].append(t.shape)
+                self._saves[fqn].append(local_part(t).shape)  # a DTensor: its shard is coded
             return t
 
         return count
@@ -603,3 +603,15 @@ def summed_over_shards(stats: torch.Tensor, sharded: Sequence[int]) -> torch.Ten
     out = stats.clone()
     out[..., index] = sum_over_ranks(stats[..., index].contiguous()).to(stats.device)
     return out
+
+
+def max_reduced(
+    reduce_max: Callable[[torch.Tensor], torch.Tensor],
+    values: list[float],
+    device: torch.device | None,
+) -> list[float]:
+    """``values`` max-reduced over ranks by ``reduce_max`` (as a float64 tensor on ``device``)."""
+    if not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device or torch.device("cpu"))
+    return reduce_max(t).cpu().tolist()

@@ -21,6 +21,9 @@ NOTHING_TO_JUDGE = "no gradient to judge it by"
 CALLS_DIFFER = "ran differently in the exact and compressed passes"
 NEGLIGIBLE_NOISE = "negligible sampling noise of the exact gradient"
 NON_FINITE = "gradient not finite (skipped: bits unchanged)"
+DISTRIBUTED_PARAMETERS = (
+    "judged by parameters that run as DTensors (tensor parallelism): not measured"
+)
 #: Modules named in a check's INFO line (the rest are counted).
 NAMED_IN_LINE = 8
 

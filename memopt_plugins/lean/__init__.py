@@ -3,7 +3,8 @@ recomputing its cheap internals in backward, so that what they save is what memo
 
 * :func:`linear_cross_entropy` -- the loss head and the cross-entropy in chunks of tokens;
 * :func:`gelu`, :func:`gelu_mlp` (a GPT-2 MLP saving its input only: backward does its up
-  projection again), :func:`swiglu`,
+  projection again), :func:`gated_mlp` (a bias-free SwiGLU / GeGLU MLP saving its input only),
+  :func:`swiglu`,
   :func:`geglu`, :func:`rms_norm`, :func:`layer_norm`, :func:`batch_norm` -- activation and
   norm chains;
 * :func:`conv`, :func:`relu`, :func:`max_pool` -- a CNN's ops with leaner backwards;

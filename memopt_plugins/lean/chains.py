@@ -331,25 +331,51 @@ def _tiled_gated_backward(
     """The gradients of :func:`_tiled_gated_forward` (``x`` and the three weights), ``chunk``
     rows at a time: each chunk's projections done again, the weights' gradients summed in
     place."""
+    grad_x = torch.empty_like(x.reshape(-1, x.shape[-1]))
+    sums = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down))
+    _gated_rows_backward(grad, x, (w_gate, w_up, w_down), tanh_gelu, chunk, grad_x, sums)
+    return grad_x.view(x.shape), *sums
+
+
+def _gated_rows_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tanh_gelu: bool,
+    chunk: int,
+    grad_x: torch.Tensor,
+    sums: tuple[torch.Tensor, ...],
+) -> None:
+    """A bias-free gated MLP's backward over ``chunk`` rows at a time, in the weights' dtype:
+    each chunk's projections done again, ``x``'s gradient written into ``grad_x`` (rows of
+    ``x``'s width; it may be ``x`` itself: a chunk's rows are read before its gradient is
+    written) and the weights' gradients added into ``sums`` (gate, up, down)."""
+    w_gate, w_up, w_down = weights
+    sum_gate, sum_up, sum_down = sums
     rows = x.reshape(-1, x.shape[-1])
     g_rows = grad.reshape(-1, grad.shape[-1])
-    grad_x = torch.empty_like(rows)
-    grad_gate_w, grad_up_w = torch.zeros_like(w_gate), torch.zeros_like(w_up)
-    grad_down_w = torch.zeros_like(w_down)
     act = _gelu_tanh if tanh_gelu else _silu
     for start in range(0, rows.shape[0], chunk):
         part = slice(start, start + chunk)
-        r, g = rows[part], g_rows[part]
+        r, g = rows[part].to(w_gate.dtype), g_rows[part].to(w_gate.dtype)
         up = r @ w_up.t()
         value, slope = act(r @ w_gate.t())
-        grad_down_w.addmm_(g.t(), value * up)
+        _add_product(sum_down, g.t(), value * up)
         grad_h = g @ w_down
         grad_gate = slope.mul_(up).mul_(grad_h)  # up is read before its gradient takes it
         grad_up = up.copy_(value.mul_(grad_h))
-        grad_gate_w.addmm_(grad_gate.t(), r)
-        grad_up_w.addmm_(grad_up.t(), r)
-        torch.mm(grad_gate, w_gate, out=grad_x[part]).addmm_(grad_up, w_up)
-    return grad_x.view(x.shape), grad_gate_w, grad_up_w, grad_down_w
+        _add_product(sum_gate, grad_gate.t(), r)
+        _add_product(sum_up, grad_up.t(), r)
+        grad_r = torch.mm(grad_gate, w_gate).addmm_(grad_up, w_up)
+        grad_x[part] = grad_r  # the chunk's rows of x were last read above
+
+
+def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b``, in place where the dtypes agree."""
+    if total.dtype == a.dtype:
+        total.addmm_(a, b)
+    else:
+        total.add_(a @ b)
 
 
 _tiled_gated_forward_op = torch.library.custom_op(
@@ -406,6 +432,70 @@ def tiled_gated_mlp(
     weights' gradients in place. Traced chunk by chunk, the graph saved every chunk's gate and up
     projections: the whole widened tensors."""
     return _TiledGatedMlp.apply(x, w_gate, w_up, w_down, tanh_gelu, chunk)
+
+
+class _GatedMlp(torch.autograd.Function):
+    """``F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)`` (bias-free; ``act``
+    SiLU, or tanh-GELU) saving ``x`` and the weights only: the gate and up projections and their
+    product, each as wide as the MLP, are made again in backward instead of saved. Both ways run
+    over chunks of ``chunk`` rows, so one chunk's wide tensors exist at a time; the backward's
+    matmuls run in the output gradient's dtype (autocast's)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, tanh_gelu: bool, chunk: int):
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        ctx.tanh_gelu, ctx.chunk = tanh_gelu, chunk
+        rows = x.reshape(-1, x.shape[-1])
+        out = None
+        for start in range(0, rows.shape[0], chunk):
+            part = slice(start, start + chunk)
+            h = _gated_product_of(F.linear(rows[part], w_gate), tanh_gelu)
+            y = F.linear(h.mul_(F.linear(rows[part], w_up)), w_down)
+            if out is None:  # the dtype autocast gave the first chunk
+                out = y.new_empty(rows.shape[0], w_down.shape[0])
+            out[part] = y
+        return out.view(*x.shape[:-1], w_down.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_gate, w_up, w_down = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:4]
+        if torch.is_grad_enabled():
+
+            def mlp(x, w_gate, w_up, w_down):
+                h = _gated_product_of(F.linear(x, w_gate), ctx.tanh_gelu)
+                return F.linear(h * F.linear(x, w_up), w_down)
+
+            inputs = (x, w_gate, w_up, w_down)
+            return *_graph_gradients(mlp, inputs, needs, grad), None, None
+        dtype = grad.dtype
+        weights = tuple(w.to(dtype) for w in (w_gate, w_up, w_down))
+        grad_x = _grad_buffer(x) if needs[0] else torch.empty_like(x)
+        sums = tuple(torch.zeros(w.shape, dtype=_work(w).dtype, device=w.device) for w in weights)
+        rows = grad_x.view(-1, x.shape[-1])
+        _gated_rows_backward(grad, x, weights, ctx.tanh_gelu, ctx.chunk, rows, sums)
+        own = (w_gate, w_up, w_down)
+        grads = [grad_x.view(x.shape)] + [s.to(w.dtype) for s, w in zip(sums, own, strict=True)]
+        return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None
+
+
+def _gated_product_of(gate: torch.Tensor, tanh_gelu: bool) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") if tanh_gelu else F.silu(gate)
+
+
+def gated_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tanh_gelu: bool = False,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """A bias-free gated MLP (Llama's SwiGLU; Gemma's tanh-GELU with ``tanh_gelu``),
+    ``down(act(gate(x)) * up(x))``, as one node saving ``x`` (and the weights): the same values
+    and gradients, with the projections done again in backward over chunks of ``chunk`` tokens
+    (``None``: as many as ``x``'s width) instead of the widened tensors kept."""
+    return _GatedMlp.apply(x, w_gate, w_up, w_down, tanh_gelu, chunk or x.shape[-1])
 
 
 class _GatedProduct(torch.autograd.Function):
@@ -503,15 +593,21 @@ def layer_norm(
 
 
 class _RMSNorm(torch.autograd.Function):
+    """Llama's RMSNorm saving its input and weight, with one inverse root mean square per row
+    kept as it is. Its output is marked as made again from the input
+    (:func:`~memopt_plugins.derived.derive`), so the projections that save it (attention's
+    q/k/v, the MLP) add no second copy beside the compressed input."""
+
     @staticmethod
     def forward(ctx, x, weight, eps: float):
         xf = _work(x)
         rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        normed = (xf * rstd).to(x.dtype)
         ctx.save_for_backward(x, weight)
         ctx.rstd = rstd  # one value per row, kept as it is: an error in it scales the row
         ctx.eps = eps
-        return weight * normed
+        out = _rms_norm_from(x, rstd, weight)
+        derive(out, x, lambda decoded: _rms_norm_from(decoded, rstd, weight))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -537,6 +633,12 @@ class _RMSNorm(torch.autograd.Function):
             dot = (gn * normed).mean(-1, keepdim=True)
             grad_x[part] = gn.sub_(normed.mul_(dot)).mul_(rstd)
         return grad_x.view(x.shape), grad_w.to(weight.dtype), None
+
+
+def _rms_norm_from(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm's output from its (decoded) input and the forward's statistics, by the
+    forward's own ops: from the exact input, the forward's output bit for bit."""
+    return weight * (_work(x) * rstd).to(x.dtype)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -34,6 +34,7 @@ from ..patching import InstanceForward
 from ..routing import ModelRouting, RoutingMode
 from .chains import (
     batch_norm,
+    gated_mlp,
     geglu,
     gelu,
     gelu_mlp,
@@ -135,14 +136,17 @@ def _mlp_forward(module: nn.Module) -> Callable[..., Any] | None:
         )
 
         def gated_forward(x: torch.Tensor) -> torch.Tensor:
-            # compiled (autocast off, bias-free): one operator each way over every chunk, as
-            # for the GELU MLP below, so that the graph saves the block's input, never a chunk's
-            # gate and up projections
-            if bias_free and torch.compiler.is_compiling():
-                if not torch.is_autocast_enabled(x.device.type):
-                    w_gate, w_up, w_down = (p()[0] for p in projections)
-                    tanh_gelu = gated == "geglu"
-                    return tiled_gated_mlp(x, w_gate, w_up, w_down, tanh_gelu, x.shape[-1])
+            # bias-free, eager: one node saving x alone (the norm's output before it, a recipe
+            # over the norm's compressed input); compiled (autocast off): one operator each way
+            # over every chunk, as for the GELU MLP below, so the graph saves the block's input,
+            # never a chunk's gate and up projections
+            tanh_gelu = gated == "geglu"
+            if bias_free and not torch.compiler.is_compiling():
+                w_gate, w_up, w_down = (p()[0] for p in projections)
+                return gated_mlp(x, w_gate, w_up, w_down, tanh_gelu)
+            if bias_free and not torch.is_autocast_enabled(x.device.type):
+                w_gate, w_up, w_down = (p()[0] for p in projections)
+                return tiled_gated_mlp(x, w_gate, w_up, w_down, tanh_gelu, x.shape[-1])
             return tiled(x, lambda t: m.down_proj(product(m.gate_proj(t), m.up_proj(t))))
 
         return gated_forward

@@ -6,7 +6,8 @@ its memory is freed, so a key identifies a storage only while some tensor on it 
 that keep keys across a forward hold a weak reference and check it.
 
 A sharded model's parameters (FSDP2) get their memory only while their module runs, so they are
-read then, by :class:`RunningParameters`; :class:`ModelStorages` holds everything else.
+read then, by :class:`RunningParameters`; :class:`ModelStorages` holds everything else. A DTensor
+(tensor parallelism, FSDP2) holds this rank's memory in its local shard (:func:`local_part`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class ModelStorages:
         tensors = (*model.parameters(), *model.buffers(), *self.extra)
         storages = {}
         for t in tensors:
+            t = local_part(t)
             key = storage_key(t)
             if key is not None and t.numel() > 0:
                 storages[key] = weakref.ref(t.untyped_storage())
@@ -87,6 +89,12 @@ def is_sharded(t: object) -> bool:
     """True for a DTensor: a parameter sharded by FSDP2 (``fully_shard``) or tensor parallelism."""
     module = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before its import
     return module is not None and isinstance(t, module.DTensor)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The memory ``t`` holds on this rank: a DTensor's local shard (its wrapper has no storage
+    of its own), any other tensor itself."""
+    return t._local_tensor if is_sharded(t) else t
 
 
 class RunningParameters:
@@ -134,12 +142,14 @@ class RunningParameters:
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         for name, p in module.named_parameters(recurse=False):
-            if is_sharded(p):
-                continue  # not gathered for this module: it runs as it is
-            self._leaves[(fqn, name)] = weakref.ref(p)
-            key = storage_key(p)
+            if not is_sharded(p):  # a DTensor was not gathered for this module: it runs as it is
+                self._leaves[(fqn, name)] = weakref.ref(p)
+            # A DTensor's shard (tensor parallelism; FSDP2 + TP gathers into a DTensor on the TP
+            # mesh) is parameter memory too, held through its local tensor.
+            memory = local_part(p)
+            key = storage_key(memory)
             if key is not None:
-                self._storages[key] = weakref.ref(p)
+                self._storages[key] = weakref.ref(memory)
 
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
         pass

@@ -154,10 +154,37 @@ def record_step(
 ) -> StepTimeline:
     """Run ``forward()`` (a scalar loss) and its backward under the profiler; see the module
     docstring. ``device`` is the allocator read (``"cpu"`` or a CUDA device)."""
-    from torch._C._profiler import _EventType
+    device = torch.device(device)
+    events = _profiled_step(model, forward, device)
+    start = min(e.start_time_ns for e in events)
+    backward_start = next(e.start_time_ns for e in events if e.name == _BACKWARD)
+    forward_end = next(e.end_time_ns for e in events if e.name == _FORWARD)
+    curve = _live_bytes(events, device, start, backward_start, forward_end)
+    peak_index, kinds = curve.peak_index, curve.kinds
+    site = None
+    if peak_index >= 0:
+        site = _site(curve.peak_event, backward_start, _modules_of_nodes(events, forward_end))
+    return StepTimeline(
+        times=tuple(curve.times),
+        live=tuple(curve.live),
+        kinds={k: tuple(v) for k, v in kinds.items()},
+        backward_start=(backward_start - start) / 1e9,
+        retained=curve.retained,
+        peak=curve.peak,
+        peak_time=curve.times[peak_index] if peak_index >= 0 else 0.0,
+        site=site or PeakSite("forward", "?", None, None),
+        alive_at_peak={k: kinds[k][peak_index] if peak_index >= 0 else 0 for k in KINDS},
+        device=str(device),
+    )
+
+
+def _profiled_step(
+    model: nn.Module, forward: Callable[[], torch.Tensor], device: torch.device
+) -> list[Any]:
+    """Every profiler event of ``forward()`` and its backward, in ``_FORWARD`` and ``_BACKWARD``
+    ranges, each module's calls in a range of its own (:class:`_ModuleRanges`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device(device)
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -175,13 +202,14 @@ def record_step(
         with _kineto_quiet():
             prof.stop()
         ranges.remove()
-    events = list(_all_events(prof.profiler.kineto_results.experimental_event_tree()))
-    start = min(e.start_time_ns for e in events)
-    backward_start = next(e.start_time_ns for e in events if e.name == _BACKWARD)
-    forward_end = next(e.end_time_ns for e in events if e.name == _FORWARD)
+    return list(_all_events(prof.profiler.kineto_results.experimental_event_tree()))
 
-    # The module whose forward made each autograd node: forward ops carry the node's sequence
-    # number, and their module is the innermost module range around them.
+
+def _modules_of_nodes(events: list[Any], forward_end: int) -> dict[int, str]:
+    """The module whose forward made each autograd node, by the node's sequence number: forward
+    ops carry it, and their module is the innermost module range around them."""
+    from torch._C._profiler import _EventType
+
     module_of_seq: dict[int, str] = {}
     for e in events:
         if e.tag == _EventType.TorchOp and e.start_time_ns < forward_end:
@@ -190,6 +218,30 @@ def record_step(
                 module = next((n[len(_MODULE) :] for n in _names(e) if n.startswith(_MODULE)), None)
                 if module is not None:
                     module_of_seq[seq] = module
+    return module_of_seq
+
+
+@dataclass
+class _LiveBytes:
+    """The step's allocations on the device read, in time order: seconds since the step's
+    start, live bytes and live bytes by kind after each; the bytes live at the end of the
+    forward; the peak, its index and the allocation that made it (``-1``, ``None``: none)."""
+
+    times: list[float] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)
+    kinds: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    retained: int = 0
+    peak: int = 0
+    peak_index: int = -1
+    peak_event: Any = None
+
+
+def _live_bytes(
+    events: list[Any], device: torch.device, start: int, backward_start: int, forward_end: int
+) -> _LiveBytes:
+    """The live bytes over the step from its allocations and frees on ``device``; a free of a
+    block allocated before the step is not the step's memory."""
+    from torch._C._profiler import _EventType
 
     allocations = sorted(
         (
@@ -199,14 +251,10 @@ def record_step(
         ),
         key=lambda e: e.start_time_ns,
     )
-    times: list[float] = []
-    live: list[int] = []
-    kinds: dict[str, list[int]] = {k: [] for k in KINDS}
+    out = _LiveBytes()
     open_blocks: dict[int, tuple[int, str]] = {}  # ptr -> (bytes, kind)
     by_kind = dict.fromkeys(KINDS, 0)
     total = 0
-    retained = 0
-    peak, peak_index = 0, -1
     for e in allocations:
         fields = e.extra_fields
         size = fields.alloc_size
@@ -221,28 +269,16 @@ def record_step(
             size, kind = -known[0], known[1]
         total += size
         by_kind[kind] += size
-        times.append((e.start_time_ns - start) / 1e9)
-        live.append(total)
+        out.times.append((e.start_time_ns - start) / 1e9)
+        out.live.append(total)
         for k in KINDS:
-            kinds[k].append(by_kind[k])
+            out.kinds[k].append(by_kind[k])
         if e.start_time_ns <= forward_end:
-            retained = total
-        if total > peak:
-            peak, peak_index = total, len(live) - 1
-            peak_event = e
-    site = _site(peak_event, backward_start, module_of_seq) if peak_index >= 0 else None
-    return StepTimeline(
-        times=tuple(times),
-        live=tuple(live),
-        kinds={k: tuple(v) for k, v in kinds.items()},
-        backward_start=(backward_start - start) / 1e9,
-        retained=retained,
-        peak=peak,
-        peak_time=times[peak_index] if peak_index >= 0 else 0.0,
-        site=site or PeakSite("forward", "?", None, None),
-        alive_at_peak={k: kinds[k][peak_index] if peak_index >= 0 else 0 for k in KINDS},
-        device=str(device),
-    )
+            out.retained = total
+        if total > out.peak:
+            out.peak, out.peak_index = total, len(out.live) - 1
+            out.peak_event = e
+    return out
 
 
 def _on(event_device: Any, device: torch.device) -> bool:

@@ -29,7 +29,7 @@ from torch import nn
 from ..config import OFF_BITS, MemOptConfig
 from ..tree import tensors_in
 from .plan import Suggestion, suggest_config
-from .report import ProfileReport, StepMemory
+from .report import ProfileReport, StepMemory, fits_line, step_fits
 from .run import batch_size, profile_model, step_memory
 from .training import Training, resize_batch, training_peak
 from .units import human_bytes
@@ -62,10 +62,21 @@ class PeakPlan:
     baseline_batch: int | None = None  # the largest without memopt, verified the same way
     optimizer: str | None = None  # the optimizer whose state is counted, as named to the plan
     steps: int | None = None  # whole-training readings: steps each ran (None: the step alone)
+    step_without: StepMemory | None = None  # the baseline's step at the factory's batch
+    step_with: StepMemory | None = None  # the same under this config (``peak`` is its peak)
 
     @property
     def met(self) -> bool:
         return self.peak <= self.target_peak * 1.05
+
+    @property
+    def fits(self) -> float | None:
+        """How many times larger a batch fits with this config, from the two steps' per-sample
+        peaks (:func:`~.report.step_fits`: the profile report's and ``memopt/batch_fits_x``'s
+        figure); ``None`` without both steps or their per-sample slopes."""
+        if self.step_without is None:
+            return None
+        return step_fits(self.step_without, self.step_with)
 
     def to_yaml(self) -> str:
         """The config with a commented header of the peak figures."""
@@ -77,6 +88,9 @@ class PeakPlan:
             f"({self.peak / self.baseline_peak:.0%})"
             + ("" if self.met else " - over the target: no config of these options reaches it"),
         ]
+        fits = None if self.step_without is None else fits_line(self.step_without, self.step_with)
+        if fits is not None:
+            lines.append(f"# {fits}")
         if self.memory is not None:
             lines += self._batch_lines()
         return "\n".join(lines) + "\n" + self.suggestion.to_yaml()
@@ -208,6 +222,8 @@ def plan_peak(
         fixed,
         batch_size(batch),
         optimizer=optimizer_name or (type(optimizer).__name__ if optimizer else None),
+        step_without=report.step,
+        step_with=step,
     )
     if memory is None:
         return plan

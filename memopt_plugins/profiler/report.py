@@ -44,6 +44,30 @@ class PerSample:
     peak: float
 
 
+def step_fits(before: StepMemory, after: StepMemory | None) -> float | None:
+    """How many times larger a batch fits with memopt (:func:`.process.batch_fits`): the step's
+    peak per sample without it (``before``) over the same with it (``after``). ``None`` without
+    ``after`` or a per-sample slope. The profile report and ``memopt plan`` print this figure,
+    and ``MemOptProfileCallback`` logs it as ``memopt/batch_fits_x``."""
+    if after is None or before.per_sample is None or after.per_sample is None:
+        return None
+    return batch_fits(before.per_sample.peak, after.per_sample.peak)
+
+
+def fits_line(before: StepMemory, after: StepMemory | None) -> str | None:
+    """:func:`step_fits` in words, with the per-sample figures it is read from."""
+    fits = step_fits(before, after)
+    if fits is None:
+        return None
+    was, now = before.per_sample, after.per_sample
+    return (
+        f"a batch {fits:.1f}x as large fits: peak per sample {human_bytes(was.peak)}"
+        f" -> {human_bytes(now.peak)} (retained per sample "
+        f"{human_bytes(was.retained)} -> {human_bytes(now.retained)}; slope "
+        f"between batches of {was.samples[0]} and {was.samples[1]})"
+    )
+
+
 @dataclass
 class ModuleProfile:
     """One row: a module and everything below it (inclusive), plus what it saves itself."""
@@ -104,15 +128,11 @@ class ProfileReport:
 
     @property
     def fits(self) -> float | None:
-        """How many times larger a batch fits with the plan (:func:`.process.batch_fits`): the
-        step's peak above its start per sample without the plan over the same with it (``None``
+        """How many times larger a batch fits with the plan (:func:`step_fits`): the step's
+        peak above its start per sample without the plan over the same with it (``None``
         without a plan or a per-sample slope). The training integrations log this figure for
         the step it profiled (``MemOptProfileCallback``)."""
-        before = self.step.per_sample
-        after = self.step_after.per_sample if self.step_after is not None else None
-        if before is None or after is None:
-            return None
-        return batch_fits(before.peak, after.peak)
+        return step_fits(self.step, self.step_after)
 
     def __getitem__(self, fqn: str) -> ModuleProfile:
         for row in self.modules:
@@ -174,14 +194,9 @@ class ProfileReport:
                 f"{human_bytes(after_step.reading.packed)}"
             )
             lines.append("with the plan, " + _peak_line(after_step))
-        if self.fits is not None:
-            before, after_ps = self.step.per_sample, self.step_after.per_sample
-            lines.append(
-                f"a batch {self.fits:.1f}x larger fits: peak per sample {human_bytes(before.peak)}"
-                f" -> {human_bytes(after_ps.peak)} (retained per sample "
-                f"{human_bytes(before.retained)} -> {human_bytes(after_ps.retained)}; slope "
-                f"between batches of {before.samples[0]} and {before.samples[1]})"
-            )
+        fits = fits_line(self.step, self.step_after)
+        if fits is not None:
+            lines.append(fits)
         return "\n".join(lines)
 
     def _rows(self, top: int | None) -> tuple[list[str], list[list[str]], list[bool]]:

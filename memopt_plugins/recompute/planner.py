@@ -160,7 +160,6 @@ def choose(
     baseline = measurement.baseline_bytes
     fixed_costs = [costs[f] for f in fixed if f in costs]
     kept = baseline - sum(c.saved_bytes for c in fixed_costs)
-    target = budget * baseline
     pool = [
         c
         for c in costs.values()
@@ -169,53 +168,104 @@ def choose(
         and c.fqn not in measurement.unsafe
         and not any(c.fqn == f or within(c.fqn, f) or within(f, c.fqn) for f in fixed)
     ]
-    picked: dict[str, ModuleCost] = {}
-    peak = estimated_peak(fixed_costs, kept, replayed, transient)
-    while kept > target:
-        best: tuple[float, ModuleCost, list[str], int, int] | None = None
-        closer: tuple[float, ModuleCost, list[str], int, int] | None = None
-        for c in pool:
-            if c.fqn in picked or any(p in picked for p in parent_fqns(c.fqn)):
-                continue
-            inner = [p for p in picked if within(p, c.fqn)]
-            gain = c.saved_bytes - sum(picked[p].saved_bytes for p in inner)
-            if gain <= 0:
-                continue
-            trial = [*fixed_costs, *(v for k, v in picked.items() if k not in inner), c]
-            new_peak = estimated_peak(trial, kept - gain, replayed, transient)
-            benefit = gain + peak - new_peak
-            if benefit <= 0:
-                continue
-            flops = max(c.flops - sum(picked[p].flops for p in inner), 1e-9)
-            if best is None or benefit / flops > best[0]:
-                best = (benefit / flops, c, inner, gain, new_peak)
-            if kept - gain <= target and (closer is None or flops < closer[0]):
-                closer = (flops, c, inner, gain, new_peak)
-        if best is None:
-            break
-        # Do not overshoot: one pick that meets the budget wins when it costs no more than the
-        # best-rate pick (when that one meets it too), or than the best rate would need for
-        # the remaining bytes (when it does not).
-        best_flops = max(best[1].flops - sum(picked[p].flops for p in best[2]), 1e-9)
-        gap = kept - target
-        needed = best_flops if best[3] >= gap else gap * best_flops / best[3]
-        if closer is not None and closer[0] <= needed:
-            best = closer
-        _, c, inner, gain, peak = best
-        for p in inner:
-            del picked[p]
-        picked[c.fqn] = c
-        kept -= gain
+    greedy = _Greedy(pool, fixed_costs, kept, budget * baseline, replayed, transient)
+    greedy.run()
     order = list(costs)
     return RecomputePlan(
         budget=budget,
         baseline_bytes=baseline,
-        kept_bytes=kept,
-        peak_bytes=peak,
-        chosen=tuple(sorted(picked, key=order.index)),
+        kept_bytes=greedy.kept,
+        peak_bytes=greedy.peak,
+        chosen=tuple(sorted(greedy.picked, key=order.index)),
         fixed=tuple(fixed),
         candidates=tuple(sorted(pool, key=lambda c: -c.bytes_per_flop)),
     )
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """A candidate judged against the modules picked so far: the picked ones inside it
+    (``inner``, replaced when it is picked), what it removes from the kept bytes over them
+    (``gain``), the estimated peak with it, its forward's operations over theirs (``flops``)
+    and its benefit per operation (``rate``)."""
+
+    cost: ModuleCost
+    inner: list[str]
+    gain: int
+    peak: int
+    flops: float
+    rate: float
+
+
+class _Greedy:
+    """:func:`choose`'s search: picks from ``pool`` until at most ``target`` bytes are kept
+    (:attr:`kept`, :attr:`peak`, :attr:`picked`), beside the modules ``fixed`` recomputes."""
+
+    def __init__(
+        self,
+        pool: list[ModuleCost],
+        fixed: list[ModuleCost],
+        kept: int,
+        target: float,
+        replayed: dict[str, ModuleCost] | None,
+        transient: int,
+    ):
+        self.pool, self.fixed, self.target = pool, fixed, target
+        self.replayed, self.transient = replayed, transient
+        self.kept = kept
+        self.peak = estimated_peak(fixed, kept, replayed, transient)
+        self.picked: dict[str, ModuleCost] = {}
+
+    def run(self) -> None:
+        while self.kept > self.target:
+            pick = self._next()
+            if pick is None:
+                break
+            for p in pick.inner:
+                del self.picked[p]
+            self.picked[pick.cost.fqn] = pick.cost
+            self.kept -= pick.gain
+            self.peak = pick.peak
+
+    def _next(self) -> _Pick | None:
+        """The best rate's pick, unless one that meets the budget costs less (no overshoot)."""
+        best: _Pick | None = None
+        closer: _Pick | None = None
+        for c in self.pool:
+            pick = self._judged(c)
+            if pick is None:
+                continue
+            if best is None or pick.rate > best.rate:
+                best = pick
+            meets = self.kept - pick.gain <= self.target
+            if meets and (closer is None or pick.flops < closer.flops):
+                closer = pick
+        if best is None:
+            return None
+        # Do not overshoot: one pick that meets the budget wins when it costs no more than the
+        # best-rate pick (when that one meets it too), or than the best rate would need for
+        # the remaining bytes (when it does not).
+        gap = self.kept - self.target
+        needed = best.flops if best.gain >= gap else gap * best.flops / best.gain
+        return closer if closer is not None and closer.flops <= needed else best
+
+    def _judged(self, c: ModuleCost) -> _Pick | None:
+        """``c`` as a pick (``None``: inside a picked module, or it would free nothing or raise
+        kept + peak)."""
+        picked = self.picked
+        if c.fqn in picked or any(p in picked for p in parent_fqns(c.fqn)):
+            return None
+        inner = [p for p in picked if within(p, c.fqn)]
+        gain = c.saved_bytes - sum(picked[p].saved_bytes for p in inner)
+        if gain <= 0:
+            return None
+        trial = [*self.fixed, *(v for k, v in picked.items() if k not in inner), c]
+        new_peak = estimated_peak(trial, self.kept - gain, self.replayed, self.transient)
+        benefit = gain + self.peak - new_peak
+        if benefit <= 0:
+            return None
+        flops = max(c.flops - sum(picked[p].flops for p in inner), 1e-9)
+        return _Pick(c, inner, gain, new_peak, flops, benefit / flops)
 
 
 class RecomputePlanner:
