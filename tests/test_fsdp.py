@@ -69,7 +69,7 @@ def test_unsharded_weights_and_their_views_are_never_compressed(mesh, order):
     if order == "after":
         opt.apply(model)
     loss_fn(model, batch).backward()
-    stats, want = opt.internal.hooks.stats, expected.hooks.stats
+    stats, want = opt.internal.hooks.stats, expected.internal.hooks.stats
     assert (stats.forward_tensors, stats.forward_original) == (
         want.forward_tensors,
         want.forward_original,
