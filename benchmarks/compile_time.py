@@ -27,24 +27,25 @@ import torch
 
 from . import ROOT
 from .compiled_gap import build, compile_model, model_arguments
+from .harness.methods import declared
 
+#: The methods by name, drift off.
 METHODS = {
-    "baseline": None,
-    "int8 nearest": {"bits": 8, "rounding": "nearest"},
-    "int4 stochastic": {"bits": 4},
+    m.name: m
+    for m in (
+        declared("baseline"),
+        declared("int8 nearest", {"quantize": {"bits": 8, "rounding": "nearest"}}),
+        declared("int4 stochastic", {"quantize": {"bits": 4}}),
+    )
 }
 MODES = ("per-block", "whole")
 
 
 def run_case(args: argparse.Namespace) -> dict:
     """Wall seconds of three training steps of one (mode, method), the first compiling."""
-    from memopt_plugins import MemoryOptimizer
-
     torch.set_num_threads(args.threads)
     model, batch = build(args)
-    quantize = METHODS[args.method]
-    if quantize is not None:
-        MemoryOptimizer({"quantize": quantize, "drift": {"enabled": False}}).apply(model)
+    METHODS[args.method].apply(model, None, None, steady=False)
     compile_model(model, args.mode)
     steps = []
     for _ in range(3):

@@ -34,11 +34,12 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from examples.models import hf_gpt2_model
 from memopt_plugins import MemoryOptimizer
+from memopt_plugins.compress.compiled import compiled_nodes
 from memopt_plugins.profiler.meter import MemoryMeter
 
 from .harness.memory import in_fresh_process, least_retained
-from .harness.workloads import hf_gpt2
 
 MODES = ("eager", "per-block", "body", "whole")
 MIB = 2**20
@@ -46,7 +47,7 @@ MIB = 2**20
 
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
     """The model (``--dropout``, ``--attention``) and its batch of random tokens."""
-    model = hf_gpt2(args.vocab, args.seq, args.dim, args.layers, dropout=args.dropout)
+    model = hf_gpt2_model(args.vocab, args.seq, args.dim, args.layers, dropout=args.dropout)
     model.config._attn_implementation = args.attention
     batch = torch.randint(0, args.vocab, (args.batch, args.seq))
     return model, batch
@@ -64,15 +65,8 @@ def compile_model(model, mode: str) -> None:
 
 def compiled_saved(loss) -> list[dict]:
     """Every distinct storage the compiled regions' autograd nodes keep for backward."""
-    seen, rows, stack, visited = set(), [], [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        stack.extend(n for n, _ in node.next_functions)
-        if "CompiledFunction" not in type(node).__name__:
-            continue
+    seen, rows = set(), []
+    for node in compiled_nodes(loss):
         for t in (*node.saved_tensors, *getattr(node, "_tensors_no_vc_check", ())):
             if t is None:
                 continue

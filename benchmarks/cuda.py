@@ -37,7 +37,6 @@ are reported, never asserted.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import subprocess
@@ -63,7 +62,7 @@ from .harness.measured import (
     failure,
 )
 from .harness.memory import one_step, read_memory
-from .harness.methods import BASELINE, INT2, INT4, INT8, METHODS, Method, Patched
+from .harness.methods import BASELINE, INT2, INT4, INT8, METHODS, under_autocast
 from .harness.sizes import FULL, QUICK
 from .harness.timing import median_seconds, time_steps
 from .harness.workloads import Workload, cnn_workload, gpt_workload, hf_gpt2_workload
@@ -166,24 +165,13 @@ def codec_throughput(device: torch.device) -> list[str]:
     return rows
 
 
-def _under_autocast(method: Method) -> Method:
-    """``method`` with its forward under bf16 autocast on CUDA."""
-
-    def patch(model, workload, batch, steady, adopt) -> Patched:
-        patched = method.apply(model, workload, batch, steady, adopt)
-        patched.context = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
-        return patched
-
-    return Method(method.name, method.family, patch, method.exact)
-
-
 def measure_workload(
     workload: Workload, device: torch.device, settings: Settings, autocast: bool
 ) -> list[str]:
     """Markdown rows for the measured methods of one workload at one precision."""
     methods = [m for m in METHODS if m.name in MEASURED]
     if autocast:
-        methods = [_under_autocast(m) for m in methods]
+        methods = [under_autocast(m, "cuda") for m in methods]
     measured = Measured(workload, methods, device)
     one_step(measured, workload)  # allocates the gradients: the readings cover activations
     memory: dict[int, tuple[float, float]] = {}

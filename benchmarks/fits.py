@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Collection
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,9 @@ import yaml
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers is imported
 
-from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    ResNetConfig,
-    ResNetForImageClassification,
-)
+from transformers import ResNetConfig, ResNetForImageClassification  # noqa: E402
 
+from examples.models import hf_gpt2_model, hf_llama_model  # noqa: E402
 from memopt_plugins import MemoryOptimizer  # noqa: E402
 from memopt_plugins.profiler.fit import resize_batch  # noqa: E402
 from memopt_plugins.profiler.meter import MemoryMeter  # noqa: E402
@@ -62,7 +57,7 @@ from memopt_plugins.tree import batch_size_of  # noqa: E402
 
 from . import RESULTS, ROOT, chosen  # noqa: E402
 from .harness.memory import child_json  # noqa: E402
-from .harness.methods import checkpoint_blocks, inductor  # noqa: E402
+from .harness.methods import Method, declared  # noqa: E402
 from .harness.speed import Spread, timed_steps  # noqa: E402
 
 MIB = 1 << 20
@@ -88,23 +83,15 @@ def _image_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def gpt2(quick: bool):
-    torch.manual_seed(0)
     seq, dim, layers = (64, 128, 2) if quick else (256, 256, 4)
-    cfg = GPT2Config(
-        vocab_size=2048, n_positions=seq, n_embd=dim, n_layer=layers, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(cfg), torch.randint(0, 2048, (16, seq)), _lm_loss
+    model = hf_gpt2_model(2048, seq, dim, layers, eager=False)  # seeded
+    return model, torch.randint(0, 2048, (16, seq)), _lm_loss
 
 
 def llama(quick: bool):
-    torch.manual_seed(0)
     seq, dim, layers = (64, 128, 2) if quick else (256, 256, 3)
-    cfg = LlamaConfig(
-        vocab_size=4096, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg), torch.randint(0, 4096, (16, seq)), _lm_loss
+    model = hf_llama_model(4096, seq, dim, layers, eager=False)  # seeded
+    return model, torch.randint(0, 4096, (16, seq)), _lm_loss
 
 
 def resnet(quick: bool):
@@ -138,63 +125,39 @@ MODELS = {
 }
 
 
-@dataclass(frozen=True)
-class Method:
-    """One row's method: what patches a fresh copy of the model, and how its step runs."""
-
-    name: str
-    config: dict[str, Any] | None = None  # memopt's; ``"ops": "lean"``: the model's lean section
-    checkpointed: bool = False  # PyTorch's checkpoint around every block
-    bf16: bool = False  # the step's forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``
-    compiled: bool = False  # the whole model under ``model.compile`` (inductor, ``dynamic=False``)
-    budget: float | None = None  # ``activation_memory_budget`` while compiling (None: torch's)
-
-    def config_for(self, model: Model) -> dict[str, Any] | None:
-        """The memopt config on ``model`` (the lean ops its own), drift off."""
-        if self.config is None:
-            return None
-        config = {**self.config, "drift": {"enabled": False}}
-        if config.get("ops") == "lean":
-            config["ops"] = model.lean
-        return config
-
-    def applies_to(self, model: Model) -> bool:
-        return self.config is None or self.config.get("ops") != "lean" or model.lean is not None
-
-
 INT8, INT4, INT2 = ({"quantize": {"bits": b}} for b in (8, 4, 2))
 LEAN_INT4, LEAN_INT2 = ({"ops": "lean", **q} for q in (INT4, INT2))
 #: The rows read on the allocator's timeline, ``fits`` against the first.
 METHODS = [
-    Method("baseline"),
-    Method("checkpoint every block", checkpointed=True),
-    Method("memopt int8", INT8),
-    Method("memopt int4", INT4),
-    Method("memopt int2", INT2),
-    Method("memopt planner 0.3 + int8", {**INT8, "recompute": {"auto": {"budget": 0.3}}}),
+    declared("baseline"),
+    declared("checkpoint every block", checkpointed=True),
+    declared("memopt int8", INT8),
+    declared("memopt int4", INT4),
+    declared("memopt int2", INT2),
+    declared("memopt planner 0.3 + int8", {**INT8, "recompute": {"auto": {"budget": 0.3}}}),
     # int8 alone keeps about a quarter: under it, the planner recomputes on top
-    Method("memopt planner 0.1 + int8", {**INT8, "recompute": {"auto": {"budget": 0.1}}}),
-    Method("memopt lean ops", {"ops": "lean"}),
-    Method("memopt lean ops + int4", LEAN_INT4),
-    Method("memopt lean ops + int2", LEAN_INT2),
+    declared("memopt planner 0.1 + int8", {**INT8, "recompute": {"auto": {"budget": 0.1}}}),
+    declared("memopt lean ops", {"ops": "lean"}),
+    declared("memopt lean ops + int4", LEAN_INT4),
+    declared("memopt lean ops + int2", LEAN_INT2),
 ]
 #: The same under bf16 autocast, on these models, read the same way, ``fits`` against the first.
 BF16_MODELS = ("gpt2", "llama")
 BF16_METHODS = [
-    Method("bf16 autocast baseline", bf16=True),
-    Method("bf16 autocast memopt lean ops + int4", LEAN_INT4, bf16=True),
-    Method("bf16 autocast memopt lean ops + int2", LEAN_INT2, bf16=True),
+    declared("bf16 autocast baseline", bf16=True),
+    declared("bf16 autocast memopt lean ops + int4", LEAN_INT4, bf16=True),
+    declared("bf16 autocast memopt lean ops + int2", LEAN_INT2, bf16=True),
 ]
 #: torch.compile rows, on these models, read in fresh processes (``COMPILED_NOTE``): ``fits``
 #: against the first (eager, not compiled), and against the second (the compiled baseline).
 COMPILED_MODELS = ("gpt2",)
 COMPILED_METHODS = [
-    Method("eager baseline, read as the compiled rows"),
-    Method("torch.compile", compiled=True),
-    Method("torch.compile activation_memory_budget 0.5", compiled=True, budget=0.5),
-    Method("torch.compile activation_memory_budget 0.1", compiled=True, budget=0.1),
-    Method("torch.compile + memopt int8", INT8, compiled=True),
-    Method("torch.compile + memopt lean ops + int4", LEAN_INT4, compiled=True),
+    declared("eager baseline, read as the compiled rows"),
+    declared("torch.compile", compiled=True),
+    declared("torch.compile activation_memory_budget 0.5", compiled=True, budget=0.5),
+    declared("torch.compile activation_memory_budget 0.1", compiled=True, budget=0.1),
+    declared("torch.compile + memopt int8", INT8, compiled=True),
+    declared("torch.compile + memopt lean ops + int4", LEAN_INT4, compiled=True),
 ]
 BY_NAME = {m.name: m for m in (*METHODS, *BF16_METHODS, *COMPILED_METHODS)}
 #: The rows whose samples/s is read by default (``--time``), each in ``--repeats`` processes:
@@ -245,9 +208,11 @@ class Prepared:
         self.loss_fn(self.model, self.batch).backward()
 
 
-def _under_bf16(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _within(
+    context: Callable[[], Any], loss_fn: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
     def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with context():
             return loss_fn(model, batch)
 
     return loss
@@ -259,19 +224,10 @@ def prepared(key: str, method: Method, quick: bool, n: int | None = None) -> Pre
     model, batch, loss_fn = spec.build(quick)
     if n is not None:
         batch = resize_batch(batch, n)
-    if method.checkpointed:
-        checkpoint_blocks(model, spec.block_class)
-    config = method.config_for(spec)
-    optimizer = MemoryOptimizer(config) if config is not None else None
-    if optimizer is not None:
-        optimizer.apply(model)
-    backend = None
-    if method.compiled:
-        backend = inductor(method.budget)
-        model.compile(backend=backend, dynamic=False)
-    return Prepared(
-        model, batch, _under_bf16(loss_fn) if method.bf16 else loss_fn, optimizer, backend
-    )
+    patched = method.apply(model, spec, None, steady=False)
+    if patched.context is not nullcontext:  # bf16 autocast around the forward
+        loss_fn = _within(patched.context, loss_fn)
+    return Prepared(model, batch, loss_fn, patched.optimizer, patched.backend)
 
 
 def _compiled_warm(p: Prepared, warmup: int) -> None:

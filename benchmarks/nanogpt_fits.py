@@ -24,31 +24,31 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from memopt_plugins import MemoryOptimizer
 from memopt_plugins.config import load_config
 from memopt_plugins.profiler.meter import MemoryMeter
 
 from . import RESULTS, ROOT
 from .harness.memory import in_fresh_process
+from .harness.methods import Method, declared
 
 MIB = 1 << 20
 VOCAB, LAYERS, WIDTH, HEADS, TOKENS = 8192, 4, 256, 4, 256
 
 
-def _methods() -> dict[str, dict[str, Any] | None]:
+def _methods() -> dict[str, Method]:
+    """The methods by name, each drift off (:func:`~.harness.methods.declared`)."""
     ops = load_config(ROOT / "configs" / "lean.yaml").ops.model_dump(mode="json")
-    off = {"drift": {"enabled": False}}
-    return {
-        "baseline": None,
-        "memopt int4": {"quantize": {"bits": 4}, **off},
-        "memopt lean.yaml ops": {"ops": ops, **off},
-        "memopt lean.yaml ops + int4": {"ops": ops, "quantize": {"bits": 4}, **off},
-        "memopt lean.yaml ops + int2": {"ops": ops, "quantize": {"bits": 2}, **off},
-    }
+    methods = [
+        declared("baseline"),
+        declared("memopt int4", {"quantize": {"bits": 4}}),
+        declared("memopt lean.yaml ops", {"ops": ops}),
+        declared("memopt lean.yaml ops + int4", {"ops": ops, "quantize": {"bits": 4}}),
+        declared("memopt lean.yaml ops + int2", {"ops": ops, "quantize": {"bits": 2}}),
+    ]
+    return {m.name: m for m in methods}
 
 
 def _model() -> torch.nn.Module:
@@ -68,9 +68,7 @@ def child(method: str, batch: int) -> dict[str, float]:
     torch.set_num_threads(1)
     logging.getLogger("memopt").setLevel(logging.WARNING)
     model = _model()
-    config = _methods()[method]
-    if config is not None:
-        MemoryOptimizer(config).apply(model)
+    _methods()[method].apply(model, None, None, steady=False)
     generator = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, VOCAB, (batch, TOKENS), generator=generator) for _ in range(2))
 

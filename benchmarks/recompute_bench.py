@@ -39,8 +39,9 @@ from .harness.methods import (
     PYTORCH,
     Method,
     Patched,
-    checkpoint_blocks,
+    checkpoint_every,
     summarize,
+    unpatched,
 )
 from .harness.timing import time_steps
 from .harness.workloads import CONFIGS, Workload
@@ -75,14 +76,6 @@ class Planned(Patched):
     estimate: str = "-"
 
 
-def _baseline(model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: Any) -> Patched:
-    return Patched(model)
-
-
-def _checkpoint(model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: Any) -> Patched:
-    return Patched(model, detail=summarize(checkpoint_blocks(model, workload.block_class)))
-
-
 def planner(budget: float) -> Callable[..., Patched]:
     """memopt's recompute planner at ``budget``, planned on the measurement batch."""
 
@@ -97,8 +90,8 @@ def planner(budget: float) -> Callable[..., Patched]:
     return patch
 
 
-BASE = Method(BASELINE, PYTORCH, _baseline)
-EVERY = Method(CHECKPOINT, PYTORCH, _checkpoint)
+BASE = Method(BASELINE, PYTORCH, unpatched)
+EVERY = Method(CHECKPOINT, PYTORCH, checkpoint_every)
 
 
 def measure(

@@ -27,14 +27,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..config import MemOptConfig
-from ..engine import DriftReport, MemoryOptimizer
+from ..engine import DriftReport
 from ..loss_fn import takes_model_and_batch
-from ..session import MemOptSession
-from ..tree import batch_size_of, slice_batch
+from ..session import SessionAdapter
+from ..tree import batch_size_of
 from .training_step import LossFn, silenced_logging, step_loss
 
 
-class MemOptCallback(Callback):
+class MemOptCallback(SessionAdapter, Callback):
     """Cut the activation memory of training with a memopt config.
 
     Example::
@@ -60,11 +60,8 @@ class MemOptCallback(Callback):
         slicer: Callable[[Any, int], Any] | None = None,
     ) -> None:
         super().__init__()
-        self.session = MemOptSession(config)  # a bad config fails here, at construction
-        if loss_fn is not None:
-            takes_model_and_batch(loss_fn)  # a loss_fn of neither form fails here too
+        self._open_session(config, slicer, loss_fn)
         self.loss_fn = loss_fn
-        self.slicer = slicer or slice_batch
         self._deferred = False  # patch in on_fit_start (the model is built in configure_model)
         self._fit_started = False
         self._batch: Any = None
@@ -72,25 +69,6 @@ class MemOptCallback(Callback):
         self._step_at_batch_start = 0
 
     # ----------------------------------------------------------------- properties
-    @property
-    def memopt(self) -> MemoryOptimizer:
-        """The :class:`~memopt_plugins.MemoryOptimizer` the callback drives."""
-        return self.session.memopt
-
-    @property
-    def config(self) -> MemOptConfig:
-        """The validated config."""
-        return self.session.config
-
-    @property
-    def bits(self) -> dict[str, int]:
-        """``{fqn: bits}`` of every compressed module (fqns relative to the LightningModule).
-
-        Outside a fit: the bits the last fit ended with (or restored from a checkpoint), which
-        the next fit starts from.
-        """
-        return self.session.bits
-
     # ----------------------------------------------------------------- set-up and tear-down
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1,12 +1,15 @@
 """Small models for the demo, the examples and `memopt profile`.
 
 Each factory returns ``(model, batch, loss_fn)`` with ``loss_fn(model, batch) -> scalar loss``, the
-shape `memopt profile --model examples/models.py:gpt` expects.
+shape `memopt profile --model examples/models.py:gpt` expects. ``hf_gpt2_model`` and
+``hf_llama_model`` build Hugging Face models from a small config (no download): the one builder
+the Trainer example, the benchmarks and the tests' zoo share.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -162,3 +165,51 @@ def cnn(batch_size: int = 32, size: int = 32, seed: int = 0):
     model = SmallResNet(in_channels=3)
     batch = (torch.randn(batch_size, 3, size, size), torch.randint(0, 10, (batch_size,)))
     return model, batch, classification_loss
+
+
+def hf_gpt2_model(
+    vocab: int,
+    positions: int,
+    dim: int,
+    depth: int,
+    dropout: float = 0.0,
+    *,
+    eager: bool = True,
+    seed: int | None = 0,
+    **config: Any,
+) -> nn.Module:
+    """A Hugging Face GPT-2 (4 heads) from a config; ``config`` adds ``GPT2Config`` fields.
+
+    ``eager``: eager attention (else transformers' default, SDPA); ``seed``: torch's seed before
+    the weights are drawn (``None``: the generator as it is).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=vocab, n_positions=positions, n_embd=dim, n_layer=depth, n_head=4,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        bos_token_id=0, eos_token_id=0, **config,
+    )  # fmt: skip
+    if eager:
+        cfg._attn_implementation = "eager"
+    return GPT2LMHeadModel(cfg)
+
+
+def hf_llama_model(
+    vocab: int, positions: int, dim: int, depth: int, *, eager: bool = True, seed: int | None = 0
+) -> nn.Module:
+    """A Hugging Face Llama (4 heads, MLP 4x wide) from a config; ``eager`` and ``seed`` as
+    :func:`hf_gpt2_model`'s."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=depth,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=positions,
+    )  # fmt: skip
+    if eager:
+        cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg)

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from data import VOCAB, CharWindows, char_splits  # noqa: E402
+from models import hf_gpt2_model  # noqa: E402
 
 from memopt_plugins.transformers import MemOptTrainerCallback  # noqa: E402
 
@@ -50,19 +51,7 @@ class CausalLMWindows(Dataset):
 
 def gpt2(block_size: int, dim: int, depth: int, dropout: float) -> GPT2LMHeadModel:
     """A character-level GPT-2 built from a config."""
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=block_size,
-        n_embd=dim,
-        n_layer=depth,
-        n_head=4,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
+    return hf_gpt2_model(VOCAB, block_size, dim, depth, dropout, eager=False, seed=None)
 
 
 def with_lora(model: GPT2LMHeadModel, rank: int) -> torch.nn.Module:

@@ -23,15 +23,15 @@ from accelerate import Accelerator
 from torch import nn
 
 from .config import MemOptConfig
-from .engine import DriftReport, MemoryOptimizer
+from .engine import DriftReport
 from .loss_fn import bind_loss, takes_model_and_batch
-from .session import MemOptSession
-from .tree import batch_size_of, slice_batch
+from .session import SessionAdapter
+from .tree import batch_size_of
 
 __all__ = ["MemOptPlugin"]
 
 
-class MemOptPlugin:
+class MemOptPlugin(SessionAdapter):
     """Applies a memopt config to a model trained with Accelerate; checks drift; logs.
 
     Args:
@@ -54,28 +54,11 @@ class MemOptPlugin:
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1; got {log_every}")
-        self.session = MemOptSession(config)
+        self._open_session(config, slicer)
         self.log_every = log_every
-        self.slicer = slicer or slice_batch
         self._batch_size: int | None = None  # of the batch the last sample came from
         self.accelerator: Accelerator | None = None
         self.last_report: DriftReport | None = None
-
-    @property
-    def memopt(self) -> MemoryOptimizer:
-        """The :class:`~memopt_plugins.MemoryOptimizer` the plugin drives."""
-        return self.session.memopt
-
-    @property
-    def config(self) -> MemOptConfig:
-        """The validated config."""
-        return self.session.config
-
-    @property
-    def bits(self) -> dict[str, int]:
-        """``{fqn: current bits}`` of every compressed module (after :meth:`remove`: those the
-        next :meth:`apply` starts from)."""
-        return self.session.bits
 
     @property
     def steps(self) -> int:

@@ -28,8 +28,10 @@ from torch import nn
 from .config import MemOptConfig
 from .distributed import is_rank_zero, max_over_ranks
 from .engine import COMPRESS, KEEP, DriftReport, MemoryOptimizer
+from .loss_fn import takes_model_and_batch
+from .tree import slice_batch
 
-__all__ = ["MemOptSession"]
+__all__ = ["MemOptSession", "SessionAdapter"]
 
 log = logging.getLogger("memopt")
 
@@ -291,3 +293,46 @@ class MemOptSession:
                 "counts it"
             )
         return lines
+
+
+class SessionAdapter:
+    """What every framework's adapter (Lightning, ``transformers.Trainer``, Accelerate) shows of
+    its one :class:`MemOptSession`: the optimizer, the config and the bits, read through to it.
+
+    Attributes:
+        session: the :class:`MemOptSession`, made by :meth:`_open_session`.
+        slicer: ``slicer(batch, n) -> batch`` that keeps ``n`` samples for the drift check.
+    """
+
+    session: MemOptSession
+    slicer: Callable[[Any, int], Any]
+
+    def _open_session(
+        self,
+        config: str | os.PathLike[str] | Mapping[str, Any] | MemOptConfig | None,
+        slicer: Callable[[Any, int], Any] | None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        """The session of ``config`` and the drift check's slicer (default: dim 0 of every
+        tensor). A bad config, or a ``loss_fn`` of neither form, fails here, at construction."""
+        self.session = MemOptSession(config)
+        if loss_fn is not None:
+            takes_model_and_batch(loss_fn)
+        self.slicer = slicer or slice_batch
+
+    @property
+    def memopt(self) -> MemoryOptimizer:
+        """The :class:`~memopt_plugins.MemoryOptimizer` the adapter drives."""
+        return self.session.memopt
+
+    @property
+    def config(self) -> MemOptConfig:
+        """The validated config."""
+        return self.session.config
+
+    @property
+    def bits(self) -> dict[str, int]:
+        """``{fqn: bits}`` of every compressed module (fqns within the model the adapter
+        patched); between runs, those the last run ended with (or restored from a checkpoint),
+        which the next run starts from."""
+        return self.session.bits

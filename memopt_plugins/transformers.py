@@ -30,11 +30,11 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from .config import ConfigError, MemOptConfig
-from .engine import MemoryOptimizer, patched_by
+from .engine import patched_by
 from .loss_fn import takes_model_and_batch
-from .session import MemOptSession
+from .session import SessionAdapter
 from .transformers_tap import TrainerTap, calling_trainer
-from .tree import batch_size_of, slice_batch
+from .tree import batch_size_of
 
 __all__ = ["MemOptTrainerCallback"]
 
@@ -47,7 +47,7 @@ STATE_KEY = "memopt"
 _CALLBACKS: weakref.WeakSet[MemOptTrainerCallback] = weakref.WeakSet()
 
 
-class MemOptTrainerCallback(TrainerCallback, ExportableState):
+class MemOptTrainerCallback(SessionAdapter, TrainerCallback, ExportableState):
     """Cut a ``Trainer``'s activation memory with a memopt config (docs/integrations.md).
 
     Example::
@@ -73,35 +73,14 @@ class MemOptTrainerCallback(TrainerCallback, ExportableState):
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         slicer: Callable[[Any, int], Any] | None = None,
     ) -> None:
-        self.session = MemOptSession(config)  # a bad config fails here, at construction
-        if loss_fn is not None:
-            takes_model_and_batch(loss_fn)  # a loss_fn of neither form fails here too
+        self._open_session(config, slicer, loss_fn)
         self.loss_fn = loss_fn
-        self.slicer = slicer or slice_batch
         self._batch_size: int | None = None  # of the micro-batch the check's sample comes from
         self._tap: TrainerTap | None = None  # the running Trainer, watched
         self._warned = False
         _CALLBACKS.add(self)
 
     # ----------------------------------------------------------------- properties
-    @property
-    def memopt(self) -> MemoryOptimizer:
-        """The :class:`~memopt_plugins.MemoryOptimizer` the callback drives."""
-        return self.session.memopt
-
-    @property
-    def config(self) -> MemOptConfig:
-        """The validated config."""
-        return self.session.config
-
-    @property
-    def bits(self) -> dict[str, int]:
-        """``{fqn: bits}`` of every compressed module (fqns within the Trainer's model).
-
-        After ``train()``: the bits it ended with, which the next ``train()`` starts from.
-        """
-        return self.session.bits
-
     # ----------------------------------------------------------------- patching
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -23,6 +23,7 @@ from zoo import hf_gpt2
 from memopt_plugins import MemoryOptimizer, plan_recompute
 from memopt_plugins.compress.codec import ops, reference
 from memopt_plugins.compress.codec import traced as graph_codec
+from memopt_plugins.compress.compiled import compiled_nodes
 from memopt_plugins.config import load_config
 from memopt_plugins.packing import unpack_bits
 from memopt_plugins.tree import slice_batch
@@ -509,16 +510,7 @@ class _Dropout(nn.Module):
 
 def _compiled_saved(loss: torch.Tensor) -> list[torch.Tensor]:
     """What the compiled regions' autograd nodes of ``loss``'s graph keep for backward."""
-    saved, stack, seen = [], [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(n for n, _ in node.next_functions)
-        if "CompiledFunction" in type(node).__name__:
-            saved += list(node.saved_tensors)
-    return saved
+    return [t for node in compiled_nodes(loss) for t in node.saved_tensors]
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (63, 255)])

@@ -20,11 +20,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from memopt_plugins.callbacks import MemOptCallback, MemOptProfileCallback
+from probes import BitsAtFirstBatch
 from ranks import TIMEOUT, WORLD, local, rel, run_two_ranks, shard, tokens, train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -376,18 +377,6 @@ class ShardedGPT2(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class BitsAtFirstBatch(Callback):
-    """The memopt bits in force when the first training batch starts."""
-
-    def __init__(self, memopt: MemOptCallback):
-        self.memopt = memopt
-        self.bits: dict[str, int] | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.bits is None:
-            self.bits = self.memopt.bits
 
 
 def _trainer(root: Path, callbacks: list, max_steps: int, **kwargs) -> pl.Trainer:

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from memopt_plugins.callbacks import MemOptCallback, MemOptProfileCallback
 from memory import AllocationPeak, record_check_peaks
+from probes import BitsAtFirstBatch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import hf_gpt2
@@ -101,18 +102,6 @@ def make_trainer(root: Path, callbacks: list[Callback], **kwargs) -> pl.Trainer:
 def csv_rows(trainer: pl.Trainer) -> list[dict[str, str]]:
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
         return list(csv.DictReader(f))
-
-
-class BitsAtFirstBatch(Callback):
-    """Records the memopt bits in force when the first training batch starts."""
-
-    def __init__(self, memopt: MemOptCallback):
-        self.memopt = memopt
-        self.bits: dict[str, int] | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.bits is None:
-            self.bits = self.memopt.bits
 
 
 # --------------------------------------------------------------------------- the bar

@@ -14,13 +14,11 @@ from transformers import (
     BertForMaskedLM,
     CLIPConfig,
     CLIPModel,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     ResNetConfig,
     ResNetForImageClassification,
 )
+
+from examples.models import hf_gpt2_model, hf_llama_model
 
 
 def _lm_loss(model, batch):
@@ -34,38 +32,13 @@ def _image_loss(model, batch):
 
 def hf_gpt2(batch_size=8, seq=128, dim=128, layers=2, dropout=0.0, seed=0):
     """GPT-2 (transformers) built from a small config: a GPT-style transformer."""
-    torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=512,
-        n_positions=seq,
-        n_embd=dim,
-        n_layer=layers,
-        n_head=4,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    cfg._attn_implementation = "eager"
-    model = GPT2LMHeadModel(cfg)
+    model = hf_gpt2_model(512, seq, dim, layers, dropout, seed=seed)
     return model, torch.randint(0, 512, (batch_size, seq)), _lm_loss
 
 
 def hf_llama(batch_size=4, seq=64, dim=64, layers=2, seed=0):
     """Llama (transformers) built from a small config: RMSNorm, SwiGLU, rotary attention."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=dim,
-        intermediate_size=4 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=seq,
-    )
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg)
+    model = hf_llama_model(256, seq, dim, layers, seed=seed)
     return model, torch.randint(0, 256, (batch_size, seq)), _lm_loss
 
 

@@ -36,7 +36,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +157,19 @@ class Method:
     ``batch`` is what a planner measures, ``steady`` asks for the method's steady state (past
     any warm-up), ``adopt`` is a recompute plan (fqns) to take instead of planning.
     ``exact``: gradients equal the baseline's by construction (up to float rounding).
+    ``applies``: ``applies(workload) -> bool``, the workloads the method has a meaning on
+    (``None``: every one).
     """
 
     name: str
     family: str
     patch: Callable[[nn.Module, Any, Any, bool, list[str] | None], Patched]
     exact: bool = False
+    applies: Callable[[Any], bool] | None = None
+
+    def applies_to(self, workload: Any) -> bool:
+        """Whether the method has a meaning on ``workload`` (see the class docstring)."""
+        return self.applies is None or self.applies(workload)
 
     def apply(
         self,
@@ -200,13 +207,13 @@ def checkpoint_blocks(
     return [f for f, _ in blocks]
 
 
-def _baseline(
+def unpatched(
     model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: list[str] | None
 ) -> Patched:
     return Patched(model)
 
 
-def _checkpoint_every(
+def checkpoint_every(
     model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: list[str] | None
 ) -> Patched:
     return Patched(model, detail=summarize(checkpoint_blocks(model, workload.block_class)))
@@ -233,8 +240,8 @@ def memopt(config: Any, name: str) -> Callable[..., Patched]:
     """A patch applying ``MemoryOptimizer(config)``; ``config`` may be a callable of the workload.
 
     A ``recompute.auto`` planner plans on the given batch before the first step (or adopts a
-    given plan); in the steady state the step counter is advanced past
-    ``batchnorm.warmup_steps`` (running-statistics mode).
+    given plan; with neither, it plans on the first step, as a user's would); in the steady
+    state the step counter is advanced past ``batchnorm.warmup_steps`` (running-statistics mode).
     """
 
     def patch(
@@ -248,7 +255,7 @@ def memopt(config: Any, name: str) -> Callable[..., Patched]:
         opt.apply(model)
         details = [Path(source).name] if isinstance(source, Path) else []
         plan = None
-        if planned:
+        if planned and (adopt is not None or batch is not None):
             if adopt is None:
                 plan_recompute(opt, lambda: workload.loss_fn(model, batch))
             plan = list(opt.state_dict().get("recompute", []))
@@ -301,8 +308,8 @@ PLANNER_05 = "memopt planner 0.5"
 LOSS_BARS = (INT8, INT4_DRIFT, DRIFT_NOISE)
 
 METHODS: list[Method] = [
-    Method(BASELINE, PYTORCH, _baseline, exact=True),
-    Method(CHECKPOINT, PYTORCH, _checkpoint_every, exact=True),
+    Method(BASELINE, PYTORCH, unpatched, exact=True),
+    Method(CHECKPOINT, PYTORCH, checkpoint_every, exact=True),
     Method("PyTorch SAC (save matmuls)", PYTORCH, _sac, exact=True),
     Method("save_on_cpu", PYTORCH, _save_on_cpu, exact=True),
     Method(INT8, MEMOPT, memopt(_bits(8), "int8")),
@@ -347,13 +354,17 @@ def inductor(budget: float | None = None) -> Callable[..., Any]:
     return backend
 
 
-def compiled(
-    patch: Callable[..., Patched], budget: float | None = None, what: str | None = None
+def whole_compiled(
+    patch: Callable[..., Patched],
+    budget: float | None = None,
+    what: str | None = None,
+    dynamic: bool | None = None,
 ) -> Callable[..., Patched]:
     """``patch`` (memopt applied, its planner planned, eagerly), then ``model.compile()``.
 
-    Whole-model compile through :func:`inductor` at ``budget``; ``Patched.backend`` keeps the
-    backend (its graph count). ``what`` replaces the inner patch's detail.
+    Whole-model compile through :func:`inductor` at ``budget`` (``dynamic``: torch.compile's);
+    ``Patched.backend`` keeps the backend (its graph count). ``what`` replaces the inner patch's
+    detail.
     """
 
     def apply(
@@ -361,12 +372,64 @@ def compiled(
     ) -> Patched:
         patched = patch(model, workload, batch, steady, adopt)
         patched.backend = inductor(budget)
-        model.compile(backend=patched.backend)
+        model.compile(backend=patched.backend, dynamic=dynamic)
         inner = what if what is not None else patched.detail
         patched.detail = "model.compile()" + ("" if inner in ("-", "") else f"; {inner}")
         return patched
 
     return apply
+
+
+def under_autocast(method: Method, device_type: str) -> Method:
+    """``method`` with every forward under bf16 autocast on ``device_type`` (its context)."""
+
+    def patch(
+        model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: list[str] | None
+    ) -> Patched:
+        patched = method.apply(model, workload, batch, steady, adopt)
+        patched.context = functools.partial(torch.autocast, device_type, dtype=torch.bfloat16)
+        return patched
+
+    return replace(method, patch=patch)
+
+
+def _resolved(config: dict[str, Any]) -> Callable[[Any], dict[str, Any]]:
+    """``config`` on a workload, drift off; ``"ops": "lean"`` becomes the workload's ``lean``."""
+
+    def on(workload: Any) -> dict[str, Any]:
+        resolved = {**config, "drift": {"enabled": False}}
+        if resolved.get("ops") == "lean":
+            resolved["ops"] = workload.lean
+        return resolved
+
+    return on
+
+
+def declared(
+    name: str,
+    config: dict[str, Any] | None = None,
+    *,
+    checkpointed: bool = False,
+    bf16: bool = False,
+    compiled: bool = False,
+    budget: float | None = None,
+) -> Method:
+    """A method declared by what it sets: memopt's ``config``, drift off (``"ops": "lean"``: the
+    workload's ``lean`` section; the method is left out on a workload whose ``lean`` is None),
+    or PyTorch's checkpoint around every block; the forward under bf16 autocast (CPU); the
+    whole model under ``model.compile`` (inductor, ``dynamic=False``) at
+    ``activation_memory_budget`` ``budget`` (None: torch's). A planner plans on the first step
+    (no batch is given), as a user's would. For the studies that read one step of a fresh
+    model (``fits.py``, ``compile_time.py``, ``nanogpt_fits.py``)."""
+    if config is None:
+        patch, family = (checkpoint_every if checkpointed else unpatched), PYTORCH
+    else:
+        patch, family = memopt(_resolved(config), name), MEMOPT
+    if compiled:
+        patch = whole_compiled(patch, budget, dynamic=False)
+    lean = config is not None and config.get("ops") == "lean"
+    made = Method(name, family, patch, applies=(lambda m: m.lean is not None) if lean else None)
+    return under_autocast(made, "cpu") if bf16 else made
 
 
 def _eager(
@@ -392,18 +455,18 @@ COMPILED_WORKLOADS = ("gpt", "hf-gpt2")
 #: own memory knob as peers; every ratio is to the compiled baseline (the first). The last, not
 #: compiled, puts the eager baseline on the same clock.
 COMPILED_METHODS: list[Method] = [
-    Method(C_BASELINE, PYTORCH, compiled(_baseline), exact=True),
-    Method(C_INT8, MEMOPT, compiled(memopt(_bits(8), "int8"))),
-    Method(C_INT4, MEMOPT, compiled(memopt(_bits(4), "int4"))),
-    Method(C_PLANNER_05, MEMOPT, compiled(memopt(_budget(0.5), "planner 0.5")), exact=True),
+    Method(C_BASELINE, PYTORCH, whole_compiled(unpatched), exact=True),
+    Method(C_INT8, MEMOPT, whole_compiled(memopt(_bits(8), "int8"))),
+    Method(C_INT4, MEMOPT, whole_compiled(memopt(_bits(4), "int4"))),
+    Method(C_PLANNER_05, MEMOPT, whole_compiled(memopt(_budget(0.5), "planner 0.5")), exact=True),
     # Not exact, though recompute: the budget's partitioner may recompute dropout in backward
     # with fresh random numbers (pytorch/pytorch#190758), which the gradient error shows.
-    Method(C_BUDGET_05, PYTORCH, compiled(_baseline, 0.5, "activation_memory_budget 0.5")),
-    Method(C_BUDGET_03, PYTORCH, compiled(_baseline, 0.3, "activation_memory_budget 0.3")),
+    Method(C_BUDGET_05, PYTORCH, whole_compiled(unpatched, 0.5, "activation_memory_budget 0.5")),
+    Method(C_BUDGET_03, PYTORCH, whole_compiled(unpatched, 0.3, "activation_memory_budget 0.3")),
     Method(
         C_INT8_BUDGET_03,
         MEMOPT,
-        compiled(memopt(_bits(8), "int8"), 0.3, "8 bits; activation_memory_budget 0.3"),
+        whole_compiled(memopt(_bits(8), "int8"), 0.3, "8 bits; activation_memory_budget 0.3"),
     ),
     Method(C_EAGER, PYTORCH, _eager),  # eager's own dropout masks: no gradient comparison
 ]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.data import CharWindows, digits, encode, stdlib_text
-from examples.models import GPT, SmallResNet, classification_loss, lm_loss
+from examples.models import GPT, SmallResNet, classification_loss, hf_gpt2_model, lm_loss
 from memopt_plugins.tree import map_tensors
 
 from .. import ROOT
@@ -216,32 +216,8 @@ def hf_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(input_ids=batch, labels=batch).loss
 
 
-def hf_gpt2(
-    vocab: int, positions: int, dim: int, depth: int, dropout: float, **config: Any
-) -> nn.Module:
-    """A Hugging Face GPT-2 from a config (4 heads, eager attention), seeded: no download."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=vocab,
-        n_positions=positions,
-        n_embd=dim,
-        n_layer=depth,
-        n_head=4,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-        **config,
-    )
-    cfg._attn_implementation = "eager"
-    return GPT2LMHeadModel(cfg)
-
-
 def hf_gpt2_workload(sizes: Sizes, trained: bool = False) -> Workload:
-    """Hugging Face GPT-2 from a config (tests/zoo.py's, with ASCII vocabulary and dropout 0.1).
+    """Hugging Face GPT-2 from a config (the tests' too), with ASCII vocabulary and dropout 0.1.
 
     Measured only in the bench: its training curve would repeat the GPT's at twice the cost.
     ``trained``: with the GPT's training and held-out text batches (``drift_metrics.py``).
@@ -250,7 +226,7 @@ def hf_gpt2_workload(sizes: Sizes, trained: bool = False) -> Workload:
     train, val = _text_splits(sizes)
 
     def build() -> nn.Module:
-        return hf_gpt2(128, 128, gpt.dim, gpt.depth, dropout=0.1, use_cache=False)
+        return hf_gpt2_model(128, 128, gpt.dim, gpt.depth, dropout=0.1, use_cache=False)
 
     measure = _char_batches(train, gpt.measure_batch, gpt.measure_len - 1, 1, seed=99)[0]
     t = gpt.training

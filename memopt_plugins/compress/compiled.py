@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,27 @@ log = logging.getLogger("memopt")
 
 _GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 _LOGGING_UTILS = "torch._functorch._aot_autograd.logging_utils"
+
+
+def backward_nodes(roots: Iterable[Any]) -> Iterator[Any]:
+    """Every autograd node reachable from ``roots`` (``grad_fn`` nodes, ``None`` skipped), once
+    each, depth first."""
+    stack, seen = list(roots), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+        yield node
+
+
+def compiled_nodes(loss: torch.Tensor) -> Iterator[Any]:
+    """The autograd nodes of ``loss``'s graph that run a compiled region's backward (AOTAutograd's
+    ``CompiledFunction``): what they saved is what the compiled graphs keep for backward."""
+    for node in backward_nodes([loss.grad_fn]):
+        if "CompiledFunction" in type(node).__name__:
+            yield node
 
 
 def traced_context() -> dict[str, Any] | None:
@@ -181,14 +202,8 @@ class CompiledGraphs:
 
     def _runs(self, outputs: Any) -> Counter[int]:
         """How often each traced graph ran in the forward that returned ``outputs``."""
-        stack = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
-        seen, runs = set(), Counter()
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            stack.extend(n for n, _ in node.next_functions)
+        runs: Counter[int] = Counter()
+        for node in backward_nodes(t.grad_fn for t in tensors_in(outputs)):
             graph = getattr(getattr(type(node), "_forward_cls", None), "_aot_id", None)
             if graph in self._graphs:
                 runs[graph] += 1

@@ -227,12 +227,30 @@ def plan_peak(
     )
     if memory is None:
         return plan
+    plan = dataclasses.replace(plan, memory=memory)
+    return _with_largest_batches(plan, model, batch, loss_fn, report, step, training, device)
+
+
+def _with_largest_batches(
+    plan: PeakPlan,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    report: ProfileReport,
+    step: StepMemory,
+    training: Training | None,
+    device: str | torch.device | None,
+) -> PeakPlan:
+    """``plan`` with the largest batches that fit ``plan.memory``, with its config and without
+    memopt: by the step alone on the allocator's timeline, or with ``training``, by whole
+    training runs read in fresh processes."""
+    memory, config = plan.memory, plan.suggestion.config
     if training is None:
         held = model_bytes(report)
-        found = largest_batch(model, batch, loss_fn, suggestion.config, memory, step, held, device)
+        found = largest_batch(model, batch, loss_fn, config, memory, step, held, device)
         baseline = largest_batch(model, batch, loss_fn, None, memory, report.step, held, device)
     else:
-        n, config = batch_size(batch), suggestion.config
+        n = batch_size(batch)
         found = fitting_batch(
             lambda size: training_peak(training, config, size), n, _per_sample(step, batch), memory
         )
@@ -244,7 +262,6 @@ def plan_peak(
         )
     plan = dataclasses.replace(
         plan,
-        memory=memory,
         baseline_batch=None if baseline is None else baseline[0],
         steps=None if training is None else training.steps,
     )
