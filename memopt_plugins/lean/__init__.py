@@ -11,3 +11,7 @@ recomputing its cheap internals in backward, so that what they save is what memo
 * :class:`LeanOps` -- the ``ops`` section of the config: swaps a model's modules for these where
   the swap is exact, and a Hugging Face causal LM's loss for the chunked one.
 """
+
+from .loss import linear_cross_entropy
+
+__all__ = ["linear_cross_entropy"]
