@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bits_both_ways --out benchmarks
 	$(BIN)/python -m benchmarks.compile_time --out benchmarks
 	$(BIN)/python -m benchmarks.step_time --out benchmarks
+	$(BIN)/python -m benchmarks.drift_check_time --out benchmarks
 	$(BIN)/python -m benchmarks.plot_fits
 
 bench-quick: $(STAMP)

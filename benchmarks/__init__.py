@@ -10,6 +10,7 @@
     python -m benchmarks.recompute_bench               the planner against checkpointing
     python -m benchmarks.batchnorm_digits              running-statistics BatchNorm on digits
     python -m benchmarks.drift_metrics                 which drift metric
+    python -m benchmarks.drift_check_time              a drift check's time in training steps
     python -m benchmarks.gradient_bias                 bias of the compressed gradient
     python -m benchmarks.loss_head                     memopt's chunked loss against PyTorch's
     python -m benchmarks.nanogpt_fits                  karpathy/nanoGPT by configuration alone

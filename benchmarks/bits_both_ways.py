@@ -186,7 +186,7 @@ def train(workload: Workload, arm: str, seed: int, steps: int) -> Run:
         loss = workload.loss_fn(model, batch)
         loss.backward()
         if pending is not None:
-            pending["measured"] = float(opt.internal.hooks.stats.saved_stored)
+            pending["measured"] = float(opt.internal.compression.stats.saved_stored)
             pending = None
         if workload.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), workload.clip)

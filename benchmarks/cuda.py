@@ -118,16 +118,14 @@ def test_check() -> list[str]:
 
 @contextmanager
 def codec(name: str) -> Iterator[None]:
-    """``MEMOPT_CODEC=name`` inside the block (the codec reads it at every call)."""
-    before = os.environ.get("MEMOPT_CODEC")
-    os.environ["MEMOPT_CODEC"] = name
+    """``MEMOPT_CODEC=name`` inside the block (the codec reads the variable once, at import:
+    :data:`~memopt_plugins.compress.codec.ops.REQUESTED` is what it goes by)."""
+    before = ops.REQUESTED
+    ops.REQUESTED = name
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["MEMOPT_CODEC"]
-        else:
-            os.environ["MEMOPT_CODEC"] = before
+        ops.REQUESTED = before
 
 
 def _codec_seconds(x: torch.Tensor, bits: int, device: torch.device) -> list[float]:

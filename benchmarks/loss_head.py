@@ -17,6 +17,7 @@ chunked path (``options=torch.nn.LinearCrossEntropyOptions()``, PyTorch 2.13) an
 Writes ``loss_head.md`` and ``loss_head.json`` to ``--out``.
 
     python -m benchmarks.loss_head [--quick] [--out DIR] [--repeats N]
+    python -m benchmarks.loss_head --cpu-time 8192x512x32000 [--repeats N] [--steps N]
 """
 
 from __future__ import annotations
@@ -97,6 +98,33 @@ def time_child(shape: tuple[int, int, int], names: list[str], repeats: int) -> d
     return {n: statistics.median(v) for n, v in times.items()}
 
 
+def cpu_child(name: str, shape: tuple[int, int, int], steps: int) -> dict[str, list[float]]:
+    """In the child process: the thread CPU time of each step after a warm-up, in seconds (on a
+    loaded machine the wall clock counts other processes' time; this thread's CPU time does not)."""
+    h, w, t = _inputs(*shape)
+    loss = _loss(name)
+    _step(loss, h, w, t)
+    seconds = []
+    for _ in range(steps):
+        start = time.thread_time()
+        _step(loss, h, w, t)
+        seconds.append(time.thread_time() - start)
+    return {"cpu_s": seconds}
+
+
+def cpu_time(shape: str, repeats: int, steps: int) -> dict[str, float]:
+    """Each implementation's median step in thread CPU time: a fresh process per implementation
+    and repeat, memopt and torch in turn (the first of them alternating)."""
+    import tempfile
+
+    seconds: dict[str, list[float]] = {"memopt": [], "torch": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for name in ("memopt", "torch")[:: 1 if r % 2 == 0 else -1]:
+                seconds[name] += _run_child(Path(tmp), "cpu", shape, name, str(steps))["cpu_s"]
+    return {n: statistics.median(v) for n, v in seconds.items()}
+
+
 def agreement(shape: tuple[int, int, int]) -> dict[str, float]:
     """The largest relative error of loss and gradients of each chunked loss against unfused."""
     h, w, t = _inputs(*shape)
@@ -118,6 +146,8 @@ def _child(args: list[str]) -> dict:
     shape = tuple(int(x) for x in args[2].split("x"))
     if args[0] == "peak":
         result = peak_child(args[3], shape)
+    elif args[0] == "cpu":
+        result = cpu_child(args[3], shape, int(args[4]))
     elif args[0] == "time":
         result = time_child(shape, args[3].split(","), int(args[4]))
     else:
@@ -171,7 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpu-time", metavar="TxHxV", help="only the CPU-time comparison")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per process")
     args = parser.parse_args(argv)
+    if args.cpu_time:
+        seconds = cpu_time(args.cpu_time, args.repeats, args.steps)
+        print(json.dumps({**seconds, "memopt / torch": seconds["memopt"] / seconds["torch"]}))
+        return 0
     import tempfile
 
     rows = []

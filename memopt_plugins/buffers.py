@@ -7,7 +7,7 @@ allocating a second one of the same size beside it: in the backward of a gated M
 of the step's widest tensors. Anything not marked here (a tensor saved as it is, which the model
 or the user may still hold) is never written to.
 
-A decode that several consecutive nodes read (:meth:`..compress.hooks._Saved.value`) is held
+A decode that several consecutive nodes read (:meth:`..compress.saved._Saved.value`) is held
 for the later ones; the first to ask whether it may write into it takes it over
 (:func:`shared_until_written`), and the later nodes decode their own.
 

@@ -24,6 +24,7 @@ from .batchnorm import BatchNormPatch
 from .compress.bits import BitTable
 from .compress.codec import NoiseGenerators
 from .compress.estimate import storage_ratio
+from .compress.face import Compression, device_of
 from .compress.hooks import CompressionHooks
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
@@ -37,7 +38,7 @@ from .dropout import DropoutPatch
 from .lean.patch import LeanOps
 from .logs import release_console, show_on_console
 from .loss_fn import bind_loss, takes_model_and_batch
-from .measure.process import StepPeak, batch_fits
+from .measure.process import batch_fits
 from .measure.scopes import InterruptGuard, ScopeTracker, scripted_modules
 from .policy import resolve_bits
 from .recompute.planner import RecomputePlan, RecomputePlanner
@@ -161,17 +162,6 @@ def _count(actions: Mapping[str, str]) -> str:
     return ", ".join(f"{a} x{n}" if n > 1 else a for a, n in counts.items())
 
 
-def _device_of(model: weakref.ref[nn.Module]) -> Callable[[], torch.device]:
-    """``device()``: where the model's first parameter is now (the CPU without one)."""
-
-    def device() -> torch.device:
-        module = model()
-        first = next(module.parameters(), None) if module is not None else None
-        return first.device if first is not None else torch.device("cpu")
-
-    return device
-
-
 def noise_seed(seed: int | None) -> Callable[[], int]:
     """The seed of a run's stochastic-rounding noise: ``seed`` (``quantize.seed``), else
     ``torch.initial_seed()`` (read now), mixed with the rank (rank 0 keeps it). The rank is read
@@ -205,7 +195,7 @@ class MemoryOptimizer:
         self._speaks: Callable[[], bool] = is_rank_zero  # writes the checks' lines (rank 0)
         self._model: nn.Module | None = None
         self._table = BitTable()
-        self._hooks: CompressionHooks | None = None
+        self._compression: Compression | None = None
         self._drift = DriftMonitor(
             self.config.drift, budget=self.config.quantize.budget is not None
         )
@@ -308,17 +298,17 @@ class MemoryOptimizer:
                 self.config.batchnorm.warmup_steps, lambda: self._drift.steps
             )
             self._batchnorm.apply(model)
-        hooks = CompressionHooks(
+        compression = Compression(
             self._table,
             group_size=self.config.quantize.group_size,
             stochastic=self.config.quantize.rounding == "stochastic",
             min_numel=self.config.quantize.min_numel,
             noise=NoiseGenerators(noise_seed(self.config.quantize.seed)),
         )
-        self._hooks = hooks  # before install: remove() takes off what a failing install put on
-        hooks.install(model, list(self._table.scopes))
-        hooks.owner = self  # the model's hooks keep its optimizer alive (_PATCHED holds it weakly)
-        hooks.memory = StepPeak(_device_of(weakref.ref(model)))
+        # Before install: remove() takes off what a failing install put on. The model's hooks
+        # keep this optimizer alive (_PATCHED holds it weakly).
+        self._compression = compression
+        compression.install(model, list(self._table.scopes), self, device_of(model))
         self._recompute = Recompute(model, suspend=self._region_context)
         self._recompute.wrap(targets)
         self._recompute_changed()
@@ -357,8 +347,8 @@ class MemoryOptimizer:
         if self._recompute is not None:
             self._recompute.remove()
         self._planner = self._recompute = None
-        if self._hooks is not None:
-            self._hooks.remove()
+        if self._compression is not None:
+            self._compression.remove()
         if self._batchnorm is not None:
             self._batchnorm.remove()
         if self._dropout is not None:
@@ -370,7 +360,7 @@ class MemoryOptimizer:
         if not _PATCHED:
             release_console()
         self._model = None
-        self._hooks = None
+        self._compression = None
         self._table.clear()
 
     def set_bits(self, fqn: str, bits: int) -> None:
@@ -406,7 +396,7 @@ class MemoryOptimizer:
     @contextmanager
     def _region_context(self) -> Iterator[None]:
         """Entered inside every recomputed module: no compression, functional dropout routed."""
-        with self._hooks.suspend():
+        with self._compression.suspend():
             if self._dropout is None:
                 yield
             else:
@@ -418,17 +408,16 @@ class MemoryOptimizer:
         """Count one optimizer step (call it after ``optimizer.step()``); returns the steps
         counted (restored by :meth:`load_state_dict`)."""
         self._drift.steps += 1
-        if self._hooks is not None:
-            self._hooks.step_ended = True  # the next forward starts the step's counts afresh
-            self._hooks.memory.finish()
+        if self._compression is not None:
+            self._compression.end_step()  # the next forward starts the step's counts afresh
         return self._drift.steps
 
     def _measure_afresh(self) -> None:
         """Measure the next training step as the first after :meth:`apply`
         (``memopt/peak_bytes``, ``memopt/batch_fits_x``): forwards run outside the training
         loop's steps (a batch-size finder's trials, which count no steps) are not its."""
-        if self._hooks is not None:
-            self._hooks.memory = StepPeak(self._hooks.memory.device)
+        if self._compression is not None:
+            self._compression.measure_afresh()
 
     def _should_check(self, step: int | None = None) -> bool:
         """True when a drift check is due at ``step`` (default: the steps counted).
@@ -480,33 +469,26 @@ class MemoryOptimizer:
         if if_due:
             return self._check_if_due(loss_fn, batch, step, batch_size, max_rounds)
         model = self._require_model()
-        hooks = self._hooks
+        compression = self._compression
         sample = self._check_sample(model, loss_fn, batch, batch_size)
-        kept = hooks.stats.snapshot()
-        step_ended = hooks.step_ended  # the check's passes are no training forward
-        trained = hooks.stats.saved_original  # the last training forward, for a budget in bytes
         # Its per-module counts price the budget when they cover all of it (nothing compiled)
-        eager = hooks.stats.forward_original == trained
-        kept_modules, hooks.stats.modules = hooks.stats.modules, {}
-        pricing = None
-        if self.config.quantize.budget is not None:
-            pricing = self._pricing(trained, kept_modules if eager else {})
-        try:
-            with hooks.memory.paused():  # the check's passes are no training step's
-                check = DriftCheck(
-                    sample,
-                    self._compression_face(model),
-                    step=step,
-                    max_rounds=max_rounds,
-                    pricing=pricing,
-                    reduce_max=self._reduce_max,
-                    speaks=self._speaks,
-                )
-                return self._drift.check(check)
-        finally:
-            hooks.stats.restore(kept)
-            hooks.stats.modules = kept_modules
-            hooks.step_ended = step_ended
+        eager = compression.stats.forward_original == compression.stats.saved_original
+        # The check's passes are no training forward: the counts are as before once it is done.
+        # ``trained``: the last training forward's saved bytes, for a budget in bytes.
+        with compression.snapshot() as (kept_modules, trained):
+            pricing = None
+            if self.config.quantize.budget is not None:
+                pricing = self._pricing(trained, kept_modules if eager else {})
+            check = DriftCheck(
+                sample,
+                self._compression_face(model),
+                step=step,
+                max_rounds=max_rounds,
+                pricing=pricing,
+                reduce_max=self._reduce_max,
+                speaks=self._speaks,
+            )
+            return self._drift.check(check)
 
     def _check_sample(
         self,
@@ -524,7 +506,7 @@ class MemoryOptimizer:
             batch = slice_batch(batch, self.config.drift.sample_size)
             if takes_model_and_batch(loss_fn):  # the check's passes may run it in pieces
                 samples = batch_size_of(batch) or 1
-                stats = self._hooks.stats
+                stats = self._compression.stats
                 most = piece_samples(samples, batch_size, stats.saved_stored, stats.saved_original)
                 cut = partial(cut_sample, loss_fn, model, batch)
         bound = bind_loss(loss_fn, model, batch)
@@ -534,7 +516,7 @@ class MemoryOptimizer:
         """What a drift check may do to compression: the bits, :meth:`set_bits`, the hooks'
         suspension and training-size contexts, and the noise generators of the model's
         devices."""
-        hooks = self._hooks
+        compression = self._compression
         devices = sorted({p.device for p in model.parameters()} - {torch.device("meta")}, key=str)
         # No drift-recorder hooks inside a recompute region (a planner's pick keeps its scopes
         # there): they would hide the region's saved tensors from the checkpoint. A recomputed
@@ -543,9 +525,9 @@ class MemoryOptimizer:
         return CompressionFace(
             self._table.compressed,
             self.set_bits,
-            hooks.suspend,
-            as_training=hooks.as_training,
-            generators=[hooks.noise(d) for d in devices],
+            compression.suspend,
+            as_training=compression.as_training,
+            generators=[compression.noise(d) for d in devices],
             scopes=[f for f in self._table.scopes if f not in inside],
             min_numel=self.config.quantize.min_numel,
         )
@@ -564,10 +546,9 @@ class MemoryOptimizer:
         ladder = self.config.drift.ladder
 
         def priced() -> Pricing | None:
-            stats = self._hooks.stats
             compressed = self._table.compressed
             widths = priced_widths(ladder, [*compressed.values(), *self._drift.floor.values()])
-            found, stats.modules = stats.modules, {}  # the next pass counts afresh
+            found = self._compression.take_modules()  # the next pass counts afresh
             if counts:
                 found, trained_here = counts, sum(m.original for m in counts.values())
             else:
@@ -660,15 +641,15 @@ class MemoryOptimizer:
             out["memopt/bits_mean"] = self._bits_mean(bits)
             for width in sorted(set(bits.values())):
                 out[f"memopt/bits_modules/{width}"] = float(sum(b == width for b in bits.values()))
-        if self._hooks is not None:
-            stats = self._hooks.stats
+        if self._compression is not None:
+            stats = self._compression.stats
             out["memopt/kept_bytes"] = float(stats.saved_stored)
             out["memopt/kept_as_is_bytes"] = float(stats.kept_as_is)
             out["memopt/compression_ratio"] = float(stats.forward_ratio)
             unencodable = sum(stats.unencodable.values())
             if unencodable:
                 out["memopt/unencodable"] = float(unencodable)
-            peak = self._hooks.memory.peak if self._hooks.memory is not None else None
+            peak = self._compression.peak
             if peak is not None:
                 out["memopt/peak_bytes"] = float(peak)
         fits = self._batch_fits()
@@ -697,11 +678,11 @@ class MemoryOptimizer:
         return self._fits_measured * estimate / self._fits_base
 
     def _fits_estimate(self) -> float | None:
-        hooks = self._hooks
-        if hooks is None or hooks.memory is None:
+        compression = self._compression
+        if compression is None or not compression.metered:
             return None
-        peak = hooks.memory.so_far
-        original, kept = hooks.stats.saved_original, hooks.stats.saved_stored
+        peak = compression.peak_so_far
+        original, kept = compression.stats.saved_original, compression.stats.saved_stored
         if peak is None or not original:
             return None
         peak = max(peak, kept)  # the step held at least what its forward kept, then alive
@@ -713,7 +694,7 @@ class MemoryOptimizer:
         self._fits_measured, self._fits_base = fits, None
 
     def _bits_mean(self, bits: Mapping[str, int]) -> float:
-        saved = self._hooks.stats.modules if self._hooks is not None else {}
+        saved = self._compression.stats.modules if self._compression is not None else {}
         weights = {f: saved[f].original for f in bits if f in saved}
         total = sum(weights.values())
         if not total:
@@ -726,9 +707,9 @@ class MemoryOptimizer:
         if self._model is None and self._pending is not None:
             return self._pending.state_dict()
         state = {"bits": self._table.compressed, "drift": self._drift.state_dict()}
-        if self._hooks is not None and self._hooks.noise is not None:
+        if self._compression is not None:
             # this rank's rounding generators (a checkpoint written by rank 0 restores rank 0's)
-            state["noise"] = {"rank": process_rank(), **self._hooks.noise.state_dict()}
+            state["noise"] = {"rank": process_rank(), **self._compression.noise.state_dict()}
         if self._planner is not None and (self._planner.plan is not None or self._planner.chosen):
             state["recompute"] = list(self._planner.chosen)  # the planner's choice, kept on resume
         return state
@@ -788,8 +769,8 @@ class MemoryOptimizer:
             if line is not None and self._speaks():
                 log.info(line)
         noise = saved.noise
-        if noise is not None and self._hooks.noise is not None and noise["rank"] == process_rank():
-            self._hooks.noise.load_state_dict(noise)  # the other ranks keep noise of their own
+        if noise is not None and noise["rank"] == process_rank():  # others keep noise of their own
+            self._compression.noise.load_state_dict(noise)
 
     # ----------------------------------------------------------------- planning
     def _require_model(self) -> nn.Module:
@@ -850,9 +831,15 @@ class EngineInternals:
         return self._opt._model
 
     @property
+    def compression(self) -> Compression | None:
+        """Compression of the patched model: its ``stats`` count the bytes held for backward."""
+        return self._opt._compression
+
+    @property
     def hooks(self) -> CompressionHooks | None:
-        """The saved-tensor hooks (their ``stats`` count the bytes held for backward)."""
-        return self._opt._hooks
+        """The saved-tensor hooks themselves (for tests and diagnostics)."""
+        compression = self._opt._compression
+        return compression.hooks if compression is not None else None
 
     @property
     def steps(self) -> int:

@@ -7,12 +7,12 @@ keep the weight and feed backward a compressed weight), or one a DTensor redistr
 (:func:`redistributed_parameter`); what the codec cannot take (:func:`encodable`: subclasses,
 non-strided layouts, meta, nested, quantized; the hooks code a DTensor's local shard); fewer than
 ``quantize.min_numel`` elements; a broadcast view; autocast's cached cast copy of a parameter. A
-weight the forward computes from parameters alone (:func:`computed_weight`) is kept at full
-width too, and counted as saved (the step's memory, not the model's). Of the rest, floating
-tensors are what the bits act on (:func:`compressible`); the hooks narrow integer tensors
-losslessly and keep bool and complex ones. Compiled graphs have reasons of their own
-(:func:`kept_in_graph`). This module imports nothing of memopt's but the config and module
-selection, so both compression and measurement can ask it.
+weight the forward computes from parameters alone (:func:`computed_weight`; a frozen weight's
+cast copy, with no autograd history, too) is kept at full width, and counted as saved (the
+step's memory). Of the rest, floating tensors are what the bits act on (:func:`compressible`);
+the hooks narrow integer tensors losslessly and keep bool and complex ones. Compiled graphs have
+reasons of their own (:func:`kept_in_graph`). This module imports nothing of memopt's but the
+config and module selection, so both compression and measurement can ask it.
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def computed_weight(
     as it is like the parameters it is made of (a compressed copy would feed backward a
     compressed weight, as a compressed parameter would).
 
-    ``computed``: the weights the model's parametrizations and hook-style norms made
+    ``computed``: the weights the model's parametrizations and hook-style norms made, and casts
+    of its parameters made outside autograd
     (:class:`~memopt_plugins.measure.storage.ComputedWeights`). Else ``t``'s autograd history
     decides (``W = f(params)`` fed to ``F.linear``): every path from ``t.grad_fn`` ends, within
     a few nodes, at the gradient accumulator of a tensor in ``parameters``, through the

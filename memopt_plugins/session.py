@@ -247,10 +247,10 @@ class MemOptSession:
         count of the distinct storages the whole model saves), what of it they kept as it is,
         and how many times larger a batch fits (the figure ``memopt/batch_fits_x`` logs for
         the same step)."""
-        hooks = self._internal.hooks
-        if self._told_memory or hooks is None or not self.is_main():
+        compression = self._internal.compression
+        if self._told_memory or compression is None or not self.is_main():
             return
-        stats = hooks.stats
+        stats = compression.stats
         if not stats.saved_original:
             return
         self._told_memory = True
@@ -270,7 +270,7 @@ class MemOptSession:
     def _kept_whole_lines(self) -> list[str]:
         """A line for each scope's dtype whose bytes kept as they are make a large share of what
         the first step kept (:attr:`.SavedStats.kept_whole`): why that scope barely shrank."""
-        stats = self._internal.hooks.stats
+        stats = self._internal.compression.stats
         named = dict(self.model.named_modules())
         lines = []
         ranked = sorted(stats.kept_whole.items(), key=lambda item: -item[1][1])

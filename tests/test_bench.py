@@ -314,3 +314,24 @@ def test_step_time_pairs_each_round_with_its_own_baseline():
     text = report(rows, args, (0.0, 0.0))
     assert "| HF GPT-2 | memopt int8 | 1150.0 (1100.0–2400.0) | 1.15× (1.10–1.20) |" in text
     assert "| HF GPT-2 | memopt int4 | 1000.0 (1000.0–1000.0) | 1.00× (0.50–1.00) |" in text
+
+
+def test_lora_step_pairs_alternate_and_divide_by_the_baseline_beside(monkeypatch):
+    """``benchmarks/lora_step.py``: each pair times both models back to back, the one first
+    alternating per pair, and its ratio is memopt's step over that pair's baseline step."""
+    from benchmarks import lora_step
+
+    order = []
+    seconds = {"base": iter([1.0, 2.0]), "mem": iter([1.5, 2.2])}
+
+    def timed(run):
+        order.append(run)
+        s = next(seconds[run])
+        return s, 2 * s
+
+    monkeypatch.setattr(lora_step, "timed", timed)
+    readings = lora_step.pairs("base", "mem", 2)
+    assert order == ["base", "mem", "mem", "base"]
+    assert [r["cpu"] for r in readings] == [1.5, 1.1]
+    assert [r["wall"] for r in readings] == [1.5, 1.1]
+    assert lora_step.quartiles([1.0, 1.2, 1.4]).startswith("1.200×")

@@ -138,7 +138,7 @@ def test_the_encoder_is_one_operator_where_the_c_kernels_serve(codec, bits, monk
     (opaque to inductor, which would otherwise compile the encoder into every kernel that saves
     a tensor); elsewhere the encoder is traced inline. Both write the same bytes (stochastic at
     the same seed too), which the traced decoder reads."""
-    monkeypatch.setenv("MEMOPT_CODEC", codec)
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", codec)
     x = torch.randn(4096 + 100)  # a last group padded
     x[:256] = float("nan")  # a group decoded as NaN
     x[256:512] = 3.0  # a constant group
@@ -148,7 +148,7 @@ def test_the_encoder_is_one_operator_where_the_c_kernels_serve(codec, bits, monk
     targets = {n.target for n in traced.graph.nodes if n.op == "call_function"} - {getitem}
     assert targets == {torch.ops.memopt.graph_encode.default} if native else len(targets) > 10
     got = traced(x, seed)
-    monkeypatch.setenv("MEMOPT_CODEC", "torch")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
     want = graph_codec.encode(x, bits, 256, seed)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     kept = torch.ones(got[1].numel(), dtype=torch.bool)
@@ -176,7 +176,7 @@ def _saved_bytes(config, compile=None) -> tuple[dict[str, torch.Tensor], int, in
     if compile is not None:
         compile(model)
     loss_fn(model, batch).backward()
-    stats = opt.internal.hooks.stats
+    stats = opt.internal.compression.stats
     return (
         {n: p.grad for n, p in model.named_parameters()},
         stats.saved_original,
@@ -242,13 +242,13 @@ def test_a_change_of_bits_recompiles_only_the_graphs_of_that_module():
     compile_blocks(model, backend=counter)
     for _ in range(2):
         loss_fn(model, batch).backward()
-    frames, pairs = counter.frame_count, len(opt._hooks._pairs)
+    frames, pairs = counter.frame_count, len(opt.internal.hooks._pairs)
     flipped = "transformer.h.1.mlp.c_fc"
     for bits in (4, 8) * 20:
         opt.set_bits(flipped, bits)
         loss_fn(model, batch).backward()
     assert counter.frame_count == frames + 1, (frames, counter.frame_count)
-    assert len(opt._hooks._pairs) <= pairs + 1
+    assert len(opt.internal.hooks._pairs) <= pairs + 1
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
@@ -327,7 +327,10 @@ def test_dropout_and_batchnorm_modes_inside_a_compiled_model():
         F.cross_entropy(model(x), y).backward()
     assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
     assert torch.equal(bn.running_mean, stats[0]) and torch.equal(bn.running_var, stats[1])
-    assert opt.internal.hooks.stats.saved_stored < opt.internal.hooks.stats.saved_original / 2
+    assert (
+        opt.internal.compression.stats.saved_stored
+        < opt.internal.compression.stats.saved_original / 2
+    )
 
 
 def test_the_planner_measures_compiled_models_eagerly(caplog):
@@ -397,7 +400,7 @@ def test_lean_ops_compile_without_graph_breaks_and_keep_the_gradients(mode):
         opt.apply(patched)
         MODES[mode](patched, backend=NO_CODEGEN)
         loss_fn(patched, batch)
-        saved.append(opt.internal.hooks.stats.saved_original)
+        saved.append(opt.internal.compression.stats.saved_original)
         opt.remove()
     assert saved[0] < saved[1]
 

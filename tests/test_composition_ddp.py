@@ -53,7 +53,7 @@ def _worker(rank: int, out: str) -> None:
         sgd.step()
         sgd.zero_grad()
         opt.count_step()
-    generator = opt.internal.hooks.noise(torch.device("cpu"))
+    generator = opt.internal.compression.noise(torch.device("cpu"))
     result = {
         "recomputed": opt.plan.recomputed,
         "bits": opt.bits,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,7 +209,7 @@ def test_tensor_saved_twice_is_packed_once():
     x = torch.randn(64, 128, requires_grad=True)
     opt = MemoryOptimizer(q(8, min_numel=1))
     loss = opt.apply(Square())(x)
-    assert opt.internal.hooks.stats.forward_tensors == 1
+    assert opt.internal.compression.stats.forward_tensors == 1
     loss.backward()
     opt.remove()
     expected = 2 * (2 * x.detach()).exp()
@@ -231,11 +234,11 @@ def test_consecutive_saves_of_one_tensor_share_one_decode(monkeypatch, second, d
     """Consecutive saves of one tensor (a layer norm's output by the query, key and value
     projections) run their backward nodes one after the other: one decode serves them all,
     unless a node writes its gradient into it, and then the next decodes its own."""
-    import memopt_plugins.compress.hooks as hooks_module
+    import memopt_plugins.compress.saved as saved_module
 
     calls = []
-    decode = hooks_module.dequantize
-    monkeypatch.setattr(hooks_module, "dequantize", lambda p: calls.append(1) or decode(p))
+    decode = saved_module.dequantize
+    monkeypatch.setattr(saved_module, "dequantize", lambda p: calls.append(1) or decode(p))
     x = torch.randn(64, 256, requires_grad=True)
     opt = MemoryOptimizer(q(8, min_numel=1, rounding="nearest"))
     opt.apply(_SavedTwiceInARow(second))(x).backward()
@@ -398,8 +401,9 @@ def test_functional_calls_inside_a_selected_module_are_compressed():
     opt = MemoryOptimizer(q(4))
     opt.apply(model)
     loss = model(x)
-    assert opt.internal.hooks.stats.forward_original == 2 * 256 * 128 * 4  # x and the silu input
-    assert opt.internal.hooks.stats.forward_ratio > 7.0
+    stats = opt.internal.compression.stats
+    assert stats.forward_original == 2 * 256 * 128 * 4  # x and the silu input
+    assert stats.forward_ratio > 7.0
     loss.backward()
     opt.remove()
 
@@ -418,9 +422,9 @@ def test_dedup_cache_is_emptied_after_each_forward_even_when_the_root_is_not_cal
     for _ in range(3):
         wrapper.model(torch.randn(32, 64)).sum().backward()
         assert len(opt.internal.hooks._cache) == 0
-        assert opt.internal.hooks.stats.held_bytes == 0  # payloads freed with the graph
+        assert opt.internal.compression.stats.held_bytes == 0  # payloads freed with the graph
     loss = wrapper.model(torch.randn(32, 64)).sum()
-    one_forward = opt.internal.hooks.stats.forward_original
+    one_forward = opt.internal.compression.stats.forward_original
     assert one_forward == 3 * 32 * 64 * 4  # x, the GELU input, the GELU output: one step only
     loss.backward()
     opt.remove()
@@ -468,7 +472,7 @@ def test_attention_output_saved_heads_apart_and_side_by_side_is_packed_once():
     side_by_side = heads.transpose(1, 2).view(2 * 64, 4 * 32)
     first = hooks.pack(heads, 4)
     second = hooks.pack(side_by_side, 4)
-    assert hooks.stats.forward_tensors == 1 and second.payload is first
+    assert hooks.counter.stats.forward_tensors == 1 and second.payload is first
     a, b = hooks.unpack(first), hooks.unpack(second)
     assert a.shape == heads.shape and a.stride() == heads.stride()
     assert b.shape == side_by_side.shape and b.is_contiguous()
@@ -498,3 +502,72 @@ def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
     sliced = hooks.pack(a[:, :128], 8)
     assert getattr(sliced, "payload", None) is not plain
     assert hooks.unpack(sliced).shape == (64, 128)
+
+
+def _frames_to_kernel(pack: Callable[[torch.Tensor], object], t: torch.Tensor) -> list[str]:
+    """The Python frames between ``pack(t)``'s call and the C kernel's, innermost first."""
+    from memopt_plugins.compress.codec import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the C kernels are not built here")
+    seen: list[list[str]] = []
+
+    class Kernels:  # the library, with the quantize entry point noting the stack
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def memopt_quantize(self, *args):
+            frame, names = sys._getframe(1), []
+            while frame is not None and frame.f_code.co_name != "calling_pack":
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            seen.append(names)
+            return lib.memopt_quantize(*args)
+
+    def calling_pack():
+        return pack(t)
+
+    before = native._state["lib"]
+    native._state["lib"] = Kernels()
+    try:
+        calling_pack()
+    finally:
+        native._state["lib"] = before
+    return seen[0]
+
+
+def test_a_saved_tensor_reaches_the_c_kernel_within_five_python_frames():
+    """Every frame on the eager pack path runs for every saved tensor: the scope's pack hook (a
+    GraphModule, as compiled graphs need) calls the hooks' pack directly, and pack reaches the
+    kernel through the codec's quantize and the kernel's wrapper only."""
+    opt = MemoryOptimizer(q(8, min_numel=1, rounding="nearest"))
+    model = opt.apply(nn.Linear(256, 256))
+    hook, _ = opt.internal.hooks.pair("")
+    t = torch.randn(64, 256)
+    frames = _frames_to_kernel(hook, t)
+    opt.remove()
+    assert frames[-1] == "pack" and len(frames) <= 5, frames
+    del model
+
+
+def test_nothing_is_read_from_the_environment_per_saved_tensor(monkeypatch):
+    """``MEMOPT_CODEC`` is read once, at import: packing and unpacking read no variable."""
+    import os
+
+    reads = []
+
+    class Environment(dict):
+        def get(self, key, default=None):
+            reads.append(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            reads.append(key)
+            return super().__getitem__(key)
+
+    hooks = CompressionHooks(BitTable(), group_size=256, stochastic=True, min_numel=1)
+    monkeypatch.setattr(os, "environ", Environment(os.environ))
+    for bits in (8, 4, 2):
+        hooks.unpack(hooks.pack(torch.randn(64, 256), bits))
+    assert reads == []

@@ -78,7 +78,7 @@ def test_a_weight_computed_in_the_forward_is_kept_as_it_is(kind):
         opt = MemoryOptimizer(_TWO_BITS)
         opt.apply(net)
         loss = net(x).sum()
-        scope = opt.internal.hooks.stats.modules.get("2")
+        scope = opt.internal.compression.stats.modules.get("2")
         scopes.append(None if scope is None else (scope.original, scope.stored))
         loss.backward()
         opt.remove()
@@ -110,7 +110,55 @@ def test_activations_made_from_parameters_and_data_stay_compressed():
     opt = MemoryOptimizer(_TWO_BITS)
     opt.apply(model)
     model(ids, x).backward()
-    modules = opt.internal.hooks.stats.modules
+    modules = opt.internal.compression.stats.modules
     for fqn in ("after_embed", "after_first"):
         assert modules[fqn].stored * 8 < modules[fqn].original, fqn
     opt.remove()
+
+
+def test_autocast_copy_of_a_frozen_weight_is_kept_as_it_is():
+    """PEFT LoRA's base layers are frozen: autocast casts their weights afresh at every call, a
+    copy with no autograd history (it caches, and gives a history to, only casts of weights that
+    need gradients). That copy is the weight backward multiplies by, so it is kept as it is:
+    the input's gradient through a frozen bf16-autocast layer equals that without memopt, bit
+    for bit (the output's gradient, of a sum, is exact), and the copy's bytes are kept."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96).requires_grad_(False)
+    x = torch.randn(32, 64)
+
+    def input_grad(model: nn.Module) -> torch.Tensor:
+        x_ = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x_).float().sum().backward()
+        return x_.grad
+
+    expected = input_grad(layer)
+    opt = MemoryOptimizer(_TWO_BITS)
+    opt.apply(layer)
+    try:
+        got = input_grad(layer)
+        stats = opt.internal.compression.stats
+        assert torch.equal(got, expected)
+        weight_copy = 64 * 96 * 2  # bf16
+        assert stats.forward_stored >= weight_copy
+    finally:
+        opt.remove()
+
+
+def test_a_frozen_weight_shaped_activation_is_still_compressed():
+    """Only a copy with no autograd history is taken for a frozen weight's: an activation of the
+    same shape that needs a gradient is compressed as any other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64).requires_grad_(False))
+    x = torch.randn(64, 64)
+    opt = MemoryOptimizer(_TWO_BITS)
+    opt.apply(model)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+        modules = opt.internal.compression.stats.modules
+        relu, frozen = modules["1"], modules["2"]  # bf16 (64, 64), the frozen weight's shape
+        assert relu.original == frozen.original == frozen.stored == 64 * 64 * 2
+        assert relu.stored < relu.original
+    finally:
+        opt.remove()

@@ -108,9 +108,9 @@ def test_triton_bytes_equal_torch_on_gpu_and_cpu(monkeypatch, bits, dtype):
     mismatches = []
     for numel, group_size in CASES:
         x = hard_values(numel, group_size, dtype, seed=numel + bits)
-        monkeypatch.setenv("MEMOPT_CODEC", "triton")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "triton")
         kernel = codec_outputs(x.cuda(), bits, group_size)
-        monkeypatch.setenv("MEMOPT_CODEC", "torch")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
         here = codec_outputs(x.cuda(), bits, group_size)
         spec = codec_outputs(x, bits, group_size)
         for name in bounded_mismatches(kernel, here, bits, group_size):
@@ -128,7 +128,7 @@ def test_triton_stochastic_rounding_is_unbiased(monkeypatch):
     x[torch.rand(512, generator=g) < 0.5] *= -1  # it round up to; both groups span [-3, 3]
     x[0], x[1], x[256], x[257] = 3.0, -3.0, 3.0, -3.0
     x = x.cuda()
-    monkeypatch.setenv("MEMOPT_CODEC", "triton")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "triton")
     decodes = []
     for seed in range(48):
         packed = ops.quantize(x, 4, 256, seed)
@@ -143,9 +143,9 @@ def test_triton_stochastic_rounding_is_unbiased(monkeypatch):
 
 def test_triton_mask_bits_equal_torch(monkeypatch):
     noise = torch.empty(10_007, device="cuda").bernoulli_(0.3)
-    monkeypatch.setenv("MEMOPT_CODEC", "triton")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "triton")
     packed = pack_mask(noise)
     unpacked = unpack_mask(packed, noise.shape, noise.dtype)
-    monkeypatch.setenv("MEMOPT_CODEC", "torch")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
     assert torch.equal(packed, pack_mask(noise))
     assert torch.equal(unpacked, noise)

@@ -23,7 +23,7 @@ from memopt_plugins.drift.judges import Drifts
 from memopt_plugins.drift.monitor import DriftMonitor
 from memopt_plugins.drift.report import HISTORY_LIMIT, NEGLIGIBLE_GRADIENT, SAVES_NOTHING, next_rung
 from memopt_plugins.drift.request import CheckSample, CompressionFace, DriftCheck
-from memopt_plugins.tree import slice_batch
+from memopt_plugins.tree import batch_size_of, slice_batch
 
 
 def patched(build, config: dict, **size):
@@ -173,6 +173,29 @@ def test_noise_drift_matches_the_two_halves_computed_by_hand(unfolded):
     expected = float((q - g).square().sum() / (halves.square().sum() / 4))
     assert expected > 1e-3
     assert report.per_module["transformer.h.0.mlp.c_fc"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("metric", ["sgd", "noise", "rel_l2"])
+def test_a_check_that_changes_nothing_runs_one_exact_and_one_compressed_pass(metric):
+    """Given the training batch, the exact pass runs the sample's two halves as its pieces and
+    measures the gradient's sampling variance from them (metrics sgd and noise): a check that
+    changes nothing forwards its sample twice, exact and compressed. A closure, which cannot be
+    cut, needs a pass of its own for the variance: three times."""
+    model, batch, loss_fn = hf_gpt2(batch_size=16, seq=32, layers=1)
+    opt = MemoryOptimizer({"quantize": {"bits": 8}, "drift": {"metric": metric, "threshold": 1}})
+    opt.apply(model)
+    forwarded = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: forwarded.append(batch_size_of((args, kwargs))), with_kwargs=True
+    )
+    sample = opt.config.drift.sample_size
+    report = opt.check_drift(loss_fn, batch=batch)
+    assert not report.escalated and report.per_module
+    assert sum(forwarded) == 2 * sample
+    assert forwarded == ([sample // 2] * 4 if metric != "rel_l2" else [sample] * 2)
+    forwarded.clear()
+    opt.check_drift(lambda: loss_fn(model, batch[:sample]))
+    assert sum(forwarded) == (3 if metric != "rel_l2" else 2) * sample
 
 
 def test_a_check_in_pieces_judges_the_mean_of_the_pieces_gradients(unfolded, monkeypatch):
@@ -464,11 +487,11 @@ def test_check_restores_batchnorm_buffers_and_saved_stats():
     opt = MemoryOptimizer({"quantize": {"bits": 4}})
     opt.apply(model)
     loss_fn(model, batch)  # a training forward: stats describe it
-    stats = dataclasses.astuple(opt.internal.hooks.stats)
+    stats = dataclasses.astuple(opt.internal.compression.stats)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     report = opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 2)), max_rounds=1)
     assert report.per_module and report.max > 0
-    assert dataclasses.astuple(opt.internal.hooks.stats) == stats
+    assert dataclasses.astuple(opt.internal.compression.stats) == stats
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
     assert all(p.grad is None for p in model.parameters())
 
@@ -551,7 +574,7 @@ def test_metrics_report_drift_bits_escalations_and_kept_bytes():
     assert changed == {f or "<root>" for f in report.escalated}  # the others were in `before`
     assert all(m[f"memopt/bits/{f or '<root>'}"] == new for f, (_, new) in report.escalated.items())
     assert m["memopt/escalations"] == len(report.escalated) > 0
-    stats = opt.internal.hooks.stats
+    stats = opt.internal.compression.stats
     assert m["memopt/kept_bytes"] == stats.forward_stored > 0
     ratio = m["memopt/compression_ratio"]
     assert ratio == pytest.approx(stats.forward_ratio) and stats.forward_ratio > 4

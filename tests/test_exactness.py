@@ -227,7 +227,7 @@ def _patched_pass(case: Case, batch):
     packed = _Packed()
     forward = ExitStack()
     forward.enter_context(_recorded_masks(model, masks))
-    forward.enter_context(opt.internal.hooks.observed(packed))
+    forward.enter_context(opt.internal.compression.observed(packed))
     loss, grads = _step(model, batch, case.seed + 1, forward)
     opt.remove()
     return model, loss, grads, masks, packed.compressed

@@ -70,7 +70,7 @@ def test_unsharded_weights_and_their_views_are_never_compressed(mesh, order):
     if order == "after":
         opt.apply(model)
     loss_fn(model, batch).backward()
-    stats, want = opt.internal.hooks.stats, expected.internal.hooks.stats
+    stats, want = opt.internal.compression.stats, expected.internal.compression.stats
     assert (stats.forward_tensors, stats.forward_original) == (
         want.forward_tensors,
         want.forward_original,
@@ -160,7 +160,7 @@ def _memory(rank: int) -> dict[str, int]:
         shard(model)
         loss_fn(model, batch).backward()  # gradients and FSDP's buffers exist first
         meter = MemoryMeter("cpu")
-        stats = opt.internal.hooks.stats if opt is not None else None
+        stats = opt.internal.compression.stats if opt is not None else None
         step = functools.partial(loss_fn, model, batch)
         readings = [meter.measure(step, stats) for _ in range(2)]
         out[name] = min(max(r.retained, r.packed) for r in readings)

@@ -729,7 +729,7 @@ def test_a_projection_keeps_no_copy_of_a_layer_norms_output():
     assert opt.plan["norm"].lean == "lean layernorm"
     model.zero_grad()
     model(x).square().sum().backward()
-    modules = opt.internal.hooks.stats.modules
+    modules = opt.internal.compression.stats.modules
     assert "head" not in modules and modules["norm"].stored > 0
     for name, p in model.named_parameters():
         assert _relative(p.grad, exact[name]) < 0.05, name
@@ -740,7 +740,7 @@ def test_a_projection_keeps_no_copy_of_a_layer_norms_output():
     )
     opt.apply(model)
     model(x).square().sum().backward()
-    head = opt.internal.hooks.stats.modules["head"]
+    head = opt.internal.compression.stats.modules["head"]
     assert head.stored == head.original > 0
     opt.remove()
     with pytest.raises(ConfigError, match="layernorm"):
@@ -764,7 +764,7 @@ def test_a_projection_keeps_no_copy_of_an_rms_norms_output():
     assert opt.plan["norm"].lean == "lean rmsnorm"
     model.zero_grad()
     model(x).square().sum().backward()
-    modules = opt.internal.hooks.stats.modules
+    modules = opt.internal.compression.stats.modules
     assert "head" not in modules and modules["norm"].stored > 0
     for name, p in model.named_parameters():
         assert _relative(p.grad, exact[name]) < 0.05, name

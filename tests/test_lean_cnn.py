@@ -153,7 +153,7 @@ def test_a_relu_read_by_a_max_pool_keeps_a_one_bit_mask(inplace):
             opt = MemoryOptimizer({**int4, "ops": {"fuse": fuse}})
             opt.apply(m)
             loss = run(m, x, branch)
-            held.append(opt.internal.hooks.stats.held_bytes)
+            held.append(opt.internal.compression.stats.held_bytes)
             grads.append(torch.autograd.grad(loss, x)[0])
         codes = x.numel() // 2  # the ReLU output's 4-bit codes
         if branch:  # the convolution holds the same compressed output

@@ -779,7 +779,7 @@ class SizedGPT2Module(GPT2Module):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # a module hook: trials call it
         memopt = patched_by(self)
-        ratio = memopt.internal.hooks.stats.forward_ratio if memopt is not None else 1.0
+        ratio = memopt.internal.compression.stats.forward_ratio if memopt is not None else 1.0
         self.seen.append((batch[0].shape[0], ratio))
 
 

@@ -68,13 +68,13 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_a_bad_codec_name_is_an_error_naming_the_choices(monkeypatch):
-    monkeypatch.setenv("MEMOPT_CODEC", "cuda")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "cuda")
     with pytest.raises(ValueError, match=r"auto, torch, native, triton; got 'cuda'"):
         quantize(torch.randn(NUMEL), 8)
 
 
 def test_auto_takes_the_c_kernels_on_cpu_and_triton_on_cuda_where_available(monkeypatch):
-    monkeypatch.delenv("MEMOPT_CODEC", raising=False)
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "auto")
     monkeypatch.setitem(native._state, "lib", object())  # the C kernels, built
     monkeypatch.setattr(ops, "_triton", {"module": object()})  # triton, imported
     assert (ops.codec_for(CPU), ops.codec_for(CUDA)) == ("native", "triton")
@@ -88,7 +88,7 @@ def test_torch_runs_the_reference_even_where_the_kernels_are_built(monkeypatch):
     def fail(*args):
         raise AssertionError("a C kernel ran")
 
-    monkeypatch.setenv("MEMOPT_CODEC", "torch")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
     monkeypatch.setattr(native, "quantize", fail)
     monkeypatch.setattr(native, "decode", fail)
     x = _input(torch.float32, special=True)
@@ -99,7 +99,7 @@ def test_torch_runs_the_reference_even_where_the_kernels_are_built(monkeypatch):
 
 
 def test_native_is_an_error_off_the_cpu_or_without_the_kernels(monkeypatch):
-    monkeypatch.setenv("MEMOPT_CODEC", "native")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "native")
     with pytest.raises(RuntimeError, match="CPU tensors only, got one on cuda"):
         ops.codec_for(CUDA)
     monkeypatch.setitem(native._state, "lib", None)
@@ -108,7 +108,7 @@ def test_native_is_an_error_off_the_cpu_or_without_the_kernels(monkeypatch):
 
 
 def test_triton_is_an_error_when_triton_cannot_be_imported(monkeypatch, caplog):
-    monkeypatch.setenv("MEMOPT_CODEC", "triton")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "triton")
     monkeypatch.setattr(ops, "_triton", {})
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     monkeypatch.delitem(sys.modules, "memopt_plugins.compress.codec.triton_kernels", raising=False)
@@ -119,6 +119,6 @@ def test_triton_is_an_error_when_triton_cannot_be_imported(monkeypatch, caplog):
         with caplog.at_level("WARNING", logger="memopt"):
             quantize(torch.randn(NUMEL), 8)
     assert caplog.text.count("on CUDA the codec runs as torch ops") == 1
-    monkeypatch.delenv("MEMOPT_CODEC")
+    monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "auto")
     assert ops.codec_for(CUDA) == "torch"  # auto: the reference, no error
     assert caplog.text.count("on CUDA the codec runs as torch ops") == 1  # said once

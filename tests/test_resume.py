@@ -70,7 +70,7 @@ def resumed(state: dict, bits: int, before_apply: bool) -> MemoryOptimizer:
 def stored_bytes(opt: MemoryOptimizer) -> int:
     """What the bits that run keep for backward (one training forward)."""
     opt.internal.model(X).square().mean().backward()
-    return opt.internal.hooks.stats.forward_stored
+    return opt.internal.compression.stats.forward_stored
 
 
 def resume_lines(caplog) -> list[str]:

@@ -62,13 +62,13 @@ if not INTERPRETED:  # the suite's process
         assert " passed" in done.stdout and "skipped" not in done.stdout, report
 
     def test_cpu_tensors_are_an_error_without_the_interpreter(monkeypatch) -> None:
-        monkeypatch.setenv("MEMOPT_CODEC", "triton")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "triton")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             ops.quantize(torch.randn(300), 8, 256, None)
 
     def test_the_interpreter_switched_on_too_late_is_a_clear_error(monkeypatch) -> None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton is imported already, compiled
-        monkeypatch.setenv("MEMOPT_CODEC", "triton")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "triton")
         monkeypatch.setattr(ops, "_triton", {})
         monkeypatch.delitem(
             sys.modules, "memopt_plugins.compress.codec.triton_kernels", raising=False
@@ -83,7 +83,7 @@ else:  # the child run (or TRITON_INTERPRET=1 pytest tests/test_triton.py)
     @pytest.fixture
     def kernels(monkeypatch):
         """The Triton kernels module, serving every codec call (``MEMOPT_CODEC=triton``)."""
-        monkeypatch.setenv("MEMOPT_CODEC", "triton")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "triton")
         assert ops.codec_for(torch.device("cpu")) == "triton"
         return ops.triton_kernels()
 
@@ -113,7 +113,7 @@ else:  # the child run (or TRITON_INTERPRET=1 pytest tests/test_triton.py)
         # float16's limit, float32 subnormals: every path of the codec.
         x = _adversarial(numel, group_size, dtype, seed=numel + bits)
         kernel = codec_outputs(x, bits, group_size)
-        monkeypatch.setenv("MEMOPT_CODEC", "torch")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
         expected = codec_outputs(x, bits, group_size)
         assert bounded_mismatches(kernel, expected, bits, group_size) == []
         lost = kernel["zero_point"] != expected["zero_point"]
@@ -292,7 +292,7 @@ else:  # the child run (or TRITON_INTERPRET=1 pytest tests/test_triton.py)
         noise = torch.empty(numel, dtype=dtype).bernoulli_(0.3, generator=g).view(-1, 1)
         packed = dropout.pack_mask(noise)
         unpacked = dropout.unpack_mask(packed, noise.shape, dtype)
-        monkeypatch.setenv("MEMOPT_CODEC", "torch")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
         expected = dropout.pack_mask(noise)
         assert torch.equal(packed, expected) and packed.numel() == math.ceil(numel / 8)
         assert _same_bits(unpacked, dropout.unpack_mask(expected, noise.shape, dtype))
@@ -318,7 +318,7 @@ else:  # the child run (or TRITON_INTERPRET=1 pytest tests/test_triton.py)
 
         out, grad = step()
         assert calls == ["pack_mask", "unpack_mask"]
-        monkeypatch.setenv("MEMOPT_CODEC", "torch")
+        monkeypatch.setattr("memopt_plugins.compress.codec.ops.REQUESTED", "torch")
         expected_out, expected_grad = step()
         assert torch.equal(out, expected_out) and torch.equal(grad, expected_grad)
         assert 0.2 < (out == 0).float().mean() < 0.4

@@ -106,7 +106,7 @@ class Patched:
     @property
     def stats(self):
         """The compression hooks' ``SavedStats`` (packed bytes held), or ``None``."""
-        return self.optimizer.internal.hooks.stats if self.optimizer is not None else None
+        return self.optimizer.internal.compression.stats if self.optimizer is not None else None
 
     def loss(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """The training loss of ``batch`` with the method active."""

@@ -66,11 +66,21 @@ def traced_context() -> dict[str, Any] | None:
     return None if context is None else context()
 
 
-def hook_module(fn: Callable[[Any], Any], name: str) -> torch.fx.GraphModule:
-    """A GraphModule whose forward is ``fn(arg)``: a saved-tensor hook AOTAutograd inlines."""
+def hook_module(
+    fn: Callable[[Any], Any], name: str, eager: Callable[[Any], Any] | None = None
+) -> torch.fx.GraphModule:
+    """A GraphModule whose forward is ``fn(arg)``: a saved-tensor hook AOTAutograd inlines.
+
+    ``eager``: what a call of the module runs instead of its forward (``fn`` itself, or a
+    ``functools.partial`` of it): autograd calls it at every save, where the module call's own
+    frames (``nn.Module.__call__``, the generated forward) would cost more than most packs.
+    Set on the class torch makes for each GraphModule, so no other module is touched."""
     graph = torch.fx.Graph()
     graph.output(graph.call_function(fn, (graph.placeholder(name),)))
-    return torch.fx.GraphModule(nn.Module(), graph)
+    module = torch.fx.GraphModule(nn.Module(), graph)
+    if eager is not None:
+        type(module).__call__ = staticmethod(eager)  # called without the module: eager(arg)
+    return module
 
 
 class SavedFilter:

@@ -4,15 +4,15 @@ Entering a selected module (a :class:`~memopt_plugins.measure.ScopeTracker` scop
 ``saved_tensors_hooks`` and leaving it leaves them, so every tensor autograd saves while the module
 runs, by an ``nn.Module`` or a functional call, goes through :meth:`CompressionHooks.pack` at the
 bits the :class:`~.bits.BitTable` gives that module. One pair serves eager and compiled code
-(:meth:`CompressionHooks.pair`, GraphModules that AOTAutograd inlines: :mod:`.compiled`).
+(:meth:`CompressionHooks.pair`, GraphModules that AOTAutograd inlines: :mod:`.compiled`); the
+hooks count nothing themselves, they tell their counter (:mod:`.counts`) what they kept.
 
 Scopes nest as torch's hooks do: the innermost pair wins. Inside a region whose hooks mean
 something else (a checkpoint memopt did not make, its replay, ``save_on_cpu``) a scope pushes
 nothing (:func:`memopt_plugins.policy.in_foreign_region`). A DTensor is packed as its local shard.
 What is kept as it is follows :mod:`memopt_plugins.policy`: parameters and what shares their memory
 never are, judged at pack time against the storages the modules hold then (FSDP2's freshly
-gathered weights too): a compressed weight would outlive resharding and feed backward a
-compressed weight.
+gathered weights too), since a compressed weight would outlive resharding.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -29,19 +29,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..buffers import mark_private, shared_until_written, sole_holder
 from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
-from ..measure.process import StepPeak
 from ..measure.scopes import ScopeTracker, Watch
-from ..measure.storage import (
-    ComputedWeights,
-    ModelStorages,
-    RunningParameters,
-    is_sharded,
-    storage_key,
-)
-from ..measure.timeline import PACK_RANGE, UNPACK_RANGE, mark
+from ..measure.storage import ComputedWeights, ModelStorages, RunningParameters, is_sharded
+from ..measure.timeline import PACK_RANGE, UNPACK_RANGE
 from ..packing import narrow_int, widen_int
 from ..policy import (
     computed_weight,
@@ -53,7 +45,7 @@ from ..policy import (
     redistributed_parameter,
 )
 from .bits import BitTable
-from .codec import NoiseGenerators, codec_generator, dequantize, draw_seed, quantize, tensor_nbytes
+from .codec import NoiseGenerators, codec_generator, draw_seed, quantize, tensor_nbytes
 from .codec.ops import add_seed_source, remove_seed_source
 from .codec.traced import (
     BITS,
@@ -62,47 +54,26 @@ from .codec.traced import (
     Coded,
     decode,
     encode,
-    memory_order,
     pack_bools,
     unpack_bools,
 )
 from .compiled import CompiledGraphs, SavedFilter, hook_module, nbytes, traced_context
-from .stats import ModuleSaved, SavedStats
+from .counts import SavedCounts
+from .saved import (
+    _alias_key,
+    _check_version,
+    _decoded_strides,
+    _decoder,
+    _from_half,
+    _Kept,
+    _no_copy,
+    _original,
+    _relaid,
+    _Saved,
+    _strided,
+)
 
 log = logging.getLogger("memopt")
-
-
-def _check_version(t: torch.Tensor | None, version: int) -> None:
-    """Autograd's in-place check, which it skips for tensors saved through hooks: raise as torch
-    does when ``t`` (or a view sharing its version counter) changed since it was saved."""
-    if t is not None and t._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-            f"expected version {version} instead. (memopt saved it for backward through its "
-            "saved-tensor hooks; the same change raises without memopt.)"
-        )
-
-
-class _Changed:
-    """What :func:`_check_version` reads of an original seen changed (it may be gone since)."""
-
-    def __init__(self, shape: torch.Size, version: int):
-        self.shape = shape
-        self._version = version
-
-    def type(self) -> str:
-        return "tensor"
-
-
-class _Kept:
-    """A tensor autograd keeps as it is, with its version when saved (:func:`_check_version`)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor):
-        self.tensor = t
-        self.version = t._version
 
 
 class _PerThread(threading.local):
@@ -117,217 +88,33 @@ class _PerThread(threading.local):
         self.suspended = 0
 
 
-#: Per thread (autograd runs each device's backward on a thread of its own): the :class:`_Saved`
-#: whose decoded tensor is held for its next consumers, held weakly. One at a time, so a copy
-#: outlives its consumers by at most the next shared decode.
-_HOLDING = threading.local()
-
-
-class _Saved:
-    """What autograd holds instead of a tensor: a compact payload and how to restore it, and
-    the original's version counter (through its base, held weakly) to check at unpack.
-
-    ``consumers``: the saves in a row of the same tensor that hold it (a layer norm's output
-    saved by the query, key and value projections; the log-probabilities by the log-softmax and
-    the NLL loss). Their nodes run one after another in backward, so the first decode is held
-    for the rest (:meth:`value`) instead of decoding, and allocating, once per node.
-
-    The copy the dedup cache hands out (its first saver's) is shared by every saver of the
-    tensor, kept at the most precise width any of them asks for
-    (:meth:`CompressionHooks._keep_at`): ``bits`` is the width it decodes to (``OFF_BITS``:
-    losslessly), ``kept`` says its payload is the original itself, and ``scope`` names the scope
-    whose counts hold its bytes (``counted``: whether the forward's counts hold them at all)."""
-
-    __slots__ = (
-        "payload", "decode", "shape", "source", "version", "changed", "consumers", "held", "taken",
-        "shares", "bits", "kept", "counted", "scope", "__weakref__",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        payload: object,
-        decode: Callable[[object], torch.Tensor],
-        shape: torch.Size,
-        bits: int = OFF_BITS,
-    ):
-        self.payload = payload
-        self.decode = decode
-        self.shape = shape
-        self.source: weakref.ref | None = None
-        self.version = 0
-        self.changed: int | None = None  # the version the original was seen at, when changed
-        self.consumers = 1
-        self.held: torch.Tensor | None = None
-        self.taken = 0  # consumers that took a decode in this backward
-        self.shares = False  # decodes through another's value(), which decides if it is private
-        self.bits = bits
-        self.kept = False
-        self.counted = False
-        self.scope: str | None = None
-
-    def watch(self, t: torch.Tensor) -> _Saved:
-        """Check at unpack that ``t`` was not changed in place since (views share its base's
-        version counter). Only a live original can be read: it is looked at when the forward
-        ends (:meth:`look`) and at unpack, so a change to a tensor dropped before the forward
-        ended goes unseen."""
-        self.source = weakref.ref(t._base if t._base is not None else t)
-        self.version = t._version
-        return self
-
-    def look(self) -> None:
-        """Note a change of the original, while it is alive, for the check at unpack."""
-        source = self.source() if self.source is not None else None
-        if source is not None and source._version != self.version:
-            self.changed = source._version
-
-    def check(self) -> None:
-        self.look()
-        if self.changed is not None:
-            _check_version(_Changed(self.shape, self.changed), self.version)
-
-    def fresh(self) -> torch.Tensor:
-        """A decode of its own, for a consumer not counted in :attr:`consumers`."""
-        return self.decode(self.payload)
-
-    def value(self) -> torch.Tensor:
-        """The decoded tensor for one of its counted consumers: for the last (or only) one,
-        marked as one its node may overwrite (:func:`mark_private`) where nothing else holds
-        it; else held for the next, unless its node takes it over to write into
-        (:func:`shared_until_written`). The original itself (:attr:`kept`, here or in the copy
-        this one decodes through) is neither: the model may hold it still."""
-        payload = self.payload
-        if self.kept or (type(payload) is _Saved and payload.kept):
-            return self.fresh()
-        self.taken += 1
-        last = self.taken == self.consumers
-        if last:
-            self.taken = 0  # a further backward (retain_graph) starts again
-        out, self.held = self.held, None
-        if out is not None:  # held for the earlier consumers: private once they let go of it
-            if last:
-                return mark_private(out) if sole_holder(out) else out
-        else:
-            out = self.fresh()
-            if last:
-                return out if self.shares else mark_private(out)
-        previous = getattr(_HOLDING, "saved", None)
-        previous = previous() if previous is not None else None
-        if previous is not None:
-            previous.held = None
-        self.held = out
-        _HOLDING.saved = weakref.ref(self)
-        shared_until_written(out, functools.partial(_let_go, weakref.ref(self), _address(out)))
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        payload = self.payload
-        return tensor_nbytes(payload) if isinstance(payload, torch.Tensor) else payload.nbytes
-
-    def take(self, other: _Saved) -> None:
-        """Decode what ``other`` (a copy of the same tensor, made since) keeps from now on."""
-        self.payload, self.decode, self.bits = other.payload, other.decode, other.bits
-        self.held, self.taken = None, 0
-
-
-def _original(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _no_copy() -> None:
-    """The dedup cache's copy of a tensor kept as it is: none (a dead reference's answer)."""
-    return None
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _let_go(ref: weakref.ref, address: int) -> bool:
-    """The :class:`_Saved` behind ``ref`` stops holding its decode at ``address`` for later
-    consumers (they decode their own); whether it held it. Weak and by address: the storage
-    keeps this function, which must not keep the storage."""
-    saved = ref()
-    if saved is None or saved.held is None or _address(saved.held) != address:
-        return False
-    saved.held = None
-    return True
-
-
-def _alias_key(t: torch.Tensor) -> tuple | None:
-    """Identity of the saved data: dense views of the same memory share one key, whatever their
-    shape or dim order (attention's output as SDPA saves it, heads apart, and as the output
-    projection saves it, heads side by side)."""
-    storage = storage_key(t)
-    if storage is None:
-        return None
-    where = (storage, t.storage_offset(), t.dtype, t._version)
-    if t.is_contiguous() or memory_order(t) is not None:
-        return (*where, t.numel())
-    return (*where, tuple(t.shape), t.stride())
-
-
-def _relaid(
-    t: torch.Tensor, first: tuple[int, ...], shared: bool
-) -> Callable[[object], torch.Tensor]:
-    """Decodes what was saved for another dense view of ``t``'s memory, whose strides were
-    ``first``, into ``t``'s shape and strides: laid out as that view was (the memory they
-    share), then viewed as ``t``. ``shared``: as one of that save's counted consumers
-    (:meth:`_Saved.value`), else a decode of its own."""
-    shape, stride = t.shape, t.stride()
-
-    def decode(saved: _Saved) -> torch.Tensor:
-        out = saved.value() if shared else saved.fresh()
-        out = _with_strides(out, out.shape, first)
-        return out.as_strided(shape, stride, out.storage_offset())
-
-    return decode
-
-
-def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
-    dtype, shape, stride = t.dtype, t.shape, _decoded_strides(t)
-    return lambda half: _with_strides(half.to(dtype), shape, stride)  # .to keeps dense layouts
-
-
-def _decoder(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
-    """Decodes a :class:`PackedTensor` of ``t`` into a tensor of ``t``'s size and layout (see
-    :func:`_decoded_strides`)."""
-    shape, stride = t.shape, _decoded_strides(t)
-    return lambda packed: _with_strides(dequantize(packed), shape, stride)
-
-
-def _decoded_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides a decoded ``t`` gets: its own where it is dense (a transpose, a permutation,
-    a size-1 dim's odd stride), else dense strides in its own dim order. A slice with gaps --
-    attention's query, key and value, each a third of one projection's output -- would
-    otherwise decode into a buffer the size of the whole projection: three times the bytes,
-    alive together in attention's backward. Eager backward formulas take any strides."""
-    if t.is_contiguous():  # most saves: no sort (this runs for every compressed tensor)
-        return t.stride()
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))
-    dense, step = [0] * t.dim(), 1
-    for d in reversed(order):
-        dense[d] = step
-        step *= t.shape[d]
-    dense = tuple(dense)
-    same = all(s == d or n == 1 for s, d, n in zip(t.stride(), dense, t.shape, strict=True))
-    return t.stride() if same else dense
-
-
-def _with_strides(out: torch.Tensor, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
-    """``out`` itself when it has ``stride``, else a copy with it (another dim order, a size-1
-    dim's stride)."""
-    if out.stride() == stride:
-        return out
-    return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
-
-
 class PackObserver(Protocol):
     """Told of every tensor the hooks handle (the profiler counts what they keep)."""
 
     def packed(self, t: torch.Tensor, saved: object, added: int) -> None:
         """``saved`` is what autograd keeps for ``t`` (``t`` itself, or a compact copy that added
         ``added`` bytes; 0 for a copy made earlier in the forward)."""
+
+
+class SaveCounter(Protocol):
+    """What counts the hooks' work (:class:`.counts.SavedCounts`): told when a training
+    forward's outermost scope opens and closes, of each tensor saved (with its scope, bytes and
+    bits), of a shared copy made again at more bits, and of a tensor the codec cannot take."""
+
+    def starts_step(self) -> bool: ...
+
+    def forward_done(self, compiled: Mapping[object, tuple[int, int]]) -> None: ...
+
+    def saved(
+        self, t: torch.Tensor, saved: object, nbytes: int, scope: str | None, bits: int
+    ) -> None: ...
+
+    def resaved(
+        self, saved: object, view: torch.Tensor, moved: tuple[str | None, int] | None,
+        stored: int, held: int, scope: str | None,
+    ) -> None: ...  # fmt: skip
+
+    def unencodable(self, kind: str) -> bool: ...
 
 
 class CompressionHooks:
@@ -338,6 +125,7 @@ class CompressionHooks:
         group_size, stochastic, min_numel: codec settings (see ``quantize`` in the config).
         noise: the generators stochastic rounding draws from (default: the codec's fixed-seed
             ones, :func:`~.codec.codec_generator`).
+        counter: told of what is saved (default: a fresh :class:`.counts.SavedCounts`).
     """
 
     def __init__(
@@ -348,6 +136,7 @@ class CompressionHooks:
         stochastic: bool,
         min_numel: int,
         noise: NoiseGenerators | None = None,
+        counter: SaveCounter | None = None,
     ):
         self.bits = bits
         self.group_size = group_size
@@ -355,7 +144,7 @@ class CompressionHooks:
         self.noise = noise
         self.min_numel = min_numel
         self.sample: tuple[int, int] | None = None  # (samples, training batch): as_training()
-        self.stats = SavedStats()
+        self.counter = SavedCounts() if counter is None else counter
         self.observer: PackObserver | None = None
         self._local = _PerThread()
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref, tuple[int, ...]]] = {}
@@ -378,15 +167,13 @@ class CompressionHooks:
         self._keyed: int | None = None  # the bit table's version the scopes' keys were set at
         self._release: weakref.finalize | None = None
         self.owner: object = None  # what must live as long as these hooks are on a model
-        self.step_ended = False  # the training loop took a step since the last forward began
-        self.memory: StepPeak | None = None  # told of each training forward's start and end
 
     # ----------------------------------------------------------------- installation
     def install(self, root: nn.Module, fqns: Sequence[str]) -> None:
         """Give every module in ``fqns`` (names within ``root``) a compression scope."""
         self._storages = ModelStorages(root)
         self._compiled = CompiledGraphs(root, self.bits)
-        self._unpack_hook = hook_module(self.unpack, "saved")
+        self._unpack_hook = hook_module(self.unpack, "saved", eager=self.unpack)
         if self.stochastic:
             self._seeds = add_seed_source(self._draw_graph_seed)
         SavedFilter.open()
@@ -465,21 +252,18 @@ class CompressionHooks:
     # ----------------------------------------------------------------- module scopes
     def _begin(self) -> None:
         """The outermost scope opens. The first forward after the training loop's step
-        (:attr:`step_ended`, set by ``MemoryOptimizer.count_step``), or, in a loop that counts
-        no steps, one with nothing held from an earlier forward, starts a new step: restart the
-        per-forward counts and refresh the parameters' storages (they may have moved to another
-        device or dtype since apply, or been sharded). Forwards in between (micro-batches whose
-        graphs are all alive) add to the step's counts. A forward without gradients (an eval
-        pass) saves nothing and leaves the last training forward's counts as they are."""
-        if not torch.is_grad_enabled():
+        (:meth:`.counts.SavedCounts.end_step`), or, in a loop that counts no steps, one with
+        nothing held from an earlier forward, starts a new step: the counter restarts the
+        per-forward counts and the parameters' storages are refreshed (they may have moved to
+        another device or dtype since apply, or been sharded). Forwards in between
+        (micro-batches whose graphs are all alive) add to the step's counts. A forward without
+        gradients (an eval pass) saves nothing and leaves the last training forward's counts
+        as they are."""
+        if not torch.is_grad_enabled() or self._storages is None:
             return
-        if (self.step_ended or self.stats.held_bytes == 0) and self._storages is not None:
-            self.step_ended = False
+        if self.counter.starts_step():
             self._storages.refresh()
             self._running.sync()
-            self.stats.start_forward()
-            if self.memory is not None:
-                self.memory.start()
 
     def pair(self, fqn: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         """The (pack, unpack) hooks of scope ``fqn`` at its bits: one pack for eager and traced
@@ -491,13 +275,12 @@ class CompressionHooks:
         pair = self._pairs.get(key)
         if pair is None:
 
-            def pack(t: torch.Tensor) -> object:
-                context = traced_context()
-                if context is None:
-                    return self.pack(t, bits)
-                return self._pack_traced(t, context["_node"], context["_fw_graph"], fqn)
+            def pack(t: torch.Tensor) -> object:  # the GraphModule's forward
+                return self.pack(t, bits, fqn)
 
-            pair = self._pairs[key] = (hook_module(pack, "t"), self._unpack_hook)
+            # Calls go straight to pack (no frame of the GraphModule's call between).
+            eager = functools.partial(self.pack, bits=bits, scope=fqn)
+            pair = self._pairs[key] = (hook_module(pack, "t", eager=eager), self._unpack_hook)
             _SCOPE_PACKS.add(pair[0])
         return pair
 
@@ -538,9 +321,7 @@ class CompressionHooks:
                 self._cache.clear()  # the outermost scope closed: dedup spans one forward
                 self._dtensors = []
                 self._last = None
-                self.stats.add_compiled(self._compiled.forward_done(output))
-                if self.memory is not None and torch.is_grad_enabled():
-                    self.memory.forward_done()
+                self.counter.forward_done(self._compiled.forward_done(output))
                 if not self._compiled_noted:
                     self._note_compiled()
 
@@ -565,69 +346,102 @@ class CompressionHooks:
         )
 
     # ----------------------------------------------------------------- pack / unpack
-    def pack(self, t: torch.Tensor, bits: int) -> object:
+    def pack(
+        self, t: torch.Tensor, bits: int, scope: str | None = None, ranged: bool = False
+    ) -> object:
         """Return what autograd keeps for ``t`` under ``bits``: ``t`` itself (with its version,
-        :class:`_Kept`) or a compact copy; :meth:`unpack` gives the tensor back."""
-        with mark(PACK_RANGE):
-            saved, added = self._pack(t, bits)
+        :class:`_Kept`) or a compact copy; :meth:`unpack` gives the tensor back. The pack hook
+        of scope ``scope`` (:meth:`pair`): while AOTAutograd traces, the traced codec's ops.
+        The codec is called from here through :meth:`_compress`, nothing deeper (every frame
+        on that path runs for every saved tensor); ``ranged``: inside the profiler's range."""
+        if scope is not None:
+            context = traced_context()
+            if context is not None:
+                return self._pack_traced(t, context["_node"], context["_fw_graph"], scope)
+        if not ranged and torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(PACK_RANGE):
+                return self.pack(t, bits, None, True)
+        # Small tensors (normalization's statistics) are kept as they are whatever the bits:
+        # decided first, before the model's storages or the dedup cache are looked at.
+        if t.numel() < self.min_numel and self.sample is None and encodable(t):
+            return self._told(t, t, 0)
+        key, found = self._found(t, bits)
+        if found is not None:
+            return self._told(t, *found)
+        if bits < OFF_BITS and t.is_floating_point() and self._computed is not None:
+            model = (self._storages, self._running)
+            if computed_weight(t, model, self._computed):  # kept as the parameters it is made of
+                bits = OFF_BITS
+        return self._told(t, *self._keep(t, self._compress(t, bits), bits, key))
+
+    def _told(self, t: torch.Tensor, saved: object, added: int) -> object:
+        """What autograd keeps for ``t``, ``saved`` (``added`` bytes), once the observer knows."""
         if self.observer is not None:
             self.observer.packed(t, saved, added)
         return _Kept(t) if saved is t else saved
 
-    def _pack(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
-        if is_sharded(t):
-            return self._pack_distributed(t, bits)
-        if not encodable(t):
+    def _pack_plain(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
+        """What :meth:`pack` keeps for ``t`` (a DTensor's local shard) and the bytes it added,
+        the same steps as :meth:`pack`'s own (which calls them inline: a frame fewer on the
+        path every saved tensor takes)."""
+        key, found = self._found(t, bits)
+        if found is not None:
+            return found
+        if bits < OFF_BITS and t.is_floating_point() and self._computed is not None:
+            if computed_weight(t, (self._storages, self._running), self._computed):
+                bits = OFF_BITS
+        return self._keep(t, self._compress(t, bits), bits, key)
+
+    def _found(self, t: torch.Tensor, bits: int) -> tuple[tuple | None, tuple[object, int] | None]:
+        """``t``'s dedup key, and what is kept for it without compressing it here, if anything:
+        ``t`` itself (the policy keeps it as it is), a DTensor's packed local shard
+        (:meth:`_pack_distributed`), the copy made of it earlier in this forward, or a recipe
+        over its compressed input (:meth:`_derived`)."""
+        if not encodable(t):  # a DTensor is not: its wrapper's data_ptr() is not its data's
+            if is_sharded(t):
+                return None, self._pack_distributed(t, bits)
             self._keep_unencodable(t)
-            return t, 0
+            return None, (t, 0)
         model = () if self._storages is None else (self._storages, self._running)
         if kept_as_is(t, min_numel_at(t.shape, self.min_numel, self.sample), model):
-            return t, 0
+            return None, (t, 0)
         key = _alias_key(t)
         hit = self._cache.get(key) if key is not None else None
         # The cached tensor being alive proves its storage is, so the address is not a reused one.
         if hit is not None and hit[0]() is not None:
             if hit[1] is _no_copy:  # kept as it is by an earlier saver: so for every saver
-                return t, 0
+                return key, (t, 0)
             saved = hit[1]()
             if saved is not None:  # saved earlier in this forward (maybe as another view): once
-                return self._share(saved, t, hit[2], bits)
+                return key, self._share(saved, t, hit[2], bits)
         derived = self._derived(t, bits)
         self._last = None
-        # A view made just to be saved (a Linear's input flattened to 2-D) dies at once; its base
-        # lives as long as the storage does, and so proves the address is not reused.
-        base = t._base if t._base is not None else t
         if derived is not None:
             if key is not None:
-                self._cache[key] = (weakref.ref(base), weakref.ref(derived), t.stride())
-            return derived, 0
-        if bits < OFF_BITS and t.is_floating_point() and self._computed is not None:
-            if computed_weight(t, model, self._computed):  # kept as the parameters it is made of
-                bits = OFF_BITS
-        saved = self._compress(t, bits)
+                self._cache[key] = (weakref.ref(_base(t)), weakref.ref(derived), t.stride())
+            return key, (derived, 0)
+        return key, None
+
+    def _keep(
+        self, t: torch.Tensor, saved: object, bits: int, key: tuple | None
+    ) -> tuple[object, int]:
+        """Note ``saved``, what :meth:`_compress` made of ``t`` (maybe ``t`` itself), for the
+        counter, the dedup cache and the version check; it and the bytes it added."""
         if saved is not t:
             saved.watch(t)
             note_packed(t, saved, bits)
-        stats = self.stats
-        original = tensor_nbytes(t)
-        stats.forward_original += original
-        stats.forward_tensors += 1
-        nbytes = original if saved is t else saved.nbytes
-        scope = self._count_module(t, original, nbytes)
+        names = self._local.names
+        scope = names[-1] if names else None  # whose counts hold the bytes: the innermost's
+        nbytes = tensor_nbytes(t) if saved is t else saved.nbytes
+        self.counter.saved(t, saved, nbytes, scope, bits)
         if saved is t:
-            stats.forward_stored += original
-            if bits < OFF_BITS:  # asked to compress: the codec keeps it exactly (ints, bools)
-                stats.keep_whole(scope, str(t.dtype).removeprefix("torch."), original)
             if key is not None:
-                self._cache[key] = (weakref.ref(base), _no_copy, t.stride())
+                self._cache[key] = (weakref.ref(_base(t)), _no_copy, t.stride())
             return t, 0
-        stats.forward_stored += nbytes
-        stats.held_bytes += nbytes
         saved.counted, saved.scope = True, scope
         self._last = weakref.ref(saved)
-        weakref.finalize(saved, stats._release, nbytes)
         if key is not None:
-            self._cache[key] = (weakref.ref(base), weakref.ref(saved), t.stride())
+            self._cache[key] = (weakref.ref(_base(t)), weakref.ref(saved), t.stride())
         return saved, nbytes
 
     def _pack_distributed(self, t: torch.Tensor, bits: int) -> tuple[object, int]:
@@ -638,7 +452,7 @@ class CompressionHooks:
         if redistributed_parameter(t):
             return t, 0
         local = t._local_tensor
-        saved, added = self._pack(local, bits)
+        saved, added = self._pack_plain(local, bits)
         if saved is local:
             return t, 0
         rebuild = functools.partial(_as_dtensor, t.device_mesh, t.placements, t.shape, t.stride())
@@ -687,17 +501,11 @@ class CompressionHooks:
             saved.take(made)
             note_packed(view, saved, bits)
             stored = held = saved.nbytes
-        stats = self.stats
-        if saved.counted:
-            self._uncount_module(saved.scope, view, original, before)
-        else:
-            stats.forward_original += original
-            stats.forward_tensors += 1
-        stats.forward_stored += stored - before
-        if held != before:
-            stats.held_bytes += held - before
-            weakref.finalize(saved, stats._release, held - before)
-        saved.counted, saved.scope = True, self._count_module(view, original, stored)
+        names = self._local.names
+        scope = names[-1] if names else None
+        moved = (saved.scope, before) if saved.counted else None
+        self.counter.resaved(saved, view, moved, stored, held, scope)
+        saved.counted, saved.scope = True, scope
         return stored - before
 
     def _derived(self, t: torch.Tensor, bits: int) -> _Saved | None:
@@ -717,47 +525,12 @@ class CompressionHooks:
         kind = type(t).__name__ if t.layout is torch.strided else str(t.layout)
         if t.is_meta:
             kind = "meta"
-        seen = self.stats.unencodable.get(kind, 0)
-        self.stats.unencodable[kind] = seen + 1
-        if not seen:
+        if self.counter.unencodable(kind):
             log.info(
                 "memopt: saved tensors of kind %s are kept as they are (the codec takes plain "
                 "dense tensors); memopt/unencodable counts them",
                 kind,
             )
-
-    def _count_module(self, t: torch.Tensor, original: int, stored: int) -> str | None:
-        """Add ``t`` to the counts of the innermost entered scope (:attr:`SavedStats.modules`);
-        that scope's name."""
-        counting = self._local.names
-        if not counting:
-            return None
-        fqn = counting[-1]
-        saved = self.stats.modules.get(fqn)
-        if saved is None:
-            saved = self.stats.modules[fqn] = ModuleSaved()
-        saved.original += original
-        saved.stored += stored
-        if t.is_floating_point():
-            saved.floats.append((t.numel(), t.element_size()))
-        else:
-            saved.fixed += stored
-        return fqn
-
-    def _uncount_module(self, fqn: str | None, t: torch.Tensor, original: int, stored: int) -> None:
-        """Take ``t`` out of scope ``fqn``'s counts (its copy moved to another scope's bits); a
-        scope left with nothing is dropped."""
-        saved = self.stats.modules.get(fqn) if fqn is not None else None
-        if saved is None:
-            return
-        saved.original -= original
-        saved.stored -= stored
-        if t.is_floating_point():
-            saved.floats.remove((t.numel(), t.element_size()))
-        else:
-            saved.fixed -= stored
-        if not saved.original:
-            del self.stats.modules[fqn]
 
     def _compress(self, t: torch.Tensor, bits: int) -> object:
         if not t.is_floating_point():
@@ -781,7 +554,7 @@ class CompressionHooks:
             t.detach(), bits, group_size=self.group_size, stochastic=self.stochastic,
             generator=generator,
         )  # fmt: skip
-        return _Saved(packed, _decoder(t), t.shape, bits)
+        return _Saved(packed, _decoder(t), packed.shape, bits)
 
     def _pack_traced(
         self, t: torch.Tensor, node: torch.fx.Node, graph: torch.fx.Graph, default: str
@@ -839,8 +612,10 @@ class CompressionHooks:
             return saved.tensor
         if isinstance(saved, _Saved):
             saved.check()
-            with mark(UNPACK_RANGE):
+            if not torch.autograd._profiler_enabled():
                 return saved.value()  # the lean ops may write gradients into a private one
+            with torch.profiler.record_function(UNPACK_RANGE):
+                return saved.value()
         tag = saved[0] if isinstance(saved, tuple) else None
         if tag == CODED:
             coded = Coded(*saved[1:])
@@ -853,12 +628,10 @@ class CompressionHooks:
         return saved
 
 
-def _strided(out: torch.Tensor, stride: tuple | None) -> torch.Tensor:
-    """``out`` (contiguous) with the strides of the tensor it was decoded for (``None``: as it
-    is)."""
-    if stride is None:
-        return out
-    return torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """What proves ``t``'s address is not a reused one while alive: a view made just to be saved
+    (a Linear's input flattened to 2-D) dies at once; its base lives as long as the storage."""
+    return t._base if t._base is not None else t
 
 
 def _release_process_state(seeds: int | None) -> None:

@@ -3,7 +3,9 @@
 :class:`CheckPasses` runs each pass of a check over the same equal pieces of its sample (one
 piece: the whole sample). :func:`exact_pass` runs the exact one with compression suspended: it
 finds what judges each module, the norms under which a gradient is negligible and (metrics
-``noise`` and ``sgd``) the sampling variance of the exact gradient from the sample's two halves.
+``noise`` and ``sgd``) the sampling variance of the exact gradient from the sample's two halves:
+from the exact pass's own pieces where it runs two or more (the halves' gradients are their
+pieces' folds: no pass of its own), else from a pass of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..distributed import distributed
 from .judges import PARAMS, TENSORS, Judge, find_judges
 from .passes import (
     CheckedParameters,
@@ -58,20 +61,32 @@ class CheckPasses:
         #: ``(samples in a piece, training batch)``: a piece's saves judged at training's sizes
         #: (:func:`~memopt_plugins.policy.min_numel_at`); ``None``: at their own
         self.sample: tuple[int, int] | None = None
+        #: per parameter, the sampling variance of the exact gradient from the halves of the
+        #: exact pass's pieces (:func:`piece_halves`); ``None``: one piece, or not asked for
+        self.spread: torch.Tensor | None = None
+        self.halves = False  # whether the exact pass measures :attr:`spread`
 
     @classmethod
-    def of(cls, check: DriftCheck, fqns: Sequence[str]) -> CheckPasses:
+    def of(cls, check: DriftCheck, fqns: Sequence[str], halves: bool = False) -> CheckPasses:
         """The passes of ``check`` on the modules ``fqns``: its sample cut in pieces of the
         least size over ranks where it gives a cut (every rank cuts alike: sharded folds are
-        collectives)."""
+        collectives). ``halves`` (the sampling variance is wanted): a sample that fits whole
+        is cut in its two halves where it can be, so the exact pass measures the variance
+        too and no pass of its own runs for it (the same samples, one pass fewer)."""
         sample = check.sample
         checked = CheckedParameters(sample.model)
         param_free = [f for f in fqns if not checked.own(f)]
         pieces: Sequence[Callable[[], torch.Tensor]] = [sample.loss_fn]
         if sample.cut is not None and sample.most > 0:
-            least = max_reduced(check.reduce_max, [-float(sample.most)], device_of(checked))
-            pieces = sample.cut(int(-least[0]))
-        return cls(sample.model, checked, param_free, pieces)
+            least = int(
+                -max_reduced(check.reduce_max, [-float(sample.most)], device_of(checked))[0]
+            )
+            pieces = sample.cut(least)
+            if halves and len(pieces) == 1 and len(cut := sample.cut(max(1, least // 2))) == 2:
+                pieces = cut
+        passes = cls(sample.model, checked, param_free, pieces)
+        passes.halves = halves
+        return passes
 
     def run(
         self,
@@ -79,10 +94,12 @@ class CheckPasses:
         recorder: Callable[[], PassRecorder] | None = None,
         squares_only: bool = False,
         first: Callable[[PassRecorder], None] | None = None,
+        kept: list[PassGradients] | None = None,
     ) -> PassGradients | None:
         """One pass: ``loss_of(index, piece)`` per piece (default: the piece's loss), recorded by
-        ``recorder()``; ``first(rec)`` after the first piece's forward. ``None`` where
-        ``loss_of`` returns ``None``: the pass ends there, with no backward."""
+        ``recorder()``; ``first(rec)`` after the first piece's forward; each piece's gradients
+        appended to ``kept``. ``None`` where ``loss_of`` returns ``None``: the pass ends there,
+        with no backward."""
         params, sharded = self.checked.params, self.checked.sharded
         parts = []
         for index, piece in enumerate(self.pieces):
@@ -98,6 +115,8 @@ class CheckPasses:
             only = squares_only and len(self.pieces) == 1  # pieces merge by their folds
             parts.append(gradients(loss, targets, sharded, squares_only=only))
             del loss, rec, tensors, targets
+        if kept is not None:
+            kept.extend(parts)
         return merged(parts, len(params), len(self.wanted), sharded)
 
     def exact(
@@ -125,13 +144,18 @@ class CheckPasses:
             self.layout = rec.layout()
             self.finished = {f: t for f, t in rec.finished.items() if rec.saved.get(f, 0)}
 
+        parts: list[PassGradients] = []
         exact = self.run(
             counted,
             lambda: PassRecorder(self.model, self.param_free, scopes, min_numel),
             first=first,
+            kept=parts,
         )
         assert exact is not None
         params, count, wanted = len(self.checked.params), len(self.pieces), self.wanted
+        if self.halves and count >= 2 and self.samples:
+            self.spread = piece_halves(parts, params, self.checked.sharded)
+        del parts
         if len(exact.folds) < params + count * len(wanted):
             for f in [f for f, j in self.judges.items() if j.kind == TENSORS]:
                 del self.judges[f]
@@ -201,6 +225,35 @@ class CheckPasses:
         return torch.cat([params[: len(self.checked.params)], tensors_sq]), n
 
 
+def piece_halves(
+    parts: Sequence[PassGradients], params: int, sharded: Sequence[int]
+) -> torch.Tensor:
+    """Per parameter, the sampling variance of the mean exact gradient of a sample run in
+    ``parts``, equal pieces of it in order: its first half ``A`` the first ``ceil(count / 2)``
+    pieces, ``B`` the others, ``E|g_A - g_B|^2 = tr(Σ) (1/|A| + 1/|B|)`` and ``Var(g) = tr(Σ) /
+    n`` (as :class:`~.passes.SignedHalves` measures it in a pass of its own), from the pieces'
+    folds (folding is linear: the halves' folds are their pieces' mean; a fold's squared norm
+    estimates the gradient's without bias). A sharded parameter's fold is the whole gradient's
+    on every rank: each holds its squared norm over the world size, as :func:`merged` does."""
+    count = len(parts)
+    a, b = (count + 1) // 2, count // 2  # pieces: their samples are in the same ratio
+    out = torch.zeros(params, dtype=torch.float64)
+    for i in range(params):
+        found = [p.folds[i] for p in parts]
+        if any(f is not None for f in found):
+            difference = _mean_fold(found[:a]) - _mean_fold(found[a:])
+            out[i] = difference.square().sum()
+    if sharded and distributed():
+        out[list(sharded)] /= torch.distributed.get_world_size()
+    return out / (count * (1 / a + 1 / b))
+
+
+def _mean_fold(folds: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The mean of ``folds`` in float64 (``None``: no gradient reached that piece: zeros)."""
+    found = [f.double() for f in folds if f is not None]
+    return sum(found[1:], found[0]) / len(folds) if found else torch.zeros((), dtype=torch.float64)
+
+
 def device_of(checked: CheckedParameters) -> torch.device | None:
     """Where the check's values are reduced over ranks: the first parameter's device."""
     return checked.params[0].device if checked.params else None
@@ -251,7 +304,13 @@ def exact_pass(
         TENSORS: NEGLIGIBLE * float(usable[params:].sum().sqrt()),
     }
     variance, samples = None, 0
-    if metric in ("noise", "sgd"):
+    if metric in ("noise", "sgd") and passes.spread is not None:  # the pieces' halves
+        spread = summed_over_shards(passes.spread, passes.checked.sharded)
+        variance, samples = (
+            torch.cat([spread, exact_sq[params:]]),
+            passes.samples * len(passes.pieces),
+        )
+    elif metric in ("noise", "sgd"):
         with one_pass(), face.suspend():
             variance, samples = passes.signed_halves()
         if variance is None:  # no output with the samples: the halves run on their own

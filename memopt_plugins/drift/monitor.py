@@ -101,7 +101,7 @@ class DriftMonitor:
         fqns = sorted(check.face.bits)
         if not fqns:
             return self._record(DriftReport(step, threshold=cfg.threshold, metric=cfg.metric))
-        passes = CheckPasses.of(check, fqns)
+        passes = CheckPasses.of(check, fqns, halves=cfg.metric in ("noise", "sgd"))
         # Eagerly: modules inside compiled graphs are judged too (their hooks fire).
         with eagerly(), preserved_state(check.sample.model, check.face.generators) as one_pass:
             exact = exact_pass(passes, one_pass, check, fqns, cfg.metric)

@@ -406,8 +406,20 @@ def cut_sample(
 #: a norm), so a check never holds a whole gradient (a fold is kept in float32: 4 KiB a target and
 #: pass); a smaller gradient is kept as it is (exact).
 SKETCH = 1024
-#: Elements folded at a time (their float64 copy and signs are the fold's only memory).
+#: Elements folded at a time, at least (their float64 copy and signs are the fold's only memory).
 CHUNK = SKETCH * 8
+#: ... and at most: a gradient is folded in about :data:`CHUNKS` chunks between the two, so that
+#: a large one is folded in few steps (each a Python round trip) while a chunk's copy stays a
+#: small share of the gradient in flight.
+MOST_CHUNK = SKETCH * 256
+CHUNKS = 16
+
+
+def chunk_size(whole: int) -> int:
+    """Elements a fold of a gradient of ``whole`` elements takes at a time: a multiple of
+    :data:`SKETCH` that depends on ``whole`` alone, so every pass and every rank's share of one
+    target draws the same signs."""
+    return SKETCH * max(CHUNK // SKETCH, min(MOST_CHUNK // SKETCH, whole // (SKETCH * CHUNKS)))
 
 
 @dataclass
@@ -455,20 +467,27 @@ def fold(
     out = torch.zeros(SKETCH, dtype=torch.float64, device=flat.device)
     sq = torch.zeros((), dtype=torch.float64, device=flat.device)
     generator = torch.Generator(device=flat.device)
-    end = offset + flat.numel()
-    for first in range(offset - offset % CHUNK, end, CHUNK):  # the whole's chunks it touches
-        lo, hi = max(first, offset), min(first + CHUNK, end)
+    end, size = offset + flat.numel(), chunk_size(whole)
+    for first in range(offset - offset % size, end, size):  # the whole's chunks it touches
+        lo, hi = max(first, offset), min(first + size, end)
         chunk = flat[lo - offset : hi - offset].double()
         sq += torch.linalg.vecdot(chunk, chunk)
-        generator.manual_seed(salt * 1_000_003 + first // CHUNK)
+        generator.manual_seed(salt * 1_000_003 + first // size)
         signs = torch.randint(
-            0, 2, (CHUNK,), generator=generator, device=flat.device, dtype=torch.int8
+            0, 2, (size,), generator=generator, device=flat.device, dtype=torch.int8
         )[lo - first : hi - first]
         chunk.mul_(signs.mul_(2).sub_(1))
         front = lo % SKETCH  # chunks start at a multiple of SKETCH
         chunk = torch.nn.functional.pad(chunk, (front, -(front + chunk.numel()) % SKETCH))
         out += chunk.view(-1, SKETCH).sum(0)
     return out.float().cpu(), float(sq)
+
+
+def squared_norm(flat: torch.Tensor) -> float:
+    """The squared norm of the flat tensor ``flat`` in float64, a chunk's copy at a time."""
+    size = min(MOST_CHUNK, max(CHUNK, flat.numel() // CHUNKS))  # as a fold's, of SKETCH alone
+    chunks = (flat[lo : lo + size].double() for lo in range(0, flat.numel(), size))
+    return float(sum(torch.linalg.vecdot(c, c) for c in chunks))
 
 
 #: What a reentrant checkpoint (torch's ``use_reentrant=True``, ``deepspeed.checkpointing``'s
@@ -523,9 +542,11 @@ def gradients(
             if i in shared:
                 share = rank_share(whole)
                 flat, offset = flat[share], share.start
-            folded, square = fold(flat, i, offset, whole)
-            sq[i] += square
-            if not squares_only:
+            if squares_only:  # no fold to make: only its squared norm
+                sq[i] += squared_norm(flat)
+            else:
+                folded, square = fold(flat, i, offset, whole)
+                sq[i] += square
                 folds[i] = folded if folds[i] is None else folds[i] + folded
             if leaf:  # nothing flows on from a parameter: free its gradient now
                 return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)

@@ -18,6 +18,8 @@ chunk by chunk, so a chunk of logits and its gradient is the most it holds:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,23 +39,6 @@ def default_chunk_size(tokens: int, vocab: int, hidden: int) -> int:
     chunks = max(1, math.ceil(vocab / max(hidden, 1)) * _CHUNK_TARGET)
     size = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / chunks)))))
     return max(1, min(size, tokens))
-
-
-def _logits(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    softcap: float | None,
-    y: torch.Tensor | None = None,
-):
-    """The chunk's logits in fp32 (and, with ``softcap``, ``tanh(y / cap)`` for the chain rule);
-    ``y``: the head's output for the chunk when it is already at hand."""
-    y = F.linear(h, weight, bias) if y is None else y
-    y = y.to(torch.promote_types(y.dtype, torch.float32))
-    if softcap is None:
-        return y, None
-    t = torch.tanh(y / softcap)
-    return softcap * t, t
 
 
 def chunk_losses(
@@ -88,7 +73,115 @@ def chunk_gradient(
     return g
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """What the loss is, beside its tensors (as :func:`linear_cross_entropy` resolved it)."""
+
+    ignore_index: int = -100
+    smoothing: float = 0.0
+    softcap: float | None = None
+    chunk: int = 1
+
+    def as_schema(self) -> tuple[int, float, float | None, int]:
+        """In the order the compiled operators take them."""
+        return (self.ignore_index, self.smoothing, self.softcap, self.chunk)
+
+
+class _Inputs(NamedTuple):
+    """The loss's tensors: ``(N, H)`` hidden states, ``(V, H)`` weight, bias, ``(N,)`` target."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor
+
+
+def _chunks(n: int, chunk: int):
+    """The rows of each chunk."""
+    return (slice(start, min(start + chunk, n)) for start in range(0, n, chunk))
+
+
+def _buffer(inputs: _Inputs, options: LossOptions) -> torch.Tensor:
+    """Every chunk's logits, in turn: one chunk's worth, in the work dtype."""
+    n, vocab = inputs.hidden.shape[0], inputs.weight.shape[0]
+    work = torch.promote_types(inputs.hidden.dtype, torch.float32)
+    return inputs.hidden.new_empty((min(options.chunk, n), vocab), dtype=work)
+
+
+def _logits(
+    inputs: _Inputs,
+    rows: slice,
+    buffer: torch.Tensor,
+    softcap: float | None,
+    y: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunk's logits, written into ``buffer`` (and, with ``softcap``, ``tanh(y / cap)``
+    for the chain rule); ``y``: the head's output for the chunk when it is already at hand."""
+    h, weight, bias = inputs.hidden[rows], inputs.weight, inputs.bias
+    z = buffer[: h.shape[0]]
+    if y is not None or h.dtype != z.dtype:  # autocast's dtype: the matmul runs in it
+        z.copy_(F.linear(h, weight, bias) if y is None else y)
+    elif bias is None:
+        torch.mm(h, weight.t(), out=z)
+    else:
+        torch.addmm(bias, h, weight.t(), out=z)
+    if softcap is None:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return torch.mul(t, softcap, out=z), t
+
+
+def _exp_shifted_(
+    z: torch.Tensor, t: torch.Tensor, options: LossOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's losses per token (0 where ignored), log-sum-exps and sums of
+    ``exp(z - max)``, leaving ``exp(z - max)`` in ``z``: one exponential per logit."""
+    peak = z.amax(dim=-1, keepdim=True)
+    z.sub_(peak)
+    picked = z.gather(1, t.clamp(0, z.shape[-1] - 1)[:, None])[:, 0]
+    smoothed = z.mean(dim=-1) if options.smoothing else None
+    total = z.exp_().sum(dim=-1)
+    log_total = total.log()
+    # the shift cancels: lse - z_t = log_total - (z_t - max)
+    loss = log_total - (1 - options.smoothing) * picked
+    if smoothed is not None:
+        loss -= options.smoothing * smoothed
+    losses = torch.where(t != options.ignore_index, loss, 0.0)
+    return losses, log_total.add_(peak[:, 0]), total
+
+
+def _softmax_gradient_(
+    e: torch.Tensor, total: torch.Tensor, t: torch.Tensor, scale: torch.Tensor, options: LossOptions
+) -> torch.Tensor:
+    """:func:`chunk_gradient` from ``e = exp(z - max)`` and its sums ``total``, written into
+    ``e``: the softmax and the scale in one pass."""
+    vocab, smoothing = e.shape[-1], options.smoothing
+    scale = torch.where(t != options.ignore_index, scale, 0.0)
+    e.mul_((scale / total)[:, None])
+    picked = ((smoothing - 1) * scale)[:, None]
+    e.scatter_add_(1, t.clamp(0, vocab - 1)[:, None], picked)
+    if smoothing:
+        e.sub_((smoothing / vocab * scale)[:, None])
+    return e
+
+
 def _losses(
+    inputs: _Inputs, options: LossOptions, logits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's loss (0 where ignored) and the bits of its log-sum-exp, chunk by chunk (the
+    chunks of ``logits`` where given, else of the head's output)."""
+    n = inputs.hidden.shape[0]
+    buffer = _buffer(inputs, options)
+    losses = torch.empty(n, dtype=buffer.dtype, device=buffer.device)
+    lse = torch.empty(n, dtype=buffer.dtype, device=buffer.device)
+    for rows in _chunks(n, options.chunk):
+        y = logits[rows] if logits is not None else None
+        z, _ = _logits(inputs, rows, buffer, options.softcap, y)
+        losses[rows], lse[rows], _ = _exp_shifted_(z, inputs.target[rows], options)
+    return losses, lse.view(_BITS_OF[buffer.dtype])
+
+
+def _forward_kernel(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -99,23 +192,14 @@ def _losses(
     chunk: int,
     logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's loss (0 where ignored) and the bits of its log-sum-exp, chunk by chunk (the
-    chunks of ``logits`` where given, else of the head's output)."""
-    n = hidden.shape[0]
-    work = torch.promote_types(hidden.dtype, torch.float32)
-    losses = torch.empty(n, dtype=work, device=hidden.device)
-    lse = torch.empty(n, dtype=work, device=hidden.device)
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
-        y = logits[rows] if logits is not None else None
-        z, _ = _logits(hidden[rows], weight, bias, softcap, y)
-        losses[rows], lse[rows] = chunk_losses(z, target[rows], ignore_index, smoothing)
-    return losses, lse.view(_BITS_OF[work])
+    """:func:`_losses` with the operator's schema (flat: an operator takes no dataclass)."""
+    options = LossOptions(ignore_index, smoothing, softcap, chunk)
+    return _losses(_Inputs(hidden, weight, bias, target), options, logits)
 
 
 #: :func:`_losses` as one operator, for compiled graphs.
 _forward_op = torch.library.custom_op(
-    "memopt::linear_cross_entropy_forward", _losses, mutates_args=()
+    "memopt::linear_cross_entropy_forward", _forward_kernel, mutates_args=()
 )
 
 
@@ -133,139 +217,126 @@ class _LinearCrossEntropy(torch.autograd.Function):
     as a float, which the graph's codec then compressed."""
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor, logits
-    ):
-        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits)
+    def forward(ctx, hidden, weight, bias, target, options, divisor, logits):
+        inputs = _Inputs(hidden, weight, bias, target)
         if torch.compiler.is_compiling():
-            losses, lse_bits = torch.ops.memopt.linear_cross_entropy_forward(*args)
+            op = torch.ops.memopt.linear_cross_entropy_forward
+            losses, lse_bits = op(*inputs, *options.as_schema(), logits)
         else:
-            losses, lse_bits = _losses(*args)
-        ctx.save_for_backward(hidden, weight, bias, target)
+            losses, lse_bits = _losses(inputs, options, logits)
+        ctx.save_for_backward(*inputs)
         # Kept off the compression hooks: an error in it would scale every probability. As its
         # bits in an integer tensor, it is not compressed where a compiled graph saves it either.
         ctx.lse_bits = lse_bits
-        ctx.args = (ignore_index, smoothing, softcap, chunk, divisor)
+        ctx.args = (options, divisor)
         return losses if divisor is None else losses.sum() / divisor
 
     @staticmethod
     @first_order
     def backward(ctx, grad_out):
-        hidden, weight, bias, target = ctx.saved_tensors
-        ignore_index, smoothing, softcap, chunk, divisor = ctx.args
+        inputs = _Inputs(*ctx.saved_tensors)
+        options, divisor = ctx.args
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        work = torch.promote_types(hidden.dtype, torch.float32)
+        work = torch.promote_types(inputs.hidden.dtype, torch.float32)
         # d loss / d loss_i: one per token ("none"), else the same for every token
-        scale = grad_out if divisor is None else (grad_out / divisor).expand(target.shape)
+        scale = grad_out if divisor is None else (grad_out / divisor).expand(inputs.target.shape)
+        scale = scale.to(work)
         # the log-sum-exp stays integer bits in the graph: read as floats inside the operator
-        args = (hidden, weight, bias, target, ctx.lse_bits, scale.to(work), ignore_index,
-                smoothing, softcap, chunk, want_w)  # fmt: skip
         if torch.compiler.is_compiling():
-            grad_h, grad_w, grad_b = torch.ops.memopt.linear_cross_entropy_backward(*args)
+            op = torch.ops.memopt.linear_cross_entropy_backward
+            grads = op(*inputs, ctx.lse_bits, scale, *options.as_schema(), want_w)
         else:
-            grad_h, grad_w, grad_b = _gradients(*args, donate=True)
+            grads = _gradients(inputs, ctx.lse_bits, scale, options, want_w, donate=True)
+        grad_h, grad_w, grad_b = grads
         return (
             grad_h if want_h else None,
-            grad_w.to(weight.dtype) if want_w else None,
-            grad_b.to(bias.dtype) if want_b and bias is not None else None,
-            *[None] * 7,
+            grad_w.to(inputs.weight.dtype) if want_w else None,
+            grad_b.to(inputs.bias.dtype) if want_b and inputs.bias is not None else None,
+            *[None] * 4,
         )
 
 
+def _gradient_buffers(inputs: _Inputs, want_w: bool, grad_h: torch.Tensor | None = None):
+    """The gradients of ``hidden`` (``grad_h`` where given), ``weight`` (fp32, empty unless
+    ``want_w``; unset: the first chunk sets it) and bias (fp32 zeros), before the chunks."""
+    hidden, weight = inputs.hidden, inputs.weight
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    grad_h = torch.empty_like(hidden) if grad_h is None else grad_h
+    shape = weight.shape if want_w else (0,)
+    # no chunk at all: nothing sets it, and it is the zero gradient
+    make = torch.empty if hidden.shape[0] else torch.zeros
+    grad_w = make(shape, dtype=work, device=weight.device)
+    grad_b = torch.zeros(weight.shape[0], dtype=work, device=weight.device)
+    return grad_h, grad_w, grad_b
+
+
 def _gradients(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
+    inputs: _Inputs,
     lse_bits: torch.Tensor,
     scale: torch.Tensor,
-    ignore_index: int,
-    smoothing: float,
-    softcap: float | None,
-    chunk: int,
+    options: LossOptions,
     want_w: bool,
     donate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden``, ``weight`` (fp32; empty unless ``want_w``) and the bias
     (fp32; zeros without one), chunk by chunk; ``scale`` is the loss's gradient per token. With
     ``donate``, a freshly decoded ``hidden`` (dead row by row) takes its own gradient."""
-    n, vocab = hidden.shape[0], weight.shape[0]
-    work = torch.promote_types(hidden.dtype, torch.float32)
-    lse = lse_bits.view(work)
-    grad_h = hidden if donate and private(hidden) else torch.empty_like(hidden)
-    shape = weight.shape if want_w else (0,)
-    grad_w = torch.zeros(shape, dtype=work, device=weight.device)
-    grad_b = torch.zeros(vocab, dtype=work, device=weight.device)
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
-        h = hidden[rows]
-        z, t_cap = _logits(h, weight, bias, softcap)
-        g = chunk_gradient(z, lse[rows], target[rows], scale[rows], ignore_index, smoothing)
-        _accumulate(g, t_cap, h, weight, bias, rows, grad_h, grad_w if want_w else None, grad_b)
-        del z, g  # before the next chunk's logits: one chunk alive at a time
-    return grad_h, grad_w, grad_b
+    hidden = inputs.hidden
+    own = hidden if donate and private(hidden) else None
+    grads = _gradient_buffers(inputs, want_w, own)
+    buffer = _buffer(inputs, options)
+    lse = lse_bits.view(buffer.dtype)
+    for rows in _chunks(hidden.shape[0], options.chunk):
+        z, t_cap = _logits(inputs, rows, buffer, options.softcap)
+        args = (lse[rows], inputs.target[rows], scale[rows], options.ignore_index)
+        g = chunk_gradient(z, *args, options.smoothing)
+        _accumulate(g, t_cap, inputs, rows, grads)
+    return grads
 
 
 def _accumulate(
     g: torch.Tensor,
     t_cap: torch.Tensor | None,
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    inputs: _Inputs,
     rows: slice,
-    grad_h: torch.Tensor,
-    grad_w: torch.Tensor | None,
-    grad_b: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:
-    """Add one chunk's share to the gradients, from ``g``, its logits' gradient (before the
-    softcap's chain rule); ``grad_w`` ``None``: not wanted."""
-    work = grad_b.dtype
+    """Add one chunk's share to the gradients (as :func:`_gradient_buffers` made them), from
+    ``g``, its logits' gradient (before the softcap's chain rule)."""
+    grad_h, grad_w, grad_b = grads
+    h, weight = inputs.hidden[rows], inputs.weight
     if t_cap is not None:
-        g *= 1 - t_cap.square()
+        g *= t_cap.square_().neg_().add_(1)
     g = g.to(h.dtype)
-    if grad_w is not None:  # before grad_h: it may overwrite ``h``
-        grad_w.addmm_(g.t().to(work), h.to(work))
-    grad_h[rows] = g @ weight
-    if bias is not None:
-        grad_b += g.to(work).sum(0)
+    if grad_w.numel():  # before grad_h: it may overwrite ``h``; the first chunk sets it
+        grad_w.addmm_(g.t().to(grad_w.dtype), h.to(grad_w.dtype), beta=int(rows.start > 0))
+    torch.mm(g, weight, out=grad_h[rows])
+    if inputs.bias is not None:
+        grad_b += g.sum(0, dtype=grad_b.dtype)
 
 
 def _losses_and_gradients(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-    smoothing: float,
-    softcap: float | None,
-    chunk: int,
+    inputs: _Inputs,
+    options: LossOptions,
     logits: torch.Tensor | None,
     divisor: int | torch.Tensor,
     want_w: bool,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each token's loss and the gradients of ``sum(losses) / divisor`` (as :func:`_gradients`
     returns them) in one pass over the chunks: the logits are made once, never recomputed."""
-    n, vocab = hidden.shape[0], weight.shape[0]
-    work = torch.promote_types(hidden.dtype, torch.float32)
-    scale = (torch.ones((), dtype=work, device=hidden.device) / divisor).expand(n)
-    losses = torch.empty(n, dtype=work, device=hidden.device)
-    grad_h = torch.empty_like(hidden)
-    grad_w = torch.zeros(weight.shape if want_w else (0,), dtype=work, device=weight.device)
-    grad_b = torch.zeros(vocab, dtype=work, device=weight.device)
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
-        h = hidden[rows]
+    n = inputs.hidden.shape[0]
+    buffer = _buffer(inputs, options)
+    scale = (torch.ones((), dtype=buffer.dtype, device=buffer.device) / divisor).expand(n)
+    losses = torch.empty(n, dtype=buffer.dtype, device=buffer.device)
+    grads = _gradient_buffers(inputs, want_w)
+    for rows in _chunks(n, options.chunk):
         y = logits[rows] if logits is not None else None
-        z, t_cap = _logits(h, weight, bias, softcap, y)
-        t = target[rows]
-        losses[rows], lse = chunk_losses(z, t, ignore_index, smoothing)
-        if y is not None and z.data_ptr() == y.data_ptr():
-            # the caller's logits are never written: copied once the losses' temporaries are gone
-            z = z.clone()
-        g = chunk_gradient(z, lse, t, scale[rows], ignore_index, smoothing)
-        _accumulate(g, t_cap, h, weight, bias, rows, grad_h, grad_w if want_w else None, grad_b)
-        del z, g
-    return losses, (grad_h, grad_w, grad_b)
+        z, t_cap = _logits(inputs, rows, buffer, options.softcap, y)
+        t = inputs.target[rows]
+        losses[rows], _, total = _exp_shifted_(z, t, options)
+        g = _softmax_gradient_(z, total, t, scale[rows], options)
+        _accumulate(g, t_cap, inputs, rows, grads)
+    return losses, grads
 
 
 class _LinearCrossEntropyGradientsFirst(torch.autograd.Function):
@@ -276,12 +347,10 @@ class _LinearCrossEntropyGradientsFirst(torch.autograd.Function):
     once: a second backward through the same loss is an error."""
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, divisor, logits
-    ):
+    def forward(ctx, hidden, weight, bias, target, options, divisor, logits):
         want_w = ctx.needs_input_grad[1]
-        args = (hidden, weight, bias, target, ignore_index, smoothing, softcap, chunk, logits)
-        losses, grads = _losses_and_gradients(*args, divisor, want_w)
+        inputs = _Inputs(hidden, weight, bias, target)
+        losses, grads = _losses_and_gradients(inputs, options, logits, divisor, want_w)
         ctx.grads = grads  # not saved tensors: gradients are never compressed
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return losses.sum() / divisor
@@ -303,13 +372,35 @@ class _LinearCrossEntropyGradientsFirst(torch.autograd.Function):
             grad_h if want_h else None,
             grad_w.to(weight_dtype) if want_w else None,
             grad_b.to(bias_dtype) if want_b and bias_dtype is not None else None,
-            *[None] * 7,
+            *[None] * 4,
         )
 
 
-#: :func:`_gradients` as one operator, for compiled graphs (called with ``donate=False``).
+def _backward_kernel(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    lse_bits: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float | None,
+    chunk: int,
+    want_w: bool,
+    donate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_gradients` with the operator's schema (flat; compiled graphs never donate).
+    The schema stays as it was: inductor's graph cache does not key on it, and a cached graph
+    calls the operator with every argument of the schema it was compiled against."""
+    options = LossOptions(ignore_index, smoothing, softcap, chunk)
+    inputs = _Inputs(hidden, weight, bias, target)
+    return _gradients(inputs, lse_bits, scale, options, want_w, donate)
+
+
+#: :func:`_gradients` as one operator, for compiled graphs.
 _backward_op = torch.library.custom_op(
-    "memopt::linear_cross_entropy_backward", _gradients, mutates_args=()
+    "memopt::linear_cross_entropy_backward", _backward_kernel, mutates_args=()
 )
 
 
@@ -385,12 +476,14 @@ def linear_cross_entropy(
     else:
         divisor = None
     # a mean or sum in eager training makes its gradients in the forward (one matmul fewer)
-    inputs = (h, weight, bias)
     eager = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    first = divisor is not None and eager and any(x is not None and x.requires_grad for x in inputs)
-    function = _LinearCrossEntropyGradientsFirst if first else _LinearCrossEntropy
+    wanted = any(x is not None and x.requires_grad for x in (h, weight, bias))
+    function = (
+        _LinearCrossEntropyGradientsFirst
+        if divisor is not None and eager and wanted
+        else _LinearCrossEntropy
+    )
+    options = LossOptions(ignore_index, label_smoothing, softcap, chunk)
     with torch.autocast(device, enabled=False):
-        out = function.apply(
-            h, weight, bias, t, ignore_index, label_smoothing, softcap, chunk, divisor, logits
-        )
+        out = function.apply(h, weight, bias, t, options, divisor, logits)
     return out.view(shape) if divisor is None else out

@@ -173,8 +173,8 @@ class ComputedWeights:
     spectral_norm), read from each :class:`~torch.nn.utils.parametrize.ParametrizationList`'s
     output as it is made, and what hook-style norms set on their module before its forward
     (``torch.nn.utils.spectral_norm``, ``weight_norm``), read where they set it. ``t in weights``
-    asks whether ``t`` shares memory with one of them, as made last. Call :meth:`remove` when
-    done.
+    asks whether ``t`` shares memory with one of them, as made last, or is a cast of a parameter
+    made outside autograd (:meth:`_cast_of_a_parameter`). Call :meth:`remove` when done.
     """
 
     def __init__(self, model: nn.Module):
@@ -188,6 +188,10 @@ class ComputedWeights:
         self._made: dict[str, StorageKey] = {}  # a parametrization's fqn -> its output's storage
         self._storages: dict[StorageKey, weakref.ref] = {}
         self._watch = ScopeTracker.of(model).watch(self, lists) if lists else None
+        self._dtypes_of_shape: dict[torch.Size, set[torch.dtype]] = {}
+        for p in model.parameters():
+            if p.is_floating_point():
+                self._dtypes_of_shape.setdefault(p.shape, set()).add(p.dtype)
 
     def enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         pass
@@ -206,7 +210,11 @@ class ComputedWeights:
         self._made, self._storages = {}, {}
 
     def __contains__(self, t: object) -> bool:
-        if not (self._storages or self._set_by_hooks) or not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor):
+            return False
+        if self._cast_of_a_parameter(t):
+            return True
+        if not (self._storages or self._set_by_hooks):
             return False
         key = storage_key(t)
         ref = self._storages.get(key)
@@ -217,6 +225,21 @@ class ComputedWeights:
             if isinstance(weight, torch.Tensor) and storage_key(weight) == key:
                 return True
         return False
+
+    def _cast_of_a_parameter(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the tensor it views: ``nn.Linear`` saves ``weight.t()``) is taken
+        for a parameter cast to another floating dtype outside autograd: autocast's copy of a
+        frozen weight (PEFT LoRA's base layers), made afresh at each call with no autograd
+        history, as a dequantized or cast-by-hand frozen weight is. Told by its shape and dtype
+        (a parameter's shape, another dtype than that parameter's) and by its having no history
+        at all: an activation needs a gradient or comes from one that does, except where the
+        whole input is frozen data (then one of a parameter's exact shape is kept, uncompressed
+        and counted: memory, never a wrong gradient)."""
+        if t.grad_fn is not None or t.requires_grad or not t.is_floating_point():
+            return False
+        base = t._base if t._base is not None else t
+        dtypes = self._dtypes_of_shape.get(base.shape)
+        return dtypes is not None and base.dtype not in dtypes
 
 
 def _holds(p: torch.Tensor | None, key: StorageKey) -> bool:

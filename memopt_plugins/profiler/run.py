@@ -66,12 +66,12 @@ def _timed_step(
     optimizer: MemoryOptimizer | None,
 ) -> tuple[MemoryReading, StepTimeline]:
     """One forward and backward on the allocator's timeline."""
-    hooks = optimizer.internal.hooks if optimizer is not None else None
+    compression = optimizer.internal.compression if optimizer is not None else None
     packed = [0]
 
     def forward() -> torch.Tensor:
         loss = loss_fn(model, batch)
-        packed[0] = hooks.stats.held_bytes if hooks is not None else 0
+        packed[0] = compression.stats.held_bytes if compression is not None else 0
         return loss
 
     timeline = record_step(model, forward, device)
@@ -86,10 +86,10 @@ def _recorded_step(
 ) -> Measurement:
     """One forward and backward recorded per module (a step of its own: the recorder's operation
     counter, a dispatch mode, would hide memopt's ranges from the timeline)."""
-    hooks = optimizer.internal.hooks if optimizer is not None else None
+    compression = optimizer.internal.compression if optimizer is not None else None
     recorder = StepRecorder(model, tensors_in(batch))
     observer: PackObserver = recorder
-    with hooks.observed(observer) if hooks is not None else nullcontext():
+    with compression.observed(observer) if compression is not None else nullcontext():
         with recorder:
             loss = loss_fn(model, batch)
             measurement = recorder.stop()

@@ -267,7 +267,8 @@ def quantize(
         seed = None
         if stochastic:
             seed = draw_seed(generator if generator is not None else codec_generator(x.device))
-        codes, scale, zero_point, *tables = ops.quantize(flat, bits, group_size, seed)
+        kernel = ops.quantizer(flat.device, flat.dtype)  # called here: no dispatching frame
+        codes, scale, zero_point, *tables = kernel(flat, bits, group_size, seed)
     elif stochastic:  # traced: the seed is drawn when the graph runs, inside the operator
         source = _seed_source(generator, _indexed(x.device))
         codes, scale, zero_point, *tables = ops.quantize_drawn_op(flat, bits, group_size, source)

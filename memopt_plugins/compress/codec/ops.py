@@ -3,13 +3,14 @@ graphs (:mod:`.traced`) ``memopt::graph_encode`` and ``memopt::graph_seed``.
 
 Operators (``torch.library.custom_op``) with fake implementations are what ``torch.compile`` can
 trace. The real implementation is chosen per call by the tensor's device and ``MEMOPT_CODEC``
-(:func:`codec_for`): ``auto`` (the C kernels on the CPU, Triton on CUDA, else the reference),
-``torch``, ``native`` or ``triton``; anything outside :data:`CODECS` is an error, and float64
-always takes the reference. Eager code calls :func:`quantize` / :func:`dequantize` here, which
-pick the same implementations without the operator dispatch (paid for every saved tensor).
-Every implementation writes the same bytes at round-to-nearest; stochastic rounding takes its
-noise from an explicit ``seed``. On CUDA the side tables have sizes fixed by the tensor's size
-(:func:`.reference.bounded_tables`), so the host never waits for the GPU while packing.
+(:func:`codec_for`; read at import, :data:`REQUESTED`): ``auto`` (the C kernels on the CPU,
+Triton on CUDA, else the reference), ``torch``, ``native`` or ``triton``; anything outside
+:data:`CODECS` is an error, and float64 always takes the reference. Eager code calls
+:func:`quantize` / :func:`dequantize` here, which pick the same implementations without the
+operator dispatch (paid for every saved tensor). Every implementation writes the same bytes at
+round-to-nearest; stochastic rounding takes its noise from an explicit ``seed``. On CUDA the side
+tables have sizes fixed by the tensor's size (:func:`.reference.bounded_tables`), so the host
+never waits for the GPU while packing.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ log = logging.getLogger("memopt")
 CODECS = ("auto", "torch", "native", "triton")
 #: What the kernels take; other floating types (float64) take the reference.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: ``MEMOPT_CODEC`` as the process started (read once: never per saved tensor); a test or a
+#: benchmark sets it here to switch codecs within a process.
+REQUESTED = os.environ.get("MEMOPT_CODEC", "auto")
 
 _triton: dict[str, object] = {}
 
@@ -59,14 +64,14 @@ def triton_kernels() -> ModuleType | None:
 
 
 def codec_for(device: torch.device) -> str:
-    """The codec that serves tensors on ``device`` under ``MEMOPT_CODEC``: ``"native"``,
-    ``"triton"`` or ``"torch"`` (read at every call, so a change takes effect at once).
+    """The codec that serves tensors on ``device`` under ``MEMOPT_CODEC`` (:data:`REQUESTED`):
+    ``"native"``, ``"triton"`` or ``"torch"``.
 
     Raises:
         ValueError: ``MEMOPT_CODEC`` is not one of :data:`CODECS`.
         RuntimeError: the codec it names cannot serve ``device`` here.
     """
-    requested = os.environ.get("MEMOPT_CODEC", "auto")
+    requested = REQUESTED
     if requested == "auto":
         if device.type == "cpu":
             return "native" if native.library() is not None else "torch"
@@ -169,6 +174,14 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Q
     """Codes, scale, zero point and side tables of flat contiguous ``x`` (see the package,
     :mod:`memopt_plugins.compress.codec`)."""
     return _QUANTIZE_KERNELS[_codec(x.device, x.dtype)](x, bits, group_size, seed)
+
+
+def quantizer(
+    device: torch.device, dtype: torch.dtype
+) -> Callable[[torch.Tensor, int, int, int | None], Quantized]:
+    """The implementation :func:`quantize` calls for a tensor on ``device`` of ``dtype``: for a
+    caller that calls it itself, one frame nearer the kernel (the eager pack path)."""
+    return _QUANTIZE_KERNELS[_codec(device, dtype)]
 
 
 def quantize_bounded(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
