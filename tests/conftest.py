@@ -55,6 +55,7 @@ SHARED = {
     "test_plan.py": "plan",
     "test_profile.py": "profile",
     "test_recompute.py": "recompute",
+    "test_tensor_parallel.py": "tensor_parallel",
 }
 _PER_TEST = ("one_thread",)  # module-scoped but nothing to share: cheap to set up again
 

@@ -121,13 +121,13 @@ def _cases() -> dict[str, tuple]:
         ),
         f"{ce}.loss._LinearCrossEntropy": (
             lambda h, w, b: _fn(ce, "loss._LinearCrossEntropy").apply(
-                h, w, b, target, -100, 0.0, None, 2, None, None
+                h, w, b, target, _fn(ce, "loss.LossOptions")(-100, 0.0, None, 2), None, None
             ),
             (_t(5, 4), _t(7, 4), _t(7)),
         ),
         f"{ce}.loss._LinearCrossEntropyGradientsFirst": (
             lambda h, w, b: _fn(ce, "loss._LinearCrossEntropyGradientsFirst").apply(
-                h, w, b, target, -100, 0.0, None, 2, 4, None
+                h, w, b, target, _fn(ce, "loss.LossOptions")(-100, 0.0, None, 2), 4, None
             ),
             (_t(5, 4), _t(7, 4), _t(7)),
         ),
