@@ -11,13 +11,13 @@ with the drift section of ``configs/int4_drift.yaml`` under each metric (``sgd``
 then ``cosine``, ``rel_l2``, ``noise``); 4 bits with ``quantize.budget``; 2 bits without a guard
 and with the default guard.
 
-The check runs where a plain loop runs ``maybe_check_drift``: before the step's forward, on the
-first ``sample_size`` samples of its batch, so the step of a check trains at the bits it chose.
-Per run it records the bits
-after each check, the byte-weighted mean bits at the end (``memopt/bits_mean``), how often each
-module changed width, and with a budget the bytes the bits keep after each check: predicted by
-the check (``DriftReport.budget``) and measured by the next training forward
-(``SavedStats.saved_stored``). Writes ``bits.md`` and ``bits.json`` to ``--out``.
+The check runs where a plain loop runs ``check_drift(..., if_due=True)``: before the step's
+forward, on the first ``sample_size`` samples of its batch, so the step of a check trains at the
+bits it chose. Per run it records the bits after each check, the byte-weighted mean bits at the
+end (``memopt/bits_mean``), how often each module changed width, and with a budget the bytes the
+bits keep after each check: predicted by the check (``DriftReport.budget``) and measured by the
+next training forward (``SavedStats.saved_stored``). Writes ``bits.md`` and ``bits.json`` to
+``--out``.
 
     python -m benchmarks.bits_both_ways [--quick] [--steps 200] [--seeds N]
         [--workloads gpt,cnn,nano] [--out DIR]
@@ -167,7 +167,7 @@ def train(workload: Workload, arm: str, seed: int, steps: int) -> Run:
     pending: dict[str, Any] | None = None  # a check whose bits the next forward measures
     start = time.perf_counter()
     for step, batch in enumerate(batches):
-        if opt is not None and opt.should_check(step):  # before the step's own forward
+        if opt is not None and opt.internal.should_check(step):  # before the step's own forward
             before = opt.bits
             sample = slice_batch(batch, opt.config.drift.sample_size)
             report = opt.check_drift(
@@ -186,7 +186,7 @@ def train(workload: Workload, arm: str, seed: int, steps: int) -> Run:
         loss = workload.loss_fn(model, batch)
         loss.backward()
         if pending is not None:
-            pending["measured"] = float(opt.compression.stats.saved_stored)
+            pending["measured"] = float(opt.internal.compression.stats.saved_stored)
             pending = None
         if workload.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), workload.clip)

@@ -142,7 +142,7 @@ def run_case(args: argparse.Namespace) -> dict:
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         loss().backward()
-    stats = opt.compression.stats if opt is not None else None
+    stats = opt.internal.compression.stats if opt is not None else None
     reading = least_retained(MemoryMeter("cpu"), loss, 2, stats)
     out = {"retained": reading.retained, "peak": reading.peak, "packed": reading.packed}
     out["allocator"] = allocator_retained(loss)

@@ -42,7 +42,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from memopt_plugins import MemoryOptimizer  # noqa: E402
 from memopt_plugins.config import load_config  # noqa: E402
 from memopt_plugins.logs import quiet  # noqa: E402
-from memopt_plugins.measure import isolated  # noqa: E402
+from memopt_plugins.measure.isolate import isolated
 from memopt_plugins.measure.timeline import StepTimeline, record_step  # noqa: E402
 
 from . import RESULTS, chosen  # noqa: E402

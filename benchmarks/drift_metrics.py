@@ -92,7 +92,7 @@ def train(workload: Workload, metric: str | None, seed: int, check_every: int) -
 
     for batch in batches:
         step_times.append(seconds(functools.partial(step, batch), cpu))
-        if metric and opt.should_check():
+        if metric and opt.internal.should_check():
             check_times.append(seconds(functools.partial(check, batch), cpu))
         adamw.step()
         schedule.step()

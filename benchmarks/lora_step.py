@@ -96,7 +96,7 @@ def saves_per_step(run: Run) -> Counter:
             size = "small" if t.numel() < run.opt.config.quantize.min_numel else "large"
             seen[f"{kind} {size}"] += 1
 
-    with run.opt.hooks.observed(Observer()):
+    with run.opt.internal.compression.observed(Observer()):
         run.step()
     return seen
 

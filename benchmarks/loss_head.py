@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memopt_plugins.lean import linear_cross_entropy
+from memopt_plugins.lean.loss import linear_cross_entropy
 from memopt_plugins.profiler.meter import MemoryMeter
 
 from . import RESULTS

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from examples.models import cnn, gpt
-from memopt_plugins import MemoryOptimizer
+from memopt_plugins import MemoryOptimizer, plan_recompute
 from memopt_plugins.profiler.meter import MemoryReading
 
 from .harness.measured import FULL_SETTINGS, Measured
@@ -82,7 +82,7 @@ def planner(budget: float) -> Callable[..., Patched]:
     def patch(model: nn.Module, workload: Any, batch: Any, steady: bool, adopt: Any) -> Planned:
         opt = MemoryOptimizer({"recompute": {"auto": {"budget": budget}}})
         opt.apply(model)
-        plan = opt.plan_recompute(lambda: workload.loss_fn(model, batch))
+        plan = plan_recompute(opt, lambda: workload.loss_fn(model, batch))
         peak = plan.peak_bytes / plan.baseline_bytes if plan.baseline_bytes else 1.0
         estimate = f"{plan.kept_fraction:.0%} / {peak:.0%}"
         return Planned(model, optimizer=opt, detail=summarize(plan.chosen), estimate=estimate)

@@ -14,7 +14,6 @@ distributed ones too. Lightning's batch-size finder: docs/integrations.md, "Ligh
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,6 @@ from ..engine import DriftReport
 from ..loss_fn import takes_model_and_batch
 from ..session import SessionAdapter
 from ..tree import batch_size_of
-from .memopt_profile import MemOptProfileCallback
 from .training_step import LossFn, silenced_logging, step_loss
 
 
@@ -53,8 +51,6 @@ class MemOptCallback(SessionAdapter, Callback):
             ``self.log`` calls suppressed. Required under manual optimization.
         slicer: ``slicer(batch, n) -> batch`` that keeps ``n`` samples for the drift check.
             Default: cut every tensor of the batch along dim 0.
-        profile: deprecated; add ``MemOptProfileCallback()`` to the Trainer's callbacks instead
-            (the per-module memory of the first batch, logged and charted).
     """
 
     def __init__(
@@ -62,21 +58,10 @@ class MemOptCallback(SessionAdapter, Callback):
         config: dict[str, Any] | str | os.PathLike[str] | MemOptConfig | None = None,
         loss_fn: LossFn | None = None,
         slicer: Callable[[Any, int], Any] | None = None,
-        profile: bool = False,
     ) -> None:
         super().__init__()
         self._open_session(config, slicer, loss_fn)
         self.loss_fn = loss_fn
-        self.profile = profile
-        self._profiler: MemOptProfileCallback | None = None
-        if profile:
-            warnings.warn(
-                "MemOptCallback(profile=True) is deprecated: add MemOptProfileCallback() "
-                "(memopt_plugins.callbacks) to the Trainer's callbacks",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            self._profiler = MemOptProfileCallback(loss_fn=loss_fn)
         self._deferred = False  # patch in on_fit_start (the model is built in configure_model)
         self._fit_started = False
         self._batch: Any = None
@@ -89,8 +74,6 @@ class MemOptCallback(SessionAdapter, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self._profiler is not None:
-            self._profiler.setup(trainer, pl_module, stage)
         self._check_fsdp(trainer)
         if self.session.drift_active and not pl_module.automatic_optimization and not self.loss_fn:
             raise MisconfigurationException(
@@ -99,7 +82,7 @@ class MemOptCallback(SessionAdapter, Callback):
                 "MemOptCallback(loss_fn=lambda module, batch: <loss>), or set drift.enabled: false."
             )
         strategy = trainer.strategy
-        self.memopt.reduce_max = lambda t: strategy.reduce(t, reduce_op="max")
+        self.session.reduce_max = lambda t: strategy.reduce(t, reduce_op="max")
         self.session.is_main = lambda: trainer.is_global_zero
 
         def log_metrics(metrics: dict[str, float], step: int) -> None:
@@ -126,7 +109,7 @@ class MemOptCallback(SessionAdapter, Callback):
             self.session.apply(pl_module)
             self._deferred = False
         self.session.restore()
-        self.memopt.measure_afresh()  # a BatchSizeFinder's trials (patched, no callbacks) ran
+        self.session.measure_afresh()  # a BatchSizeFinder's trials (patched, no callbacks) ran
         self._fit_started = True
         self.session.log_plan()
 
@@ -142,7 +125,7 @@ class MemOptCallback(SessionAdapter, Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, FSDPStrategy):
             return
-        if self.memopt.recomputes and strategy._activation_checkpointing_kwargs:
+        if self.session.recomputes and strategy._activation_checkpointing_kwargs:
             raise MisconfigurationException(
                 "MemOptCallback: the FSDP strategy already checkpoints activations "
                 "(activation_checkpointing_policy) and the memopt config has a recompute "
@@ -158,8 +141,6 @@ class MemOptCallback(SessionAdapter, Callback):
         self._batch = batch
         self._batch_idx = batch_idx
         self._step_at_batch_start = trainer.global_step
-        if self._profiler is not None:
-            self._profiler.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_before_optimizer_step(
@@ -206,7 +187,9 @@ class MemOptCallback(SessionAdapter, Callback):
         else:
             check, pieces = self.loss_fn or self._step_loss(trainer), sample
         with silenced_logging(pl_module):
-            return self.session.check(check, step, batch_size_of(batch), batch=pieces)
+            return self.session.check(
+                check, batch=pieces, step=step, batch_size=batch_size_of(batch)
+            )
 
     def _step_loss(self, trainer: pl.Trainer) -> LossFn:
         """``loss_fn(module, batch)``: ``training_step``'s loss on ``batch`` (a piece of the

@@ -66,7 +66,7 @@ class MemOptProfileCallback(Callback):
         strategy = trainer.strategy
         if stage == "fit" and isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
             raise MisconfigurationException(
-                f"MemOptProfileCallback (MemOptCallback(profile=True)) profiles on rank 0 alone, "
+                f"MemOptProfileCallback profiles on rank 0 alone, "
                 f"and under {type(strategy).__name__} a sharded model's forward needs every rank "
                 "(each layer's parameters are all-gathered). Profile the unsharded model on one "
                 "device (`memopt profile`, or a Trainer without sharding) and drop it here."
@@ -105,7 +105,9 @@ class MemOptProfileCallback(Callback):
                     memopt.load_state_dict(state)
                     memopt.apply(pl_module)
         if memopt is not None and config is memopt.config:
-            memopt.measured_fits(report.fits)  # the step measured here: one figure for it
+            memopt.internal.take_measured_fits(
+                report.fits
+            )  # the step measured here: one figure for it
         log.info("memopt: memory of the first training step by module\n%s", report.table(self.top))
         folder = trainer.log_dir or trainer.default_root_dir
         if folder:

@@ -54,7 +54,7 @@ def section(title: str) -> None:
 def measure_step(model: CharGPT, batch, opt: MemoryOptimizer | None) -> MemoryReading:
     """Memory of one training step (the smaller of two readings, after a warm-up step)."""
     meter = MemoryMeter("cpu")
-    stats = opt.compression.stats if opt is not None else None
+    stats = opt.internal.compression.stats if opt is not None else None
     lm_loss(model, batch).backward()  # allocates the gradients: the readings cover activations
     readings = [meter.measure(lambda: lm_loss(model, batch), stats) for _ in range(2)]
     model.zero_grad(set_to_none=True)
@@ -96,11 +96,11 @@ class Curves(PrintLoss):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: CharGPT, loss) -> None:
         if self.memopt is None:
             return
-        stats = self.memopt.memopt.compression.stats
+        stats = self.memopt.memopt.internal.compression.stats
         self.kept.append(stats.forward_stored)
         self.uncompressed.append(stats.forward_original)
         self.bits.append(self.memopt.bits)
-        self.bits_mean.append(self.memopt.memopt.bits_mean)
+        self.bits_mean.append(self.memopt.memopt.metrics(drift=False).get("memopt/bits_mean"))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -63,7 +63,7 @@ class MemOptPlugin(SessionAdapter):
     @property
     def steps(self) -> int:
         """Optimizer steps counted by :meth:`after_backward` (restored with the state)."""
-        return self.memopt.steps
+        return self.session.steps
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Patch ``model`` in place (call before ``accelerator.prepare``) and return it."""
@@ -84,7 +84,7 @@ class MemOptPlugin(SessionAdapter):
             return
         accelerator.register_for_checkpointing(self)
         self.accelerator = accelerator
-        self.memopt.reduce_max = lambda t: accelerator.reduce(t, reduction="max")
+        self.session.reduce_max = lambda t: accelerator.reduce(t, reduction="max")
         self.session.is_main = lambda: accelerator.is_main_process
         self.session.log_metrics = lambda metrics, step: accelerator.log(metrics, step=step)
 
@@ -116,7 +116,7 @@ class MemOptPlugin(SessionAdapter):
         if accelerator is not None and not accelerator.sync_gradients:
             return None  # accumulating: not an optimizer-step boundary
         if step is None:
-            step = self.memopt.steps
+            step = self.session.steps
         report = None
         if self.session.due(step):
             sample = None if batch is None else self.sample(batch)
@@ -124,10 +124,12 @@ class MemOptPlugin(SessionAdapter):
             if sample is not None and takes_model_and_batch(loss_fn):
                 # given the batch, the check may run its sample in pieces (no pass above the step)
                 check = _under(autocast, loss_fn)
-                report = self.session.check(check, step, self._batch_size, batch=sample)
+                report = self.session.check(
+                    check, batch=sample, step=step, batch_size=self._batch_size
+                )
             else:
                 check = _under(autocast, bind_loss(loss_fn, self.session.model, sample))
-                report = self.session.check(check, step, self._batch_size)
+                report = self.session.check(check, step=step, batch_size=self._batch_size)
             self.last_report = report
         self.session.end_step(step, log_due=step % self.log_every == 0)
         return report

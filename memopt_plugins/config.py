@@ -30,23 +30,7 @@ from pydantic import (
 from . import presets
 from .config_io import Allowed, ConfigError, closest, config_error, dump_yaml, read_yaml, show
 
-__all__ = [
-    "BITS_CHOICES",
-    "AutoRecomputeConfig",
-    "BatchNormConfig",
-    "ConfigError",
-    "DriftConfig",
-    "DropoutConfig",
-    "LogConfig",
-    "MemOptConfig",
-    "QuantizeConfig",
-    "RecomputeConfig",
-    "checked_bits",
-    "closest",
-    "is_preset_name",
-    "load_config",
-    "memory_bytes",
-]
+__all__ = ["ConfigError", "MemOptConfig", "load_config"]
 
 
 # --------------------------------------------------------------------------- field types
@@ -440,14 +424,6 @@ class LogConfig(_Section):
         description=(
             "Also log one series per compressed module: its bits when they change "
             "(memopt/bits/<module>) and its drift at each check (memopt/drift/<module>)."
-        ),
-    )
-    legacy_names: bool = Field(
-        False,
-        description=(
-            "Also log the metrics under their names of memopt 0.1 (memopt/saved_bytes, "
-            "memopt/saved_ratio, memopt/deescalations, memopt/drift/max, memopt/drift/skipped) "
-            "beside the new ones; deprecated, removed in the next release."
         ),
     )
 

@@ -1,15 +1,14 @@
 """MemoryOptimizer: turns a config and a model into a plan, applies it, removes it, owns state.
 
-Integrations (Lightning, Accelerate, the CLI and profiler) use the names exported here and
-nothing below it: besides the optimizer, the plan's action names, :class:`DriftReport` and
-:func:`slice_batch`.
+Users hold :class:`MemoryOptimizer`'s twelve names and :func:`plan_recompute`; the integrations
+(Lightning, Accelerate, transformers) go through :class:`~.session.MemOptSession`, which reads
+the rest through the one member :attr:`MemoryOptimizer.internal`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -26,29 +25,24 @@ from .compress.bits import BitTable
 from .compress.codec import NoiseGenerators
 from .compress.estimate import storage_ratio
 from .compress.face import Compression, device_of
-from .compress.hooks import CompressionHooks, PackObserver
+from .compress.hooks import CompressionHooks
 from .compress.stats import ModuleSaved
 from .config import OFF_BITS, ConfigError, MemOptConfig, load_config
 from .distributed import is_rank_zero, max_over_ranks, process_rank
-from .drift import CheckSample, CompressionFace, DriftCheck, DriftMonitor, DriftReport
 from .drift.budget import Pricing, priced_widths
+from .drift.monitor import DriftMonitor
 from .drift.passes import cut_sample, piece_samples
+from .drift.report import DriftReport
+from .drift.request import CheckSample, CompressionFace, DriftCheck
 from .dropout import DropoutPatch
-from .lean import LeanOps
+from .lean.patch import LeanOps
 from .logs import release_console, show_on_console
 from .loss_fn import bind_loss, takes_model_and_batch
 from .measure.process import batch_fits
 from .measure.scopes import InterruptGuard, ScopeTracker, scripted_modules
 from .policy import resolve_bits
-from .recompute import (
-    IN_RECOMPUTE,
-    RECOMPUTE,
-    Recompute,
-    RecomputePlan,
-    RecomputePlanner,
-    recompute_targets,
-    region_actions,
-)
+from .recompute.planner import RecomputePlan, RecomputePlanner
+from .recompute.wrap import IN_RECOMPUTE, RECOMPUTE, Recompute, recompute_targets, region_actions
 from .saved_state import SavedState, read_state, resumed_bits
 from .select import layer_kind, parent_fqns
 from .tree import batch_size_of, slice_batch
@@ -61,10 +55,9 @@ __all__ = [
     "DriftReport",
     "MemoryOptimizer",
     "ModulePlan",
-    "PackObserver",
     "Plan",
     "patched_by",
-    "slice_batch",
+    "plan_recompute",
 ]
 
 log = logging.getLogger("memopt")
@@ -111,16 +104,6 @@ def _named(opt: MemoryOptimizer) -> str:
     return f"MemoryOptimizer at {id(opt):#x}"
 
 
-#: ``{new name: name in memopt 0.1}`` of the metrics renamed, logged under both with
-#: ``log.legacy_names`` (deprecated; removed in the next release).
-LEGACY_NAMES = {
-    "memopt/kept_bytes": "memopt/saved_bytes",
-    "memopt/compression_ratio": "memopt/saved_ratio",
-    "memopt/lowerings": "memopt/deescalations",
-    "memopt/drift_max": "memopt/drift/max",
-    "memopt/drift_skipped": "memopt/drift/skipped",
-}
-
 #: Plan actions: compressed, left as it is (and RECOMPUTE, IN_RECOMPUTE from the recompute package).
 COMPRESS = "compress"
 KEEP = "keep"
@@ -135,12 +118,23 @@ class ModulePlan:
     bits: int
     lean: str | None = None  # the lean op it runs as (``ops``), e.g. "lean swiglu"
 
-    def __iter__(self):  # (kind, action, bits): the plan tuple
-        return iter((self.kind, self.action, self.bits))
-
 
 class Plan(dict):
-    """``{fqn: ModulePlan}`` for every module of the model; ``str(plan)`` is a table."""
+    """``{fqn: ModulePlan}`` for every module of the model; ``str(plan)`` is a table.
+
+    Attributes:
+        recomputed: fqns of the modules recomputed in backward (config and planner), in the
+            order they were wrapped.
+        recompute: the recompute planner's last plan (``recompute.auto`` or
+            :func:`plan_recompute`; printable), or ``None``.
+    """
+
+    def __init__(
+        self, recomputed: tuple[str, ...] = (), recompute: RecomputePlan | None = None
+    ) -> None:
+        super().__init__()
+        self.recomputed = recomputed
+        self.recompute = recompute
 
     def __str__(self) -> str:
         rows = [("module", "kind", "action", "bits", "op")]
@@ -185,18 +179,20 @@ class MemoryOptimizer:
             a dict in the YAML schema, a path to a YAML file, or ``None`` for the defaults (which
             change nothing).
 
+    Its whole face: :attr:`config`; :meth:`apply` and :meth:`remove`; :attr:`plan` and
+    :attr:`bits` (read), :meth:`set_bits` (write); :meth:`check_drift`, :meth:`count_step` and
+    :meth:`metrics` in the training loop; :meth:`state_dict` and :meth:`load_state_dict`.
+    :func:`plan_recompute` plans recompute on a batch before training. :attr:`internal` is
+    :class:`~.session.MemOptSession`'s and the integrations', not the user's.
+
     Attributes:
-        reduce_max: ``reduce_max(t) -> t`` element-wise max of a tensor over all ranks, which the
-            drift check uses so that every rank decides the same bits. Integrations set their
-            framework's reduce; the default all-reduces over torch.distributed when it is
-            initialized (and is the identity otherwise).
+        config: the validated :class:`MemOptConfig`.
     """
 
     def __init__(self, config: MemOptConfig | Mapping[str, Any] | str | os.PathLike | None = None):
         self.config = load_config(config)
-        self.reduce_max: Callable[[torch.Tensor], torch.Tensor] = max_over_ranks
-        #: whether this process writes the drift checks' lines (default: rank 0)
-        self.speaks: Callable[[], bool] = is_rank_zero
+        self._reduce_max: Callable[[torch.Tensor], torch.Tensor] = max_over_ranks
+        self._speaks: Callable[[], bool] = is_rank_zero  # writes the checks' lines (rank 0)
         self._model: nn.Module | None = None
         self._table = BitTable()
         self._compression: Compression | None = None
@@ -213,45 +209,30 @@ class MemoryOptimizer:
             self.config.ops, loss_from_preset=self.config.set_by_preset("ops.loss", "chunked")
         )
         self._logged_bits: dict[str, int] = {}  # what metrics() last reported per module
-        if self.config.log.legacy_names:
-            warnings.warn(
-                "memopt: log.legacy_names logs the metrics under their 0.1 names too "
-                f"({', '.join(LEGACY_NAMES.values())}); they go in the next release: read "
-                f"{', '.join(LEGACY_NAMES)} instead",
-                FutureWarning,
-                stacklevel=2,
-            )
         self._budget_waits_noted = False
         self._fits_measured: float | None = None  # measured_fits
         self._fits_base: float | None = None  # the estimate at the step it was measured for
-        #: (step, counted steps) of :meth:`maybe_check_drift`'s last check: one per optimizer step
+        #: (step, counted steps) of the last check ``if_due``: one per optimizer step
         self._checked_at: tuple[int, int] | None = None
 
     # ----------------------------------------------------------------- public API
-    @property
-    def model(self) -> nn.Module | None:
-        return self._model
-
     @property
     def bits(self) -> dict[str, int]:
         """``{fqn: current bits}`` of every compressed module (a copy)."""
         return self._table.compressed
 
     @property
-    def compression(self) -> Compression | None:
-        """Compression of the applied model: its ``stats`` count the bytes held for backward."""
-        return self._compression
-
-    @property
-    def hooks(self) -> CompressionHooks | None:
-        """The saved-tensor hooks themselves (for tests and diagnostics)."""
-        return self._compression.hooks if self._compression is not None else None
+    def internal(self) -> EngineInternals:
+        """What :class:`~.session.MemOptSession`, the profiler and the integrations read and set
+        of the patch (not part of the user's API)."""
+        return EngineInternals(self)
 
     @property
     def plan(self) -> Plan:
-        """Per-module decision with the current bits; printable."""
+        """Per-module decision with the current bits, and what is recomputed; printable."""
         model = self._require_model()
-        plan = Plan()
+        recomputed = self._recompute.wrapped if self._recompute is not None else ()
+        plan = Plan(recomputed, self._planner.plan if self._planner is not None else None)
         regions = self._region_fqns()
         compressed = self._table.compressed
         lean = self._lean.actions
@@ -313,7 +294,9 @@ class MemoryOptimizer:
             self._dropout = DropoutPatch(self.config.dropout.mode)
             self._dropout.apply(model)
         if self.config.batchnorm.mode == "running":
-            self._batchnorm = BatchNormPatch(self.config.batchnorm.warmup_steps, lambda: self.steps)
+            self._batchnorm = BatchNormPatch(
+                self.config.batchnorm.warmup_steps, lambda: self._drift.steps
+            )
             self._batchnorm.apply(model)
         compression = Compression(
             self._table,
@@ -390,45 +373,6 @@ class MemoryOptimizer:
         self._table.set(fqn, bits)
 
     # ----------------------------------------------------------------- recompute
-    @property
-    def recomputes(self) -> bool:
-        """True when the config recomputes modules (``recompute.modules``, ``types`` or ``auto``):
-        integrations refuse a framework's own activation checkpointing on top of it."""
-        rc = self.config.recompute
-        return bool(rc.modules or rc.types or rc.auto is not None)
-
-    @property
-    def recomputed(self) -> tuple[str, ...]:
-        """Fqns of the modules recomputed in backward (from the config and the planner)."""
-        return self._recompute.wrapped if self._recompute is not None else ()
-
-    @property
-    def recompute_plan(self) -> RecomputePlan | None:
-        """The planner's last plan (``recompute.auto`` or :meth:`plan_recompute`); printable."""
-        return self._planner.plan if self._planner is not None else None
-
-    def plan_recompute(
-        self, loss_fn: Callable[..., Any], budget: float | None = None, *, batch: Any = None
-    ) -> RecomputePlan:
-        """Measure one forward of ``loss_fn(model, batch)`` now and recompute the modules the
-        planner picks (``loss_fn()``, a closure, is accepted too; then no ``batch``).
-
-        Call it before training on a batch of your choice (saved bytes scale with the batch, so
-        a small one plans as well) instead of letting ``recompute.auto`` measure the first
-        training step, which runs at baseline memory. ``budget`` defaults to
-        ``recompute.auto.budget``; RNG streams and buffers are left as they were; a previous
-        planner choice is replaced. See :mod:`memopt_plugins.recompute`.
-        """
-        model = self._require_model()
-        loss_fn = bind_loss(loss_fn, model, batch)
-        if self._planner is None:
-            if budget is None:
-                raise ConfigError(
-                    "plan_recompute: no budget; set recompute.auto: {budget: b} or pass budget=b"
-                )
-            self._planner = RecomputePlanner(self._recompute, budget, self._recompute_changed)
-        return self._planner.plan_now(loss_fn, budget)
-
     def _region_fqns(self) -> dict[str, str]:
         """``{fqn: action}`` of the recomputed modules and every module inside them."""
         return self._recompute.actions() if self._recompute is not None else {}
@@ -460,27 +404,23 @@ class MemoryOptimizer:
                     yield
 
     # ----------------------------------------------------------------- drift
-    @property
-    def steps(self) -> int:
-        """Optimizer steps counted by :meth:`count_step` (restored by :meth:`load_state_dict`)."""
-        return self._drift.steps
-
     def count_step(self) -> int:
-        """Count one optimizer step (integrations call this after ``optimizer.step()``)."""
+        """Count one optimizer step (call it after ``optimizer.step()``); returns the steps
+        counted (restored by :meth:`load_state_dict`)."""
         self._drift.steps += 1
         if self._compression is not None:
             self._compression.end_step()  # the next forward starts the step's counts afresh
         return self._drift.steps
 
-    def measure_afresh(self) -> None:
+    def _measure_afresh(self) -> None:
         """Measure the next training step as the first after :meth:`apply`
-        (``memopt/peak_bytes``, :attr:`batch_fits`): forwards run outside the training loop's
-        steps (a batch-size finder's trials, which count no steps) are not its."""
+        (``memopt/peak_bytes``, ``memopt/batch_fits_x``): forwards run outside the training
+        loop's steps (a batch-size finder's trials, which count no steps) are not its."""
         if self._compression is not None:
             self._compression.measure_afresh()
 
-    def should_check(self, step: int | None = None) -> bool:
-        """True when a drift check is due at ``step`` (default: :attr:`steps`).
+    def _should_check(self, step: int | None = None) -> bool:
+        """True when a drift check is due at ``step`` (default: the steps counted).
 
         Due at step 0 and every ``drift.check_every`` steps, when ``drift.enabled`` and some
         module is compressed below 32 bits (with ``drift.lower`` or ``quantize.budget``: some
@@ -498,9 +438,10 @@ class MemoryOptimizer:
         *,
         batch: Any = None,
         step: int | None = None,
-        max_rounds: int | None = None,
         batch_size: int | None = None,
-    ) -> DriftReport:
+        max_rounds: int | None = None,
+        if_due: bool = False,
+    ) -> DriftReport | None:
         """Compare compressed and exact gradients of the loss and escalate drifting modules.
 
         ``loss_fn(model, batch) -> scalar loss`` runs on the patched model and the first
@@ -516,9 +457,17 @@ class MemoryOptimizer:
         RNG streams, buffers, ``.grad`` and the saved-bytes statistics are as before the call.
         ``max_rounds=None`` re-checks until no module escalates (one compressed pass per round;
         a check that escalates nothing costs one exact and one compressed pass); ``1`` escalates
-        at most one rung per call. Runs whether or not ``drift.enabled`` (which governs
-        :meth:`should_check`). See :mod:`memopt_plugins.drift`.
+        at most one rung per call. Runs whether or not ``drift.enabled``.
+
+        ``if_due=True``, for a training loop: check only when a check is due at ``step`` (default:
+        the steps :meth:`count_step` counted; due at step 0 and every ``drift.check_every`` steps
+        when ``drift.enabled`` and something is compressed) and none ran at this optimizer step
+        yet, else return ``None``: under gradient accumulation every micro-batch of a step may
+        call it with the same ``step`` and the step is checked once. See
+        :mod:`memopt_plugins.drift`.
         """
+        if if_due:
+            return self._check_if_due(loss_fn, batch, step, batch_size, max_rounds)
         model = self._require_model()
         compression = self._compression
         sample = self._check_sample(model, loss_fn, batch, batch_size)
@@ -536,8 +485,8 @@ class MemoryOptimizer:
                 step=step,
                 max_rounds=max_rounds,
                 pricing=pricing,
-                reduce_max=self.reduce_max,
-                speaks=self.speaks,
+                reduce_max=self._reduce_max,
+                speaks=self._speaks,
             )
             return self._drift.check(check)
 
@@ -625,24 +574,24 @@ class MemoryOptimizer:
 
         return priced
 
-    def maybe_check_drift(
+    def _check_if_due(
         self,
         loss_fn: Callable[..., torch.Tensor],
-        step: int | None = None,
-        batch_size: int | None = None,
-        *,
-        batch: Any = None,
+        batch: Any,
+        step: int | None,
+        batch_size: int | None,
+        max_rounds: int | None,
     ) -> DriftReport | None:
-        """:meth:`check_drift` at ``step`` when :meth:`should_check` says it is due and it has not
-        run at this optimizer step yet, else None: under gradient accumulation every micro-batch
-        of a step calls it with the same ``step`` (default: the steps :meth:`count_step` counted)
-        and the step is checked once."""
-        if self._model is None or not self.should_check(step):
+        """:meth:`check_drift` with ``if_due=True``."""
+        if self._model is None or not self._should_check(step):
             return None
-        at = (self.steps if step is None else step, self.steps)
+        steps = self._drift.steps
+        at = (steps if step is None else step, steps)
         if at == self._checked_at:
             return None
-        report = self.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
+        report = self.check_drift(
+            loss_fn, batch=batch, step=step, batch_size=batch_size, max_rounds=max_rounds
+        )
         self._checked_at = at
         return report
 
@@ -663,7 +612,8 @@ class MemoryOptimizer:
           (:class:`~.measure.process.StepPeak`: the allocator's, exact on CUDA when the step
           raised its high-water mark, else the most held at a forward's end, a lower bound); no
           process-wide counter is ever reset;
-        * ``memopt/batch_fits_x``: :attr:`batch_fits`;
+        * ``memopt/batch_fits_x``: how many times larger a batch fits than without memopt
+          (:meth:`EngineInternals.batch_fits`);
         * ``memopt/kept_as_is_bytes``: of ``memopt/kept_bytes``, what the hooks kept as it is
           (integer and bool tensors, workspaces, tensors under ``min_numel``, unencodable ones);
         * ``memopt/unencodable``: saved tensors kept as they are since apply because the codec
@@ -671,8 +621,7 @@ class MemoryOptimizer:
           was one.
 
         ``log.per_module`` adds ``memopt/bits/<fqn>`` (at the first call, then for modules whose
-        bits changed; the root module is ``<root>``) and ``memopt/drift/<fqn>``;
-        ``log.legacy_names`` adds the 0.1 names too (:data:`LEGACY_NAMES`).
+        bits changed; the root module is ``<root>``) and ``memopt/drift/<fqn>``.
         """
         logged = self.config.log
         out = self._drift.metrics(per_module=logged.per_module)
@@ -703,15 +652,12 @@ class MemoryOptimizer:
             peak = self._compression.peak
             if peak is not None:
                 out["memopt/peak_bytes"] = float(peak)
-        fits = self.batch_fits
+        fits = self._batch_fits()
         if fits is not None:
             out["memopt/batch_fits_x"] = fits
-        if logged.legacy_names:
-            out.update({old: out[new] for new, old in LEGACY_NAMES.items() if new in out})
         return out
 
-    @property
-    def batch_fits(self) -> float | None:
+    def _batch_fits(self) -> float | None:
         """How many times larger a batch fits than without memopt (:func:`.process.batch_fits`):
         the step's peak above its start without memopt over the same with it.
 
@@ -720,7 +666,7 @@ class MemoryOptimizer:
         Without it: that peak plus what the hooks freed, the saved activations uncompressed less
         as kept (the last training forward's, so the figure follows every change of bits); what
         lean ops and recompute free is in neither, so it reads low for them. A measured figure
-        (:meth:`measured_fits`, the profile of the first step) replaces that estimate: later
+        (:meth:`_take_measured_fits`, the profile of the first step) replaces that estimate: later
         steps scale it by the estimate's change since. ``None`` before a training forward was
         measured, or where the allocator cannot be read.
         """
@@ -742,19 +688,10 @@ class MemoryOptimizer:
         peak = max(peak, kept)  # the step held at least what its forward kept, then alive
         return batch_fits(peak + original - kept, peak)
 
-    def measured_fits(self, fits: float | None) -> None:
-        """Take ``fits``, :attr:`batch_fits` as measured without and with memopt for the next
+    def _take_measured_fits(self, fits: float | None) -> None:
+        """Take ``fits``, :meth:`_batch_fits` as measured without and with memopt for the next
         training step (``MemOptProfileCallback``'s profile of it), in place of the estimate."""
         self._fits_measured, self._fits_base = fits, None
-
-    @property
-    def bits_mean(self) -> float | None:
-        """Mean bits of the compressed modules weighted by the bytes each one's scope saved
-        uncompressed in the last forward (eager scopes only); unweighted before any forward, or
-        when none of them saved anything there (all of them inside compiled graphs); ``None``
-        when nothing is compressed. ``memopt/bits_mean`` in :meth:`metrics`."""
-        bits = self._table.compressed
-        return self._bits_mean(bits) if bits else None
 
     def _bits_mean(self, bits: Mapping[str, int]) -> float:
         saved = self._compression.stats.modules if self._compression is not None else {}
@@ -829,7 +766,7 @@ class MemoryOptimizer:
             for fqn, b in bits.items():
                 self.set_bits(fqn, b)
             drift.floor.update(rebased)
-            if line is not None and self.speaks():
+            if line is not None and self._speaks():
                 log.info(line)
         noise = saved.noise
         if noise is not None and noise["rank"] == process_rank():  # others keep noise of their own
@@ -840,6 +777,107 @@ class MemoryOptimizer:
         if self._model is None:
             raise RuntimeError("call apply(model) first")
         return self._model
+
+
+def plan_recompute(
+    opt: MemoryOptimizer,
+    loss_fn: Callable[..., Any],
+    *,
+    batch: Any = None,
+    budget: float | None = None,
+) -> RecomputePlan:
+    """Measure one forward of ``loss_fn(model, batch)`` on ``opt``'s patched model now and
+    recompute the modules the planner picks (``loss_fn()``, a closure, is accepted too; then no
+    ``batch``); the plan is ``opt.plan.recompute`` from then on.
+
+    Call it before training on a batch of your choice (saved bytes scale with the batch, so
+    a small one plans as well) instead of letting ``recompute.auto`` measure the first
+    training step, which runs at baseline memory. ``budget`` defaults to
+    ``recompute.auto.budget``; RNG streams and buffers are left as they were; a previous
+    planner choice is replaced. See :mod:`memopt_plugins.recompute`.
+    """
+    model = opt._require_model()
+    loss_fn = bind_loss(loss_fn, model, batch)
+    if opt._planner is None:
+        if budget is None:
+            raise ConfigError(
+                "plan_recompute: no budget; set recompute.auto: {budget: b} or pass budget=b"
+            )
+        opt._planner = RecomputePlanner(opt._recompute, budget, opt._recompute_changed)
+    return opt._planner.plan_now(loss_fn, budget)
+
+
+class EngineInternals:
+    """What :class:`~.session.MemOptSession`, the profiler and the integrations use of a
+    :class:`MemoryOptimizer` besides its public face (``opt.internal``); not the user's API.
+
+    Attributes:
+        reduce_max: ``reduce_max(t) -> t`` element-wise max of a tensor over all ranks, which the
+            drift check uses so that every rank decides the same bits. Integrations set their
+            framework's reduce; the default all-reduces over torch.distributed when it is
+            initialized (and is the identity otherwise).
+        speaks: ``speaks() -> bool``, whether this process writes the drift checks' lines
+            (default: rank 0).
+    """
+
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt: MemoryOptimizer) -> None:
+        self._opt = opt
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The patched model, or ``None``."""
+        return self._opt._model
+
+    @property
+    def compression(self) -> Compression | None:
+        """Compression of the patched model: its ``stats`` count the bytes held for backward."""
+        return self._opt._compression
+
+    @property
+    def hooks(self) -> CompressionHooks | None:
+        """The saved-tensor hooks themselves (for tests and diagnostics)."""
+        compression = self._opt._compression
+        return compression.hooks if compression is not None else None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps counted by ``count_step`` (restored by ``load_state_dict``)."""
+        return self._opt._drift.steps
+
+    @property
+    def reduce_max(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self._opt._reduce_max
+
+    @reduce_max.setter
+    def reduce_max(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._opt._reduce_max = reduce
+
+    @property
+    def speaks(self) -> Callable[[], bool]:
+        return self._opt._speaks
+
+    @speaks.setter
+    def speaks(self, speaks: Callable[[], bool]) -> None:
+        self._opt._speaks = speaks
+
+    def should_check(self, step: int | None = None) -> bool:
+        """True when a drift check is due at ``step`` (``check_drift(..., if_due=True)``'s test,
+        without its once-per-step rule)."""
+        return self._opt._should_check(step)
+
+    def batch_fits(self) -> float | None:
+        """How many times larger a batch fits than without memopt (``memopt/batch_fits_x``)."""
+        return self._opt._batch_fits()
+
+    def take_measured_fits(self, fits: float | None) -> None:
+        """Take ``fits`` as measured for the next training step in place of the estimate."""
+        self._opt._take_measured_fits(fits)
+
+    def measure_afresh(self) -> None:
+        """Measure the next training step as the first after ``apply``."""
+        self._opt._measure_afresh()
 
 
 def _scopes_line(model: nn.Module, compressed: Mapping[str, int]) -> str:

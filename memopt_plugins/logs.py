@@ -21,8 +21,6 @@ from contextlib import contextmanager
 
 from .distributed import process_rank
 
-__all__ = ["quiet", "release_console", "show_on_console"]
-
 log = logging.getLogger("memopt")
 
 

@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LossFn", "bind_loss", "takes_model_and_batch"]
-
 #: ``loss_fn(model, batch) -> scalar loss``.
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 

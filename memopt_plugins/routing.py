@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .measure import ScopeTracker, Watch
+from .measure.scopes import ScopeTracker, Watch
 
 
 class RoutingMode(TorchFunctionMode):

@@ -33,7 +33,7 @@ from .config_io import (
     state_map,
     state_name,
 )
-from .drift import DriftMonitor
+from .drift.monitor import DriftMonitor
 
 #: The parts of a saved state, each optional.
 KEYS = ("bits", "drift", "noise", "recompute")

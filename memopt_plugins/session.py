@@ -11,7 +11,7 @@ adapters of their framework's events over one session, which holds the
 * the console: the plan when training starts, the memory the first step kept, each check.
 
 What belongs to a framework is injected: :attr:`log_metrics` (where metrics go), :attr:`is_main`
-(which process writes the console lines), and ``memopt.reduce_max`` (the drift decision's reduce
+(which process writes the console lines), and :attr:`reduce_max` (the drift decision's reduce
 over ranks). The metrics themselves are the engine's (:meth:`MemoryOptimizer.metrics`).
 """
 
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .config import MemOptConfig
-from .distributed import is_rank_zero
+from .distributed import is_rank_zero, max_over_ranks
 from .engine import COMPRESS, KEEP, DriftReport, MemoryOptimizer
 from .loss_fn import takes_model_and_batch
 from .tree import slice_batch
@@ -54,6 +54,9 @@ class MemOptSession:
             framework's loggers; ``None``: nothing is logged.
         is_main: ``is_main() -> bool``, True in the process that writes the console lines
             (default: rank 0 of torch.distributed).
+        reduce_max: ``reduce_max(t) -> t``, a tensor's element-wise max over all ranks, which
+            the drift check decides by so that every rank keeps the same bits (default: an
+            all-reduce over torch.distributed when it is initialized, else the identity).
     """
 
     def __init__(
@@ -62,7 +65,10 @@ class MemOptSession:
         self.memopt = MemoryOptimizer(config)
         self.log_metrics: Callable[[dict[str, float], int], None] | None = None
         self.is_main: Callable[[], bool] = is_rank_zero
-        self.memopt.speaks = lambda: self.is_main()  # the checks' lines: the main process's
+        self.reduce_max: Callable[[torch.Tensor], torch.Tensor] = max_over_ranks
+        self._internal = self.memopt.internal
+        self._internal.speaks = lambda: self.is_main()  # the checks' lines: the main process's
+        self._internal.reduce_max = lambda t: self.reduce_max(t)
         self._held: dict[str, Any] | None = None  # state waiting for the (next) patch
         self._report: DriftReport | None = None  # the check of the current step, to log
         self._checked = False  # a check ran in the current step
@@ -78,7 +84,19 @@ class MemOptSession:
     @property
     def model(self) -> nn.Module | None:
         """The patched model, or ``None``."""
-        return self.memopt.model
+        return self._internal.model
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps counted (:meth:`end_step`; restored with the state)."""
+        return self._internal.steps
+
+    @property
+    def recomputes(self) -> bool:
+        """True when the config recomputes modules (``recompute.modules``, ``types`` or ``auto``):
+        integrations refuse a framework's own activation checkpointing on top of it."""
+        rc = self.config.recompute
+        return bool(rc.modules or rc.types or rc.auto is not None)
 
     @property
     def bits(self) -> dict[str, int]:
@@ -99,7 +117,7 @@ class MemOptSession:
     def apply(self, model: nn.Module) -> nn.Module:
         """Patch ``model`` with the kept state on top; a no-op when it is patched already, and a
         patch on another model moves (``model_init`` builds one per ``train()``)."""
-        if self.memopt.model is model:
+        if self.model is model:
             return model
         self.remove()
         self.memopt.apply(model)
@@ -110,7 +128,7 @@ class MemOptSession:
 
     def remove(self) -> None:
         """Undo the patch (the model is exactly as before) and keep its state for the next."""
-        if self.memopt.model is None:
+        if self.model is None:
             return
         self._held = self.memopt.state_dict()
         self.memopt.remove()
@@ -122,7 +140,7 @@ class MemOptSession:
 
     def restore(self) -> None:
         """Lay the kept state on the patched model now (kept when it does not load)."""
-        if self._held is not None and self.memopt.model is not None:
+        if self._held is not None and self.model is not None:
             self.memopt.load_state_dict(self._held)
             self._held = None
 
@@ -132,7 +150,7 @@ class MemOptSession:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved: now when patched, else at the next patch."""
-        if self.memopt.model is None:
+        if self.model is None:
             self.hold(state)
         else:
             self.memopt.load_state_dict(state)
@@ -141,37 +159,32 @@ class MemOptSession:
     def due(self, step: int | None = None) -> bool:
         """True when a drift check is due at optimizer step ``step`` (default: the steps counted)
         and none ran in this step yet (several optimizers, several calls)."""
-        return (
-            self.memopt.model is not None and not self._checked and self.memopt.should_check(step)
-        )
+        return self.model is not None and not self._checked and self._internal.should_check(step)
 
     def check(
         self,
         loss_fn: Callable[..., torch.Tensor],
+        *,
+        batch: Any = None,
         step: int | None = None,
         batch_size: int | None = None,
-        batch: Any = None,
-    ) -> DriftReport:
+        if_due: bool = False,
+    ) -> DriftReport | None:
         """Run the drift check on ``loss_fn()`` now (every rank together); its INFO line says
         what it found and changed.
 
         ``loss_fn`` runs the patched model itself (not a DDP wrapper) on a small batch cut from
         a training batch of ``batch_size`` samples; or, with ``batch`` (that small batch),
-        ``loss_fn(model, batch)``, which the check may run on pieces of ``batch``.
+        ``loss_fn(model, batch)``, which the check may run on pieces of ``batch``. The
+        arguments are :meth:`MemoryOptimizer.check_drift`'s, in its order; ``if_due=True``
+        checks only when :meth:`due`, else returns ``None``.
         """
+        if if_due and not self.due(step):
+            return None
         self._tell_plan()
-        report = self.memopt.check_drift(loss_fn, step=step, batch_size=batch_size, batch=batch)
+        report = self.memopt.check_drift(loss_fn, batch=batch, step=step, batch_size=batch_size)
         self._report, self._checked = report, True
         return report
-
-    def check_if_due(
-        self,
-        loss_fn: Callable[[], torch.Tensor],
-        step: int | None = None,
-        batch_size: int | None = None,
-    ) -> DriftReport | None:
-        """:meth:`check` when :meth:`due`, else ``None``."""
-        return self.check(loss_fn, step, batch_size) if self.due(step) else None
 
     def end_step(self, step: int, log_due: bool) -> dict[str, float] | None:
         """Count the optimizer step just taken and log its metrics when ``log_due`` (the
@@ -197,7 +210,7 @@ class MemOptSession:
     def log_plan(self) -> None:
         """One line: how many modules each action takes (at the bits in force now: after a
         resume, the checkpoint's), dropout, batchnorm and drift."""
-        if self.memopt.model is None or not self.is_main():
+        if self.model is None or not self.is_main():
             return
         self._told_plan = True
         plan = self.memopt.plan
@@ -221,21 +234,27 @@ class MemOptSession:
             else "off",
         )
 
+    def measure_afresh(self) -> None:
+        """Measure the next training step as the first after the patch (``memopt/peak_bytes``,
+        ``memopt/batch_fits_x``, the memory line): forwards run outside the training loop's
+        steps (a batch-size finder's trials) are not its."""
+        self._internal.measure_afresh()
+
     def log_memory(self) -> None:
         """At the end of the first optimizer step after a patch (:meth:`end_step`): one line with
         what the hooks kept for backward against the bytes of what they were handed (every
         save in a compression scope over ``min_numel``, parameters left out: not the profile's
         count of the distinct storages the whole model saves), what of it they kept as it is,
-        and how many times larger a batch fits (:attr:`.MemoryOptimizer.batch_fits`, the
-        figure ``memopt/batch_fits_x`` logs for the same step)."""
-        compression = self.memopt.compression
+        and how many times larger a batch fits (the figure ``memopt/batch_fits_x`` logs for
+        the same step)."""
+        compression = self._internal.compression
         if self._told_memory or compression is None or not self.is_main():
             return
         stats = compression.stats
         if not stats.saved_original:
             return
         self._told_memory = True
-        fits = self.memopt.batch_fits
+        fits = self._internal.batch_fits()
         log.info(
             "memopt: first training step kept %.2f MiB for backward of the %.2f MiB its hooks "
             "were handed (%.1fx less; %.2f MiB of it kept as it is)%s",
@@ -251,8 +270,8 @@ class MemOptSession:
     def _kept_whole_lines(self) -> list[str]:
         """A line for each scope's dtype whose bytes kept as they are make a large share of what
         the first step kept (:attr:`.SavedStats.kept_whole`): why that scope barely shrank."""
-        stats = self.memopt.compression.stats
-        named = dict(self.memopt.model.named_modules())
+        stats = self._internal.compression.stats
+        named = dict(self.model.named_modules())
         lines = []
         ranked = sorted(stats.kept_whole.items(), key=lambda item: -item[1][1])
         for (scope, dtype), (tensors, nbytes) in ranked:

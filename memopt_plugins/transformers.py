@@ -88,7 +88,7 @@ class MemOptTrainerCallback(SessionAdapter, TrainerCallback, ExportableState):
         checkpointing = getattr(args, "activation_checkpointing", None) or getattr(
             args, "gradient_checkpointing", None
         )
-        if checkpointing and self.memopt.recomputes:
+        if checkpointing and self.session.recomputes:
             raise ConfigError(
                 "MemOptTrainerCallback: TrainingArguments(activation_checkpointing=True) (alias "
                 "gradient_checkpointing) checkpoints the model's layers and the memopt config "
@@ -193,7 +193,7 @@ class MemOptTrainerCallback(SessionAdapter, TrainerCallback, ExportableState):
         a closure ``loss_fn()`` of the user's runs its own sample whole."""
         user_loss = self.loss_fn
         if user_loss is not None and not takes_model_and_batch(user_loss):
-            self.session.check(user_loss, step, self._batch_size)
+            self.session.check(user_loss, step=step, batch_size=self._batch_size)
             return
         if user_loss is None:
             loss_fn = tap.loss_on
@@ -202,7 +202,7 @@ class MemOptTrainerCallback(SessionAdapter, TrainerCallback, ExportableState):
             def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
                 return user_loss(model, copy.copy(batch))  # its own copy: labels get popped
 
-        self.session.check(loss_fn, step, self._batch_size, batch=sample)
+        self.session.check(loss_fn, batch=sample, step=step, batch_size=self._batch_size)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -20,8 +20,6 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-__all__ = ["TrainerTap", "calling_trainer"]
-
 
 def calling_trainer() -> Trainer:
     """The ``Trainer`` whose callback handler runs the current event."""

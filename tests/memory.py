@@ -37,7 +37,7 @@ def _measure_here(build, config, repeats: int, threads: int, compile=None) -> Me
         opt.apply(model)
     if compile is not None:
         compile(model)
-    stats = opt.compression.stats if opt is not None else None
+    stats = opt.internal.compression.stats if opt is not None else None
     meter = MemoryMeter("cpu")
     loss_fn(model, batch).backward()
     readings = [meter.measure(lambda: loss_fn(model, batch), stats) for _ in range(repeats)]

@@ -8,7 +8,7 @@ import torch
 from memopt_plugins.callbacks import MemOptCallback
 from torch import nn
 
-from memopt_plugins import MemoryOptimizer
+from memopt_plugins import MemoryOptimizer, plan_recompute
 from memopt_plugins.accelerate import MemOptPlugin
 from memopt_plugins.loss_fn import takes_model_and_batch
 from memopt_plugins.transformers import MemOptTrainerCallback
@@ -100,7 +100,7 @@ def test_plan_recompute_takes_model_and_batch():
     opt = MemoryOptimizer({"recompute": {"auto": {"budget": 0.5}}})
     model = opt.apply(mlp())
     loss_fn = Recorder()
-    opt.plan_recompute(loss_fn, batch=torch.randn(5, 16))
+    plan_recompute(opt, loss_fn, batch=torch.randn(5, 16))
     assert loss_fn.sizes and set(loss_fn.sizes) == {5} and loss_fn.models[0] is model
 
 
@@ -123,9 +123,9 @@ def test_integrations_refuse_a_loss_fn_of_neither_form_when_built(callback):
         callback(CONFIG, loss_fn=lambda model, batch, extra: 0)
 
 
-# --------------------------------------------------------------------------- maybe_check_drift
+# ------------------------------------------------------------------ check_drift(if_due=True)
 @pytest.mark.parametrize("pass_step", [True, False])
-def test_maybe_check_drift_checks_once_per_optimizer_step_under_accumulation(pass_step):
+def test_check_drift_if_due_checks_once_per_optimizer_step_under_accumulation(pass_step):
     """Four micro-batches per optimizer step call it four times with the same step: one check
     at each step that is due (check_every 2: steps 0 and 2 of 0..3)."""
     opt = MemoryOptimizer({**CONFIG, "drift": {"sample_size": 3, "check_every": 2}})
@@ -135,7 +135,7 @@ def test_maybe_check_drift_checks_once_per_optimizer_step_under_accumulation(pas
         for _ in range(4):
             model(torch.randn(12, 16)).square().mean().backward()
             given = step if pass_step else None
-            report = opt.maybe_check_drift(Recorder(), given, batch=torch.randn(12, 16))
+            report = opt.check_drift(Recorder(), batch=torch.randn(12, 16), step=given, if_due=True)
             checks.append(report is not None)
         opt.count_step()
     once = [True, False, False, False]

@@ -20,7 +20,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.proxy_tensor import make_fx
 from zoo import hf_gpt2
 
-from memopt_plugins import MemoryOptimizer
+from memopt_plugins import MemoryOptimizer, plan_recompute
 from memopt_plugins.compress.codec import ops, reference
 from memopt_plugins.compress.codec import traced as graph_codec
 from memopt_plugins.compress.compiled import compiled_nodes
@@ -176,7 +176,7 @@ def _saved_bytes(config, compile=None) -> tuple[dict[str, torch.Tensor], int, in
     if compile is not None:
         compile(model)
     loss_fn(model, batch).backward()
-    stats = opt.compression.stats
+    stats = opt.internal.compression.stats
     return (
         {n: p.grad for n, p in model.named_parameters()},
         stats.saved_original,
@@ -242,13 +242,13 @@ def test_a_change_of_bits_recompiles_only_the_graphs_of_that_module():
     compile_blocks(model, backend=counter)
     for _ in range(2):
         loss_fn(model, batch).backward()
-    frames, pairs = counter.frame_count, len(opt.hooks._pairs)
+    frames, pairs = counter.frame_count, len(opt.internal.hooks._pairs)
     flipped = "transformer.h.1.mlp.c_fc"
     for bits in (4, 8) * 20:
         opt.set_bits(flipped, bits)
         loss_fn(model, batch).backward()
     assert counter.frame_count == frames + 1, (frames, counter.frame_count)
-    assert len(opt.hooks._pairs) <= pairs + 1
+    assert len(opt.internal.hooks._pairs) <= pairs + 1
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
@@ -299,7 +299,7 @@ def test_compressed_modules_inside_a_recomputed_block_stay_in_the_compiled_graph
     model, batch, loss_fn = _tiny_gpt2()
     opt = MemoryOptimizer(config)
     opt.apply(model)  # every module's scope watched for compression, then the planner chooses
-    assert opt.plan_recompute(lambda: loss_fn(model, batch)).chosen
+    assert plan_recompute(opt, lambda: loss_fn(model, batch)).chosen
     counter = CompileCounterWithBackend(NO_CODEGEN)
     model.compile(backend=counter)
     for _ in range(2):
@@ -327,7 +327,10 @@ def test_dropout_and_batchnorm_modes_inside_a_compiled_model():
         F.cross_entropy(model(x), y).backward()
     assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
     assert torch.equal(bn.running_mean, stats[0]) and torch.equal(bn.running_var, stats[1])
-    assert opt.compression.stats.saved_stored < opt.compression.stats.saved_original / 2
+    assert (
+        opt.internal.compression.stats.saved_stored
+        < opt.internal.compression.stats.saved_original / 2
+    )
 
 
 def test_the_planner_measures_compiled_models_eagerly(caplog):
@@ -341,7 +344,7 @@ def test_the_planner_measures_compiled_models_eagerly(caplog):
     opt.apply(model)
     compile_blocks(model, backend=NO_CODEGEN)
     loss_fn(model, batch).backward()
-    assert opt.recomputed and opt.recompute_plan.met
+    assert opt.plan.recomputed and opt.plan.recompute.met
     torch._dynamo.reset()
     model, batch, loss_fn = _tiny_gpt2()
     opt = MemoryOptimizer(auto)
@@ -349,12 +352,12 @@ def test_the_planner_measures_compiled_models_eagerly(caplog):
     compile_whole(model, backend=NO_CODEGEN)
     with caplog.at_level(logging.WARNING, logger="memopt"):
         loss_fn(model, batch).backward()
-    assert opt.recomputed and "could not measure" not in caplog.text
+    assert opt.plan.recomputed and "could not measure" not in caplog.text
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     loss_fn(model, batch).backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # compiled now
-    plan = opt.plan_recompute(lambda: loss_fn(model, batch))
-    assert plan.chosen and plan.met and opt.recomputed == plan.chosen
+    plan = plan_recompute(opt, lambda: loss_fn(model, batch))
+    assert plan.chosen and plan.met and opt.plan.recomputed == plan.chosen
     exact = gradients(*_tiny_gpt2())
     model.zero_grad(set_to_none=True)
     loss_fn(model, batch).backward()  # recomputed inside the compiled graph: exact gradients
@@ -397,7 +400,7 @@ def test_lean_ops_compile_without_graph_breaks_and_keep_the_gradients(mode):
         opt.apply(patched)
         MODES[mode](patched, backend=NO_CODEGEN)
         loss_fn(patched, batch)
-        saved.append(opt.compression.stats.saved_original)
+        saved.append(opt.internal.compression.stats.saved_original)
         opt.remove()
     assert saved[0] < saved[1]
 

@@ -55,7 +55,7 @@ def _compiled_sharded(config):
 def _retained(model, loss_fn, batch, opt) -> int:
     """Retained bytes of a forward (max of RSS and packed bytes, the smaller of two readings)."""
     meter = MemoryMeter("cpu")
-    stats = opt.compression.stats if opt is not None else None
+    stats = opt.internal.compression.stats if opt is not None else None
     step = functools.partial(loss_fn, model, batch)
     return min(max(r.retained, r.packed) for r in (meter.measure(step, stats) for _ in range(2)))
 
@@ -88,7 +88,7 @@ def _training(rank: int) -> dict:
         out[name + " grads"] = grads
         out[name + " retained"] = _retained(model, loss_fn, batch, opt)
     out["int8 grad error"] = _global_error(out["int8 grads"], out["baseline grads"])
-    out["int8 saved_ratio"] = opt.compression.stats.forward_ratio
+    out["int8 saved_ratio"] = opt.internal.compression.stats.forward_ratio
 
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     report = opt.check_drift(lambda: loss_fn(model, batch[:4]), max_rounds=1)
@@ -136,7 +136,7 @@ class Recomputed(Callback):
         self.recomputed: list[str] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.recomputed = list(self.memopt.memopt.recomputed)
+        self.recomputed = list(self.memopt.memopt.plan.recomputed)
 
 
 def _lightning(rank: int, root: Path) -> dict:

@@ -120,7 +120,7 @@ def _compiled_step(config, compile) -> Step:
     del loss
     retained, peak = _read(*_allocations(prof))
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    claimed = opt.compression.stats.forward_ratio if opt is not None else None
+    claimed = opt.internal.compression.stats.forward_ratio if opt is not None else None
     if opt is not None:
         opt.remove()
     torch._dynamo.reset()

@@ -50,7 +50,10 @@ def _mean_error(bits: int, compiled: bool) -> float:
     ]
     if compiled:
         # every batch ran inside the graphs: nothing reached the eager hooks
-        assert opt.compression.stats.forward_tensors == 0 and opt.compression.stats.compiled
+        assert (
+            opt.internal.compression.stats.forward_tensors == 0
+            and opt.internal.compression.stats.compiled
+        )
     opt.remove()
     torch._dynamo.reset()
     return sum(errors) / len(errors)

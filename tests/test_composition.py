@@ -46,7 +46,7 @@ def test_inside_a_checkpoint_region_memopt_compresses_only_the_regions_inputs(re
     exact = _grads(model, x)
     opt = MemoryOptimizer(INT8)
     opt.apply(model)
-    stats = opt.compression.stats
+    stats = opt.internal.compression.stats
     model.zero_grad(set_to_none=True)
     loss = model(x).square().mean()
     # What the checkpoints keep: the three blocks' inputs (64 features), compressed by the root's
@@ -70,7 +70,8 @@ def test_a_region_inside_save_on_cpu_is_left_to_it():
     opt.apply(model)
     with torch.autograd.graph.save_on_cpu():
         model(torch.randn(32, 64)).sum().backward()
-    assert opt.compression.stats.forward_tensors == 0  # offloaded by save_on_cpu, not packed
+    # offloaded by save_on_cpu, not packed
+    assert opt.internal.compression.stats.forward_tensors == 0
     opt.remove()
 
 
@@ -104,7 +105,7 @@ def test_hf_checkpointing_trains_with_memopt(reentrant):
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert rel_error(got, exact) < 0.02
     # a block's input and the head's are compressed; the blocks' insides are the checkpoint's
-    inside = [f for f in opt.compression.stats.modules if ".h." in f and f.count(".") > 2]
+    inside = [f for f in opt.internal.compression.stats.modules if ".h." in f and f.count(".") > 2]
     assert inside == []
     if not reentrant:  # the reentrant checkpoint refuses torch.autograd.grad, which checks use
         report = opt.check_drift(lambda: loss_fn(model, batch[:2]))
@@ -134,8 +135,9 @@ def test_autocast_copies_of_weights_are_kept_also_when_saved_as_views():
     opt = MemoryOptimizer({"quantize": {"bits": 4}, "drift": {"enabled": False}})
     opt.apply(model)
     compressed: list[tuple[int, ...]] = []
-    compress = opt.hooks._compress
-    opt.hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
+    compress = opt.internal.hooks._compress
+    hooks = opt.internal.hooks
+    hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
     got = grads()
     opt.remove()
     assert compressed and all(shape[0] == 96 for shape in compressed), compressed
@@ -168,7 +170,7 @@ def test_a_sparse_saved_tensor_is_kept_as_it_is_and_counted():
     opt.apply(model)
     model.zero_grad(set_to_none=True)
     model(x).sum().backward()
-    assert opt.compression.stats.unencodable == {"torch.sparse_coo": 1}
+    assert opt.internal.compression.stats.unencodable == {"torch.sparse_coo": 1}
     assert opt.metrics()["memopt/unencodable"] == 1.0
     assert rel_error({n: p.grad for n, p in model.named_parameters()}, exact) < 0.02
     opt.remove()
@@ -192,7 +194,7 @@ opt.apply(model)
 x = distribute_tensor(torch.randn(64, 64), mesh, [Replicate()]).requires_grad_()
 model(x).sum().backward()
 exact = 2 * (1 - torch.tanh(x.full_tensor()) ** 2)
-stats = opt.compression.stats
+stats = opt.internal.compression.stats
 print(type(x.grad).__name__, float((x.grad.full_tensor() - exact).abs().max()),
       stats.forward_original // stats.forward_stored, stats.unencodable)
 dist.destroy_process_group()
@@ -228,7 +230,7 @@ def test_remove_leaves_no_process_wide_state():
     from torch._functorch import config as functorch_config
 
     from memopt_plugins.compress.codec import ops
-    from memopt_plugins.measure import ScopeTracker
+    from memopt_plugins.measure.scopes import ScopeTracker
 
     gc.collect()  # models earlier tests dropped unremoved hold the setting until collected
     before = functorch_config.saved_tensors_hooks_filtering_mode
@@ -346,7 +348,7 @@ def test_a_graph_kept_across_steps_does_not_grow_the_counts_and_new_weights_stay
         sgd.zero_grad()
         opt.count_step()
         saved.append(opt.metrics()["memopt/kept_bytes"])
-        floats.append(sum(len(m.floats) for m in opt.compression.stats.modules.values()))
+        floats.append(sum(len(m.floats) for m in opt.internal.compression.stats.modules.values()))
     # step 0 held two forwards; every later step holds one, as many bytes as the last
     assert len(set(saved[1:])) == 1 and len(set(floats[1:])) == 1, (saved, floats)
     assert saved[1] == saved[0] / 2, saved
@@ -354,8 +356,9 @@ def test_a_graph_kept_across_steps_does_not_grow_the_counts_and_new_weights_stay
     with torch.no_grad():
         model[0].weight = nn.Parameter(model[0].weight.clone())
     compressed: list[tuple[int, ...]] = []
-    compress = opt.hooks._compress
-    opt.hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
+    compress = opt.internal.hooks._compress
+    hooks = opt.internal.hooks
+    hooks._compress = lambda t, b: (compressed.append(tuple(t.shape)), compress(t, b))[1]
     model(x).sum().backward()
     assert (128, 64) not in compressed and (64, 128) not in compressed, compressed
     opt.remove()
@@ -379,7 +382,7 @@ def test_torch_func_transforms_run_on_a_patched_model():
     assert all(torch.equal(got[k], exact[k]) for k in exact)
     assert all(torch.equal(vjp(torch.tensor(1.0))[0][k], exact[k]) for k in exact)
     model(x).sum().backward()  # and trains compressed outside them
-    assert opt.compression.stats.forward_tensors > 0
+    assert opt.internal.compression.stats.forward_tensors > 0
     opt.remove()
 
 
@@ -399,7 +402,7 @@ def _state_of(model: nn.Module) -> list:
 
 
 def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch):
-    from memopt_plugins.recompute import Recompute
+    from memopt_plugins.recompute.wrap import Recompute
 
     model, batch, loss_fn = hf_gpt2(batch_size=2, seq=32, dim=64, layers=2, dropout=0.1)
     before = _state_of(model)
@@ -419,7 +422,7 @@ def test_an_apply_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch):
         opt.apply(model)
     assert _state_of(model) == before
     assert model.config._attn_implementation == "eager"
-    assert patched_by(model) is None and opt.model is None
+    assert patched_by(model) is None and opt.internal.model is None
     monkeypatch.undo()
     MemoryOptimizer(config).apply(model)  # and it can be patched again
 
@@ -450,7 +453,9 @@ def test_state_dict_carries_the_rounding_generators():
     for _ in range(2):
         model(x).sum().backward()
     state = json.loads(json.dumps(opt.state_dict()))  # as a Trainer's JSON checkpoint keeps it
-    expected = [torch.randint(2**62, (4,), generator=opt.compression.noise(torch.device("cpu")))]
+    expected = [
+        torch.randint(2**62, (4,), generator=opt.internal.compression.noise(torch.device("cpu")))
+    ]
     opt.remove()
     for before_apply in (True, False):
         torch.manual_seed(1)  # another run's seed: the generators must come from the state
@@ -460,7 +465,9 @@ def test_state_dict_carries_the_rounding_generators():
         resumed.apply(model)
         if not before_apply:
             resumed.load_state_dict(state)
-        got = torch.randint(2**62, (4,), generator=resumed.compression.noise(torch.device("cpu")))
+        got = torch.randint(
+            2**62, (4,), generator=resumed.internal.compression.noise(torch.device("cpu"))
+        )
         assert torch.equal(got, expected[0]), before_apply
         resumed.remove()
 
@@ -506,7 +513,9 @@ def test_rounding_noise_is_fresh_for_every_saved_tensor_and_step():
         steps.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert not torch.equal(*steps)
     t = torch.randn(4096)
-    first, second = (opt.hooks.unpack(opt.hooks.pack(t.clone(), 2)) for _ in range(2))
+    first, second = (
+        opt.internal.hooks.unpack(opt.internal.hooks.pack(t.clone(), 2)) for _ in range(2)
+    )
     assert not torch.equal(first, second)
     opt.remove()
 
@@ -559,7 +568,9 @@ def test_a_model_inside_a_patched_model_or_holding_one_is_not_patched_again(firs
         second.apply(other)
     assert _state_of(outer) == before
     assert (
-        second.model is None and patched_by(other) is None and opt.bits == {f: 8 for f in opt.bits}
+        second.internal.model is None
+        and patched_by(other) is None
+        and opt.bits == {f: 8 for f in opt.bits}
     )
     opt.remove()
     second.apply(other)  # once the first is removed
@@ -581,11 +592,11 @@ def test_under_disabled_saved_tensor_hooks_a_patched_model_runs_as_without_memop
     with torch.autograd.graph.disable_saved_tensors_hooks("the user's"):
         inside = _grads(model, x)
     assert all(torch.equal(inside[k], exact[k]) for k in exact)
-    assert opt.compression.stats.forward_tensors == 0 and opt.recompute_plan is None
+    assert opt.internal.compression.stats.forward_tensors == 0 and opt.plan.recompute is None
     _grads(model, x)  # outside: measured by the planner, which suspends compression
-    assert opt.recompute_plan is not None
+    assert opt.plan.recompute is not None
     outside = _grads(model, x)
-    assert opt.compression.stats.forward_tensors > 0 and rel_error(outside, exact) > 1e-3
+    assert opt.internal.compression.stats.forward_tensors > 0 and rel_error(outside, exact) > 1e-3
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     opt.remove()
 
@@ -622,7 +633,7 @@ def test_a_scripted_submodule_runs_opaque_in_the_scope_of_its_caller(caplog):
     for _ in range(3):  # the profiling executor optimizes the scripted graph from the third run
         got = _grads(model, x)
         # the block's input (128 wide) and GELU's input, 16 KiB each, at 8 bits in the root's scope
-        saved = opt.compression.stats.modules[""]
+        saved = opt.internal.compression.stats.modules[""]
         assert saved.original == 2 * 32 * 128 * 4 and saved.stored < saved.original / 3
         assert 0 < rel_error(got, exact) < 0.02
     opt.remove()

@@ -49,13 +49,13 @@ def _worker(rank: int, out: str) -> None:
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for step in range(3):
         loss_fn(ddp, batch).backward()
-        opt.maybe_check_drift(lambda: loss_fn(model, batch[:2]), step)
+        opt.check_drift(lambda: loss_fn(model, batch[:2]), step=step, if_due=True)
         sgd.step()
         sgd.zero_grad()
         opt.count_step()
-    generator = opt.compression.noise(torch.device("cpu"))
+    generator = opt.internal.compression.noise(torch.device("cpu"))
     result = {
-        "recomputed": opt.recomputed,
+        "recomputed": opt.plan.recomputed,
         "bits": opt.bits,
         "checks": len(opt.state_dict()["drift"]["history"]),
         "noise": torch.randint(2**62, (4,), generator=generator).tolist(),

@@ -145,7 +145,7 @@ def _packed_bits(model, x, config) -> list[int]:
     opt = MemoryOptimizer(config)
     opt.apply(model)
     seen: list[int] = []
-    orig = opt.hooks._compress
+    orig = opt.internal.hooks._compress
 
     def spy(t, bits):
         saved = orig(t, bits)
@@ -153,7 +153,7 @@ def _packed_bits(model, x, config) -> list[int]:
         seen.append(payload.bits if isinstance(payload, PackedTensor) else 32)
         return saved
 
-    opt.hooks._compress = spy
+    opt.internal.hooks._compress = spy
     model(x).backward()
     opt.remove()
     return seen
@@ -178,7 +178,8 @@ def test_exclude_shields_a_subtree():
     assert not any(f.startswith("transformer.h.0") for f in opt.bits)
     assert "transformer.h.1.mlp.c_fc" in opt.bits
     assert opt.plan["transformer.h.0.mlp.c_fc"].action == "keep"
-    assert tuple(opt.plan["transformer.h.1.mlp.c_fc"]) == ("compute", "compress", 4)
+    entry = opt.plan["transformer.h.1.mlp.c_fc"]
+    assert (entry.kind, entry.action, entry.bits) == ("compute", "compress", 4)
     opt.remove()
 
 
@@ -188,8 +189,8 @@ def test_parameters_and_autocast_copies_are_not_compressed():
     opt = MemoryOptimizer(q(8, min_numel=1))
     opt.apply(model)
     kept: list[torch.Tensor] = []
-    orig = opt.hooks._compress
-    opt.hooks._compress = lambda t, b: (kept.append(t), orig(t, b))[1]
+    orig = opt.internal.hooks._compress
+    opt.internal.hooks._compress = lambda t, b: (kept.append(t), orig(t, b))[1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(x).float().sum().backward()
     opt.remove()
@@ -208,7 +209,7 @@ def test_tensor_saved_twice_is_packed_once():
     x = torch.randn(64, 128, requires_grad=True)
     opt = MemoryOptimizer(q(8, min_numel=1))
     loss = opt.apply(Square())(x)
-    assert opt.compression.stats.forward_tensors == 1
+    assert opt.internal.compression.stats.forward_tensors == 1
     loss.backward()
     opt.remove()
     expected = 2 * (2 * x.detach()).exp()
@@ -241,7 +242,7 @@ def test_consecutive_saves_of_one_tensor_share_one_decode(monkeypatch, second, d
     x = torch.randn(64, 256, requires_grad=True)
     opt = MemoryOptimizer(q(8, min_numel=1, rounding="nearest"))
     opt.apply(_SavedTwiceInARow(second))(x).backward()
-    group_size = opt.hooks.group_size
+    group_size = opt.internal.hooks.group_size
     opt.remove()
     assert len(calls) == decodes
     h = (2 * x).detach()
@@ -282,14 +283,14 @@ def test_a_replaced_buffers_reused_address_is_not_the_models_memory(monkeypatch)
     model.register_buffer("avg", torch.zeros(64, 256))
     opt = MemoryOptimizer(q(8, min_numel=1))
     opt.apply(model)
-    assert isinstance(opt.hooks.pack(model.avg, 8), _Kept)  # a buffer is kept as it is
+    assert isinstance(opt.internal.hooks.pack(model.avg, 8), _Kept)  # a buffer is kept as it is
     key = storage_module.storage_key(model.avg)
     model.avg = torch.ones(64, 256)  # the old buffer is freed: its address may hold anything
     h = torch.rand(64, 256)
     real = storage_module.storage_key
     monkeypatch.setattr(storage_module, "storage_key", lambda t: key if t is h else real(t))
     try:
-        assert not isinstance(opt.hooks.pack(h, 8), _Kept)
+        assert not isinstance(opt.internal.hooks.pack(h, 8), _Kept)
     finally:
         opt.remove()
 
@@ -301,8 +302,10 @@ def test_integer_tensors_are_narrowed_losslessly():
     opt = MemoryOptimizer(q(16, min_numel=1))
     opt.apply(model)
     kinds = []
-    orig = opt.hooks._compress
-    opt.hooks._compress = lambda t, b: (kinds.append((t.dtype, orig(t, b))), kinds[-1][1])[1]
+    orig = opt.internal.hooks._compress
+    opt.internal.hooks._compress = lambda t, b: (kinds.append((t.dtype, orig(t, b))), kinds[-1][1])[
+        1
+    ]
     model(x).square().sum().backward()
     opt.remove()
     index_saves = [saved for dtype, saved in kinds if dtype == torch.int64]
@@ -398,8 +401,9 @@ def test_functional_calls_inside_a_selected_module_are_compressed():
     opt = MemoryOptimizer(q(4))
     opt.apply(model)
     loss = model(x)
-    assert opt.compression.stats.forward_original == 2 * 256 * 128 * 4  # x and the silu input
-    assert opt.compression.stats.forward_ratio > 7.0
+    stats = opt.internal.compression.stats
+    assert stats.forward_original == 2 * 256 * 128 * 4  # x and the silu input
+    assert stats.forward_ratio > 7.0
     loss.backward()
     opt.remove()
 
@@ -417,10 +421,10 @@ def test_dedup_cache_is_emptied_after_each_forward_even_when_the_root_is_not_cal
     opt.apply(wrapper)
     for _ in range(3):
         wrapper.model(torch.randn(32, 64)).sum().backward()
-        assert len(opt.hooks._cache) == 0
-        assert opt.compression.stats.held_bytes == 0  # payloads freed with the graph
+        assert len(opt.internal.hooks._cache) == 0
+        assert opt.internal.compression.stats.held_bytes == 0  # payloads freed with the graph
     loss = wrapper.model(torch.randn(32, 64)).sum()
-    one_forward = opt.compression.stats.forward_original
+    one_forward = opt.internal.compression.stats.forward_original
     assert one_forward == 3 * 32 * 64 * 4  # x, the GELU input, the GELU output: one step only
     loss.backward()
     opt.remove()
@@ -539,7 +543,7 @@ def test_a_saved_tensor_reaches_the_c_kernel_within_five_python_frames():
     kernel through the codec's quantize and the kernel's wrapper only."""
     opt = MemoryOptimizer(q(8, min_numel=1, rounding="nearest"))
     model = opt.apply(nn.Linear(256, 256))
-    hook, _ = opt.hooks.pair("")
+    hook, _ = opt.internal.hooks.pair("")
     t = torch.randn(64, 256)
     frames = _frames_to_kernel(hook, t)
     opt.remove()

@@ -78,7 +78,7 @@ def test_a_weight_computed_in_the_forward_is_kept_as_it_is(kind):
         opt = MemoryOptimizer(_TWO_BITS)
         opt.apply(net)
         loss = net(x).sum()
-        scope = opt.compression.stats.modules.get("2")
+        scope = opt.internal.compression.stats.modules.get("2")
         scopes.append(None if scope is None else (scope.original, scope.stored))
         loss.backward()
         opt.remove()
@@ -110,7 +110,7 @@ def test_activations_made_from_parameters_and_data_stay_compressed():
     opt = MemoryOptimizer(_TWO_BITS)
     opt.apply(model)
     model(ids, x).backward()
-    modules = opt.compression.stats.modules
+    modules = opt.internal.compression.stats.modules
     for fqn in ("after_embed", "after_first"):
         assert modules[fqn].stored * 8 < modules[fqn].original, fqn
     opt.remove()
@@ -137,7 +137,7 @@ def test_autocast_copy_of_a_frozen_weight_is_kept_as_it_is():
     opt.apply(layer)
     try:
         got = input_grad(layer)
-        stats = opt.compression.stats
+        stats = opt.internal.compression.stats
         assert torch.equal(got, expected)
         weight_copy = 64 * 96 * 2  # bf16
         assert stats.forward_stored >= weight_copy
@@ -156,7 +156,7 @@ def test_a_frozen_weight_shaped_activation_is_still_compressed():
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(x).float().sum().backward()
-        modules = opt.compression.stats.modules
+        modules = opt.internal.compression.stats.modules
         relu, frozen = modules["1"], modules["2"]  # bf16 (64, 64), the frozen weight's shape
         assert relu.original == frozen.original == frozen.stored == 64 * 64 * 2
         assert relu.stored < relu.original

@@ -56,7 +56,7 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "no_cache": True,
         "fuse": [],
     },
-    "log": {"per_module": False, "legacy_names": False},
+    "log": {"per_module": False},
 }
 
 # A config that differs from the defaults in every section.
@@ -94,7 +94,7 @@ CUSTOM: dict[str, Any] = {
         "no_cache": False,
         "fuse": ["swiglu", "rmsnorm"],
     },
-    "log": {"per_module": True, "legacy_names": True},
+    "log": {"per_module": True},
 }
 
 

@@ -150,7 +150,7 @@ def test_preset_applies_trains_a_step_and_removes_cleanly(name, build):
     assert torch.isfinite(loss)
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    acted = bool(opt.bits) or bool(opt.recomputed)
+    acted = bool(opt.bits) or bool(opt.plan.recomputed)
     assert acted, f"{name} did nothing to {build.__name__}"
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     moved = [k for k, p in model.named_parameters() if not torch.equal(p, before[k])]

@@ -12,7 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from examples.models import gpt
-from memopt_plugins import MemoryOptimizer
+from memopt_plugins import MemoryOptimizer, plan_recompute
 from memopt_plugins.dropout import MemoryDropout
 from memopt_plugins.tree import map_tensors, slice_batch
 
@@ -68,7 +68,7 @@ def test_recompute_gives_the_baseline_gradients():
     planned, _, _ = gpt_on_cuda()
     opt = MemoryOptimizer({"recompute": {"auto": {"budget": 0.5}}})
     opt.apply(planned)
-    plan = opt.plan_recompute(lambda: loss_fn(planned, batch))
+    plan = plan_recompute(opt, lambda: loss_fn(planned, batch))
     assert plan.chosen
     got = step_gradients(planned, batch, loss_fn)
     opt.remove()

@@ -90,7 +90,7 @@ def test_deepspeed_checkpoint_regions_keep_only_their_inputs():
     for kind in ("none", "deepspeed", "deepspeed non-reentrant"):
         model, batch, loss_fn, opt = _checkpointed(kind)
         loss_fn(model, batch).backward()
-        stats = opt.compression.stats
+        stats = opt.internal.compression.stats
         runs[kind] = (stats.forward_tensors, stats.forward_original, model)
     plain, reentrant, non_reentrant = runs.values()
     assert reentrant[:2] == non_reentrant[:2]
@@ -123,7 +123,7 @@ def _memory(rank: int) -> dict[str, int]:
         engine = _engine(model, 3, 16)
         engine.backward(loss_fn(engine, batch))  # gradient partitions and buffers exist first
         meter = MemoryMeter("cpu")
-        stats = opt.compression.stats if opt is not None else None
+        stats = opt.internal.compression.stats if opt is not None else None
         step = functools.partial(loss_fn, engine, batch)
         readings = [meter.measure(step, stats, backward=False) for _ in range(2)]
         out[name] = min(max(r.retained, r.packed) for r in readings)
@@ -184,7 +184,7 @@ def _gradients(rank: int) -> dict:
             engine = _engine(model, stage, 8, **zero)
             engine.backward(loss_fn(engine, batch))
             out[name] = _full_grads(engine)
-        out[name + " saves"] = opt.compression.stats.forward_tensors
+        out[name + " saves"] = opt.internal.compression.stats.forward_tensors
         engine.destroy()
     return out
 
@@ -201,7 +201,7 @@ def _train(rank: int, config, check_every: int | None, steps: int = 3) -> dict:
         loss = loss_fn(engine, batch)
         engine.backward(loss)
         if check_every is not None:
-            report = opt.maybe_check_drift(loss_fn, step, batch=batch[:4])
+            report = opt.check_drift(loss_fn, batch=batch[:4], step=step, if_due=True)
             reports.append(None if report is None else (report.max, dict(report.escalated)))
         engine.step()
         opt.count_step()

@@ -19,17 +19,10 @@ from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.config import ConfigError, DriftConfig
-from memopt_plugins.drift import (
-    HISTORY_LIMIT,
-    NEGLIGIBLE_GRADIENT,
-    SAVES_NOTHING,
-    CheckSample,
-    CompressionFace,
-    DriftCheck,
-    DriftMonitor,
-    next_rung,
-)
 from memopt_plugins.drift.judges import Drifts
+from memopt_plugins.drift.monitor import DriftMonitor
+from memopt_plugins.drift.report import HISTORY_LIMIT, NEGLIGIBLE_GRADIENT, SAVES_NOTHING, next_rung
+from memopt_plugins.drift.request import CheckSample, CompressionFace, DriftCheck
 from memopt_plugins.tree import batch_size_of, slice_batch
 
 
@@ -124,7 +117,7 @@ def _manual_drift(opt, model, batch, loss_fn, fqn, metric):
     for exact in (True, False):
         inputs.clear()
         if exact:
-            with opt.hooks.suspend():
+            with opt.internal.hooks.suspend():
                 loss = loss_fn(model, batch)
         else:
             loss = loss_fn(model, batch)
@@ -171,7 +164,7 @@ def test_noise_drift_matches_the_two_halves_computed_by_hand(unfolded):
     own = list(fc.parameters())
 
     def grad(part, exact=True):
-        with opt.hooks.suspend() if exact else contextlib.nullcontext():
+        with opt.internal.hooks.suspend() if exact else contextlib.nullcontext():
             loss = loss_fn(model, part)
         return torch.cat([g.flatten() for g in torch.autograd.grad(loss, own)]).double()
 
@@ -219,7 +212,7 @@ def test_a_check_in_pieces_judges_the_mean_of_the_pieces_gradients(unfolded, mon
     own = list(model.transformer.h[0].mlp.c_fc.parameters())
 
     def grad(part, exact=True, wrt=own):
-        with opt.hooks.suspend() if exact else contextlib.nullcontext():
+        with opt.internal.hooks.suspend() if exact else contextlib.nullcontext():
             loss = loss_fn(model, part)
         return torch.cat([g.flatten() for g in torch.autograd.grad(loss, wrt)]).double()
 
@@ -243,7 +236,7 @@ def test_a_check_in_pieces_judges_the_mean_of_the_pieces_gradients(unfolded, mon
     for p in pieces:
         for out, flag in ((exact, True), (approx, False)):
             inputs.clear()
-            with opt.hooks.suspend() if flag else contextlib.nullcontext():
+            with opt.internal.hooks.suspend() if flag else contextlib.nullcontext():
                 loss = loss_fn(model, p)
             out.append(torch.autograd.grad(loss, inputs)[0].flatten().double())
     handle.remove()
@@ -267,7 +260,7 @@ def test_sgd_drift_is_the_progress_cost_computed_by_hand(unfolded, batch_size):
     own = list(model.transformer.h[0].mlp.c_fc.parameters())
 
     def grad(part, exact=True):
-        with opt.hooks.suspend() if exact else contextlib.nullcontext():
+        with opt.internal.hooks.suspend() if exact else contextlib.nullcontext():
             loss = loss_fn(model, part)
         return torch.cat([g.flatten() for g in torch.autograd.grad(loss, own)]).double()
 
@@ -467,7 +460,7 @@ def _train(checks: bool, steps: int = 3):
         sgd.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
         loss.backward()
-        if checks and opt.should_check():
+        if checks and opt.internal.should_check():
             grads = [p.grad.clone() for p in model.parameters()]
             reports.append(opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 2))))
             assert all(
@@ -494,11 +487,11 @@ def test_check_restores_batchnorm_buffers_and_saved_stats():
     opt = MemoryOptimizer({"quantize": {"bits": 4}})
     opt.apply(model)
     loss_fn(model, batch)  # a training forward: stats describe it
-    stats = dataclasses.astuple(opt.compression.stats)
+    stats = dataclasses.astuple(opt.internal.compression.stats)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     report = opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 2)), max_rounds=1)
     assert report.per_module and report.max > 0
-    assert dataclasses.astuple(opt.compression.stats) == stats
+    assert dataclasses.astuple(opt.internal.compression.stats) == stats
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
     assert all(p.grad is None for p in model.parameters())
 
@@ -523,7 +516,7 @@ def test_state_dict_round_trips_bits_steps_and_history():
             other.apply(fresh)
             other.load_state_dict(state)
         assert other.bits == opt.bits and other.bits["model.norm"] == 32
-        assert other.steps == 1
+        assert other.internal.steps == 1
         assert other.state_dict()["drift"] == opt.state_dict()["drift"]
         per_step = (
             "memopt/kept",
@@ -552,15 +545,15 @@ def test_should_check_counts_optimizer_steps():
     opt, _, _ = patched(hf_llama, {"quantize": {"bits": 4}, "drift": {"check_every": 3}})
     due = []
     for _ in range(7):
-        due.append(opt.should_check())
+        due.append(opt.internal.should_check())
         opt.count_step()
     assert due == [True, False, False, True, False, False, True]
-    assert opt.should_check(step=9) and not opt.should_check(step=10)
-    assert opt.maybe_check_drift(lambda: None, step=10) is None
+    assert opt.internal.should_check(step=9) and not opt.internal.should_check(step=10)
+    assert opt.check_drift(lambda: None, step=10, if_due=True) is None
     off, _, _ = patched(hf_llama, {"quantize": {"bits": 4}, "drift": {"enabled": False}})
-    assert not off.should_check(step=0)
+    assert not off.internal.should_check(step=0)
     nothing, _, _ = patched(hf_llama, {"quantize": {"bits": 32}})
-    assert not nothing.should_check(step=0)
+    assert not nothing.internal.should_check(step=0)
 
 
 def test_metrics_report_drift_bits_escalations_and_kept_bytes():
@@ -581,7 +574,7 @@ def test_metrics_report_drift_bits_escalations_and_kept_bytes():
     assert changed == {f or "<root>" for f in report.escalated}  # the others were in `before`
     assert all(m[f"memopt/bits/{f or '<root>'}"] == new for f, (_, new) in report.escalated.items())
     assert m["memopt/escalations"] == len(report.escalated) > 0
-    stats = opt.compression.stats
+    stats = opt.internal.compression.stats
     assert m["memopt/kept_bytes"] == stats.forward_stored > 0
     ratio = m["memopt/compression_ratio"]
     assert ratio == pytest.approx(stats.forward_ratio) and stats.forward_ratio > 4

@@ -29,7 +29,7 @@ def test_per_module_counts_add_up_and_predict_the_bytes_at_another_width():
     from a 4-bit forward by the codec's packed sizes, are what an 8-bit forward keeps."""
     opt, _, train, _ = _gpt2({"quantize": {"bits": 4}})
     train().backward()
-    stats = opt.compression.stats
+    stats = opt.internal.compression.stats
     modules = stats.modules
     assert len(modules) > 5
     assert sum(m.original for m in modules.values()) == stats.forward_original
@@ -56,9 +56,9 @@ def test_bits_mean_is_weighted_by_the_bytes_each_module_saved():
     opt, _, train, _ = _gpt2({"quantize": {"bits": 4}})
     assert opt.metrics()["memopt/bits_mean"] == 4.0  # no forward yet: unweighted
     train().backward()
-    biggest = max(opt.compression.stats.modules.items(), key=lambda kv: kv[1].original)[0]
+    biggest = max(opt.internal.compression.stats.modules.items(), key=lambda kv: kv[1].original)[0]
     opt.set_bits(biggest, 16)
-    modules = opt.compression.stats.modules
+    modules = opt.internal.compression.stats.modules
     weights = {f: modules[f].original for f in opt.bits if f in modules}
     want = sum(opt.bits[f] * w for f, w in weights.items()) / sum(weights.values())
     mean = opt.metrics()["memopt/bits_mean"]
@@ -101,7 +101,7 @@ def _budgeted(budget, threshold: float = 0.1):
 def test_budget_is_met_and_a_training_forward_keeps_what_the_check_predicted(caplog):
     opt, _, train, sample = _gpt2(_budgeted(0.25))
     train().backward()
-    uncompressed = opt.compression.stats.forward_original
+    uncompressed = opt.internal.compression.stats.forward_original
     with caplog.at_level(logging.INFO, logger="memopt"):
         report = opt.check_drift(sample)
     target, kept = report.budget
@@ -113,7 +113,8 @@ def test_budget_is_met_and_a_training_forward_keeps_what_the_check_predicted(cap
     )
     assert max(opt.bits.values()) > 4  # 4 bits keep about 13%: the budget buys more bits
     train().backward()
-    assert opt.compression.stats.forward_stored == pytest.approx(kept, rel=0.01)  # measured
+    stats = opt.internal.compression.stats
+    assert stats.forward_stored == pytest.approx(kept, rel=0.01)  # measured
     # a second check with the same drift finds nothing to change
     again = opt.check_drift(sample)
     assert again.escalated == {} and again.lowered == {}
@@ -143,15 +144,15 @@ def test_budget_in_bytes_waits_for_a_training_forward_and_scales_to_it(caplog):
     target, kept = report.budget
     assert target == 700 * 1024 and kept <= 1.05 * target
     train().backward()
-    assert opt.compression.stats.forward_stored == pytest.approx(kept, rel=0.01)
+    assert opt.internal.compression.stats.forward_stored == pytest.approx(kept, rel=0.01)
 
 
 def test_budget_state_round_trips_and_the_check_leaves_the_counts_of_training():
     opt, model, train, sample = _gpt2(_budgeted(0.2, threshold=0.05))
     train().backward()
-    before = {f: (m.original, m.stored) for f, m in opt.compression.stats.modules.items()}
+    before = {f: (m.original, m.stored) for f, m in opt.internal.compression.stats.modules.items()}
     opt.check_drift(sample)
-    after = {f: (m.original, m.stored) for f, m in opt.compression.stats.modules.items()}
+    after = {f: (m.original, m.stored) for f, m in opt.internal.compression.stats.modules.items()}
     assert after == before  # the check's passes do not replace the training forward's counts
     state = json.loads(json.dumps(opt.state_dict()))
     assert state["drift"]["budget"]["sensitivity"]
@@ -189,7 +190,7 @@ def test_escalation_never_takes_the_bits_past_the_budget(caplog):
     WARNING names the modules the budget holds and what a rung up for them needs."""
     opt, _, train, check = _gpt2({"quantize": {"bits": 2, "budget": 0.08}})
     train().backward()
-    stats = opt.compression.stats
+    stats = opt.internal.compression.stats
     assert stats.forward_stored < 0.08 * stats.forward_original  # 2 bits fit the budget
     with caplog.at_level(logging.WARNING, logger="memopt"):
         report = opt.check_drift(check)
@@ -217,4 +218,4 @@ def test_bits_off_the_ladder_are_priced_and_solved_from(ladder, set_to):
     assert kept <= 1.05 * target
     assert min(opt.bits.values()) == 2 and set(opt.bits.values()) <= {2, set_to, *ladder}
     train().backward()
-    assert opt.compression.stats.forward_stored == pytest.approx(kept, rel=0.01)
+    assert opt.internal.compression.stats.forward_stored == pytest.approx(kept, rel=0.01)

@@ -14,8 +14,7 @@ from torch import nn
 from zoo import hf_gpt2, hf_llama
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.drift import SAVES_NOTHING, DriftReport
-from memopt_plugins.drift.report import describe_check
+from memopt_plugins.drift.report import SAVES_NOTHING, DriftReport, describe_check
 
 
 def _mlp_2_bits(drift: dict | None = None):

@@ -180,8 +180,8 @@ def test_compression_hooks_store_the_packed_mask_losslessly():
     opt.apply(model)
     x = torch.randn(8000, requires_grad=True)
     out = model(x)
-    assert opt.compression.stats.forward_tensors == 1
-    assert opt.compression.stats.forward_stored == 8000 // 8  # the packed mask, as it is
+    assert opt.internal.compression.stats.forward_tensors == 1
+    assert opt.internal.compression.stats.forward_stored == 8000 // 8  # the packed mask, as it is
     grad = torch.randn(8000)
     out.backward(grad)
     assert torch.equal(x.grad, grad * ((out != 0).float() / 0.7))

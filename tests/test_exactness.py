@@ -227,7 +227,7 @@ def _patched_pass(case: Case, batch):
     packed = _Packed()
     forward = ExitStack()
     forward.enter_context(_recorded_masks(model, masks))
-    forward.enter_context(opt.compression.observed(packed))
+    forward.enter_context(opt.internal.compression.observed(packed))
     loss, grads = _step(model, batch, case.seed + 1, forward)
     opt.remove()
     return model, loss, grads, masks, packed.compressed
@@ -316,7 +316,7 @@ def _train(model: nn.Module, batch, steps: int, opt: MemoryOptimizer | None = No
         loss = loss_of(model, batch)
         loss.backward()
         if opt is not None:
-            opt.maybe_check_drift(loss_of, step, batch=batch)
+            opt.check_drift(loss_of, batch=batch, step=step, if_due=True)
         sgd.step()
         sgd.zero_grad(set_to_none=True)
         if opt is not None:

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from memopt_plugins.callbacks import MemOptCallback
+from memopt_plugins.callbacks import MemOptCallback, MemOptProfileCallback
 from probes import BitsAtFirstBatch
 from ranks import TIMEOUT, WORLD, local, rel, run_two_ranks, shard, tokens, train
 from torch import nn
@@ -70,7 +70,7 @@ def test_unsharded_weights_and_their_views_are_never_compressed(mesh, order):
     if order == "after":
         opt.apply(model)
     loss_fn(model, batch).backward()
-    stats, want = opt.compression.stats, expected.compression.stats
+    stats, want = opt.internal.compression.stats, expected.internal.compression.stats
     assert (stats.forward_tensors, stats.forward_original) == (
         want.forward_tensors,
         want.forward_original,
@@ -99,7 +99,7 @@ def test_recompute_regions_and_fsdp_units_nest_either_way(mesh, order, nesting):
     shard(model, units)
     if order == "after":
         opt.apply(model)
-    assert len(opt.recomputed) == 2
+    assert len(opt.plan.recomputed) == 2
     assert rel(train(model, loss_fn, batch, opt=opt), baseline) < 1e-5
     opt.remove()  # memopt's hooks go, FSDP's stay
     hooks = [
@@ -139,9 +139,9 @@ def test_drift_on_a_one_rank_mesh_is_the_unsharded_models(mesh):
 def test_callback_profile_is_refused_under_model_parallel_strategy():
     """The profile runs on rank 0 alone; a sharded forward would wait for the other ranks."""
     trainer = SimpleNamespace(strategy=ModelParallelStrategy())
-    memopt = MemOptCallback({"quantize": {"bits": 8}}, profile=True)
+    profile = MemOptProfileCallback()
     with pytest.raises(MisconfigurationException, match="rank 0 alone"):
-        memopt.setup(trainer, ShardedGPT2(), "fit")
+        profile.setup(trainer, ShardedGPT2(), "fit")
 
 
 # --------------------------------------------------------------------------- two processes
@@ -160,7 +160,7 @@ def _memory(rank: int) -> dict[str, int]:
         shard(model)
         loss_fn(model, batch).backward()  # gradients and FSDP's buffers exist first
         meter = MemoryMeter("cpu")
-        stats = opt.compression.stats if opt is not None else None
+        stats = opt.internal.compression.stats if opt is not None else None
         step = functools.partial(loss_fn, model, batch)
         readings = [meter.measure(step, stats) for _ in range(2)]
         out[name] = min(max(r.retained, r.packed) for r in readings)
@@ -230,7 +230,7 @@ def _grad_keeping_check(model, opt, loss_fn, batch, kept: list[bool]):
 
     def check(step: int) -> None:
         before = [local(p.grad) for p in model.parameters()]
-        opt.maybe_check_drift(lambda: loss_fn(model, batch[:4]), step)
+        opt.check_drift(lambda: loss_fn(model, batch[:4]), step=step, if_due=True)
         after = [local(p.grad) for p in model.parameters()]
         kept.append(all(torch.equal(b, a) for b, a in zip(before, after, strict=True)))
 
@@ -293,7 +293,7 @@ def _drift(rank: int) -> dict:
     bits, escalated = [], []
 
     def check(step):
-        report = opt.maybe_check_drift(lambda: loss_fn(model, batch[:4]), step)
+        report = opt.check_drift(lambda: loss_fn(model, batch[:4]), step=step, if_due=True)
         bits.append(opt.bits)
         escalated.append(dict(report.escalated))
 

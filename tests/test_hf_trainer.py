@@ -530,7 +530,7 @@ def test_lora_compresses_activations_only_and_adapter_gradients_stay_within_2_pe
     opt = MemoryOptimizer({"quantize": {"bits": 8}})
     opt.apply(model)
     packs = Packs()
-    with opt.compression.observed(packs):
+    with opt.internal.compression.observed(packs):
         compressed = torch.autograd.grad(loss_fn(model, batch), adapters)
     opt.remove()
     # frozen base weights are saved for the input gradient, and kept as they are

@@ -148,7 +148,7 @@ def test_scopes_a_call_of_a_submodule_abandoned_are_left_at_the_next_call(interr
         model.body(h)
     opt.remove()
     _nothing_left_on_the_thread()
-    assert opt.hooks is None
+    assert opt.internal.hooks is None
 
 
 @pytest.mark.parametrize("outside", [False, True], ids=["model", "submodule"])
@@ -171,7 +171,7 @@ def test_an_interrupt_in_a_drift_checks_compressed_pass_leaves_nothing(interrupt
     model.interrupter.arm(interrupt, at=2)
     with pytest.raises(interrupt):
         opt.check_drift(loss_fn)
-    assert opt.hooks._local.scopes == [] and not opt.hooks.suspended
+    assert opt.internal.hooks._local.scopes == [] and not opt.internal.hooks.suspended
     _nothing_left_on_the_thread()
     assert torch.equal(_lone_linear_input_grad(), exact_lone)
     _assert_equal(_step(model, x), _step(twin, x))
@@ -182,7 +182,7 @@ def test_an_interrupt_in_a_drift_checks_compressed_pass_leaves_nothing(interrupt
 def test_hooks_of_two_models_on_one_module_are_each_left_and_the_thread_holds_none():
     """A module inside two hooked models (the model and a submodule measured on its own) carries
     two hook pairs, whose exits torch runs in the order of their entries: each is left."""
-    from memopt_plugins.measure import ScopeTracker
+    from memopt_plugins.measure.scopes import ScopeTracker
 
     inner = nn.Linear(4, 4)
     outer = nn.Sequential(inner)

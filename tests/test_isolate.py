@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from memopt_plugins.measure import isolated
-from memopt_plugins.measure.isolate import accelerator_devices
+from memopt_plugins.measure.isolate import accelerator_devices, isolated
 
 
 def _model() -> nn.Module:

@@ -16,20 +16,20 @@ from zoo import hf_gpt2, hf_llama, hf_resnet
 
 from memopt_plugins import ConfigError, MemoryOptimizer
 from memopt_plugins.buffers import mark_private
-from memopt_plugins.lean import (
+from memopt_plugins.lean.chains import (
     batch_norm,
-    conv,
     gated_mlp,
     geglu,
     gelu,
     gelu_mlp,
     layer_norm,
-    linear_cross_entropy,
-    relu,
     rms_norm,
     swiglu,
+    tiled_gated_mlp,
+    tiled_gelu_mlp,
 )
-from memopt_plugins.lean.chains import tiled_gated_mlp, tiled_gelu_mlp
+from memopt_plugins.lean.conv import conv, relu
+from memopt_plugins.lean.loss import linear_cross_entropy
 from memopt_plugins.measure.timeline import record_step
 from memopt_plugins.profiler.run import step_memory
 
@@ -729,7 +729,7 @@ def test_a_projection_keeps_no_copy_of_a_layer_norms_output():
     assert opt.plan["norm"].lean == "lean layernorm"
     model.zero_grad()
     model(x).square().sum().backward()
-    modules = opt.compression.stats.modules
+    modules = opt.internal.compression.stats.modules
     assert "head" not in modules and modules["norm"].stored > 0
     for name, p in model.named_parameters():
         assert _relative(p.grad, exact[name]) < 0.05, name
@@ -740,7 +740,7 @@ def test_a_projection_keeps_no_copy_of_a_layer_norms_output():
     )
     opt.apply(model)
     model(x).square().sum().backward()
-    head = opt.compression.stats.modules["head"]
+    head = opt.internal.compression.stats.modules["head"]
     assert head.stored == head.original > 0
     opt.remove()
     with pytest.raises(ConfigError, match="layernorm"):
@@ -764,7 +764,7 @@ def test_a_projection_keeps_no_copy_of_an_rms_norms_output():
     assert opt.plan["norm"].lean == "lean rmsnorm"
     model.zero_grad()
     model(x).square().sum().backward()
-    modules = opt.compression.stats.modules
+    modules = opt.internal.compression.stats.modules
     assert "head" not in modules and modules["norm"].stored > 0
     for name, p in model.named_parameters():
         assert _relative(p.grad, exact[name]) < 0.05, name

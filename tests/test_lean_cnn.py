@@ -14,7 +14,7 @@ from torch import nn
 from zoo import hf_resnet
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.lean import conv, max_pool, relu
+from memopt_plugins.lean.conv import conv, max_pool, relu
 from memopt_plugins.profiler.run import step_memory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,7 +153,7 @@ def test_a_relu_read_by_a_max_pool_keeps_a_one_bit_mask(inplace):
             opt = MemoryOptimizer({**int4, "ops": {"fuse": fuse}})
             opt.apply(m)
             loss = run(m, x, branch)
-            held.append(opt.compression.stats.held_bytes)
+            held.append(opt.internal.compression.stats.held_bytes)
             grads.append(torch.autograd.grad(loss, x)[0])
         codes = x.numel() // 2  # the ReLU output's 4-bit codes
         if branch:  # the convolution holds the same compressed output

@@ -22,7 +22,8 @@ from memopt_plugins import MemoryOptimizer
 from memopt_plugins.batchnorm_ops import _Link
 from memopt_plugins.buffers import mark_private
 from memopt_plugins.config import OpsConfig
-from memopt_plugins.lean import LeanOps, batch_norm, gelu, rms_norm
+from memopt_plugins.lean.chains import batch_norm, gelu, rms_norm
+from memopt_plugins.lean.patch import LeanOps
 
 _D = torch.float64
 

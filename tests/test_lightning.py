@@ -229,20 +229,6 @@ def test_fit_start_summary_goes_to_the_memopt_logger(tmp_path, caplog):
     assert ratio > 4.0  # 4-bit storage of float32 activations
 
 
-def test_profile_logs_the_module_table_and_writes_the_chart(tmp_path, caplog):
-    memopt = MemOptCallback({"quantize": {"bits": 4}, "drift": {"enabled": False}}, profile=True)
-    probe = BitsAtFirstBatch(memopt)
-    trainer = make_trainer(tmp_path, [memopt, probe], max_steps=2)
-    with caplog.at_level(logging.INFO, logger="memopt"):
-        trainer.fit(GPT2Module(), loader())
-    table = next(r.getMessage() for r in caplog.records if "by module" in r.getMessage())
-    assert "model.transformer.h.0.mlp" in table
-    chart = Path(trainer.log_dir) / "memopt_profile.png"
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "memopt_profile.png" in (Path(trainer.log_dir) / "memopt_profile.md").read_text()
-    assert probe.bits and set(probe.bits.values()) == {4}  # the patch is back after profiling
-
-
 def test_profile_callback_measures_the_first_batch_under_the_memopt_callbacks_plan(
     tmp_path, caplog
 ):
@@ -269,8 +255,6 @@ def test_profile_callback_measures_the_first_batch_under_the_memopt_callbacks_pl
     assert sum("by module" in m for m in messages) == 1
     # the state of the optimizer configure_optimizers returned is counted (SGD: none)
     assert "optimizer state" in (folder / "memopt_profile.md").read_text()
-    with pytest.deprecated_call(match="MemOptProfileCallback"):
-        MemOptCallback(profile=True)
 
 
 def test_the_console_the_metrics_and_the_profile_give_one_batch_fits_figure(tmp_path, caplog):
@@ -393,10 +377,10 @@ def test_setup_patches_teardown_restores_and_other_stages_do_not_patch(tmp_path)
     trainer = make_trainer(tmp_path, [memopt], max_steps=1)
 
     memopt.setup(trainer, module, "validate")
-    assert memopt.memopt.model is None
+    assert memopt.memopt.internal.model is None
     memopt.setup(trainer, module, "fit")
     patched = _hooks(module)
-    assert patched > 0 and memopt.memopt.model is module
+    assert patched > 0 and memopt.memopt.internal.model is module
     memopt.setup(trainer, module, "fit")  # idempotent
     assert _hooks(module) == patched
     memopt.teardown(trainer, module, "fit")
@@ -508,7 +492,7 @@ def test_fsdp_checkpointing_policy_with_recompute_section_is_refused(tmp_path):
         memopt.setup(trainer, GPT2Module(), "fit")
     no_recompute = MemOptCallback({"quantize": {"bits": 8}})
     no_recompute.setup(trainer, module := GPT2Module(), "fit")  # compression alone is fine
-    assert no_recompute.memopt.model is module
+    assert no_recompute.session.model is module
     no_recompute.teardown(trainer, module, "fit")
 
 
@@ -738,19 +722,6 @@ def test_a_preset_fit_logs_a_compact_metric_set(tmp_path, per_module):
     assert [int(r["step"]) for r in rows if r["memopt/drift_max"]] == [0, 2, 4]
 
 
-def test_legacy_metric_names_are_logged_beside_the_new_with_a_future_warning():
-    with pytest.warns(FutureWarning, match="memopt/saved_bytes"):
-        memopt = MemOptCallback({"quantize": {"bits": 4}, "log": {"legacy_names": True}})
-    model = GPT2Module()
-    memopt.memopt.apply(model)
-    model.training_step((torch.randint(0, 512, (4, 32)),), 0).backward()
-    memopt.memopt.count_step()
-    metrics = memopt.memopt.metrics()
-    assert metrics["memopt/saved_bytes"] == metrics["memopt/kept_bytes"] > 0
-    assert metrics["memopt/saved_ratio"] == metrics["memopt/compression_ratio"] > 4.0
-    memopt.memopt.remove()
-
-
 CONSOLE_FIT = """
 import lightning.pytorch as pl, torch
 from torch import nn
@@ -808,7 +779,7 @@ class SizedGPT2Module(GPT2Module):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # a module hook: trials call it
         memopt = patched_by(self)
-        ratio = memopt.compression.stats.forward_ratio if memopt is not None else 1.0
+        ratio = memopt.internal.compression.stats.forward_ratio if memopt is not None else 1.0
         self.seen.append((batch[0].shape[0], ratio))
 
 

@@ -180,12 +180,12 @@ def test_the_planner_with_compression_fits_at_least_what_compression_alone_fits(
     opt = MemoryOptimizer({**int8, "recompute": {"auto": {"budget": 0.5}}})  # int8 keeps 37%
     opt.apply(model)
     planned = step_memory(model, batch, loss_fn)
-    assert opt.recomputed == () and opt.recompute_plan.met
+    assert opt.plan.recomputed == () and opt.plan.recompute.met
     assert planned.per_sample.peak <= 1.02 * alone.per_sample.peak
     opt.remove()
     tight = MemoryOptimizer({**int8, "recompute": {"auto": {"budget": 0.25}}})
     tight.apply(model)
     loss_fn(model, batch).backward()
-    plan = tight.recompute_plan
-    assert tight.recomputed and plan.kept_bytes <= 0.25 * plan.baseline_bytes
+    plan = tight.plan.recompute
+    assert tight.plan.recomputed and plan.kept_bytes <= 0.25 * plan.baseline_bytes
     tight.remove()

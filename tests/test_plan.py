@@ -30,7 +30,7 @@ def _auto_choice(budget: float) -> tuple[str, ...]:
     opt = MemoryOptimizer({"recompute": {"auto": {"budget": budget}}})
     opt.apply(model)
     loss_fn(model, batch).backward()  # the first training forward is the measured one
-    chosen = opt.recompute_plan.chosen
+    chosen = opt.plan.recompute.chosen
     opt.remove()
     return chosen
 

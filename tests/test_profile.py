@@ -12,16 +12,11 @@ from torch.utils.checkpoint import checkpoint
 from zoo import hf_bert
 
 from memopt_plugins import MemOptConfig
-from memopt_plugins.profiler import (
-    LOSS_ROW,
-    ROOT,
-    compact_globs,
-    estimate_saved,
-    human_bytes,
-    profile_model,
-    suggest_config,
-)
-from memopt_plugins.recompute import choose
+from memopt_plugins.profiler import profile_model, suggest_config
+from memopt_plugins.profiler.plan import compact_globs, estimate_saved
+from memopt_plugins.profiler.report import LOSS_ROW, ROOT
+from memopt_plugins.profiler.units import human_bytes
+from memopt_plugins.recompute.planner import choose
 from memopt_plugins.select import fqn_matches, parent_fqns
 
 Q8 = {"quantize": {"bits": 8}}

@@ -15,9 +15,10 @@ from torch.utils.checkpoint import checkpoint
 from transformers import ResNetConfig, ResNetForImageClassification
 from zoo import hf_gpt2, hf_resnet
 
-from memopt_plugins import ConfigError, MemoryOptimizer
-from memopt_plugins.measure import Measurement, ModuleCost
-from memopt_plugins.recompute import RecomputeError, choose, estimated_peak, existing_checkpointing
+from memopt_plugins import ConfigError, MemoryOptimizer, plan_recompute
+from memopt_plugins.measure.step import Measurement, ModuleCost
+from memopt_plugins.recompute.planner import choose, estimated_peak
+from memopt_plugins.recompute.wrap import RecomputeError, existing_checkpointing
 from memopt_plugins.select import layer_kind, outermost, within
 
 
@@ -57,12 +58,12 @@ def planned_gradients(model, batch, loss_fn, budget: float, seed: int = 0):
     """Gradients of one step after ``plan_recompute`` on the same batch; returns (grads, opt)."""
     opt = MemoryOptimizer(rc(auto={"budget": budget}))
     opt.apply(model)
-    opt.plan_recompute(lambda: loss_fn(model, batch))
+    plan_recompute(opt, lambda: loss_fn(model, batch))
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     loss_fn(model, batch).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    recomputed = opt.recomputed
+    recomputed = opt.plan.recomputed
     opt.remove()
     model.zero_grad(set_to_none=True)
     return grads, recomputed
@@ -103,7 +104,7 @@ def test_gradients_equal_the_exact_run(build, how, selection):
     else:
         opt = MemoryOptimizer(selection)
         opt.apply(model)
-        recomputed = opt.recomputed
+        recomputed = opt.plan.recomputed
         opt.remove()
         got = gradients(model, batch, loss_fn, selection)
     assert recomputed, "something is recomputed"
@@ -231,7 +232,8 @@ def test_nothing_is_compressed_inside_a_recomputed_module():
     opt = MemoryOptimizer(both)
     opt.apply(model)
     assert opt.bits == {}
-    assert tuple(opt.plan["transformer.h.0"]) == ("container", "recompute", 32)
+    entry = opt.plan["transformer.h.0"]
+    assert (entry.kind, entry.action, entry.bits) == ("container", "recompute", 32)
     assert opt.plan["transformer.h.0.mlp.c_fc"].action == "in-recompute"
     assert "in-recompute" in str(opt.plan)
     opt.remove()
@@ -259,10 +261,13 @@ def test_only_the_boundary_input_is_compressed(how):
         opt.apply(model)
         opt.load_state_dict({"recompute": ["block"]})
     # the block's own scope packs its boundary input only: a compressed module, drift-checked
-    assert opt.recomputed == ("block",) and opt.bits == {"": 8, "lin": 8, "block": 8}
+    assert opt.plan.recomputed == ("block",) and opt.bits == {"": 8, "lin": 8, "block": 8}
     packed: list[tuple[tuple[int, ...], int]] = []
-    compress = opt.hooks._compress
-    opt.hooks._compress = lambda t, b: (packed.append((tuple(t.shape), b)), compress(t, b))[1]
+    compress = opt.internal.hooks._compress
+    opt.internal.hooks._compress = lambda t, b: (
+        packed.append((tuple(t.shape), b)),
+        compress(t, b),
+    )[1]
     model(x).backward()
     opt.remove()
     # x (saved by lin) and the block's input (saved by the checkpoint) in 8-bit scopes outside
@@ -296,7 +301,7 @@ def test_a_recomputed_module_kept_exact_keeps_its_boundary_input_exact(how):
         q["overrides"] = {"head": 32}
     opt = MemoryOptimizer({"quantize": q, **rc(types=["Linear"])})
     opt.apply(model)
-    assert "head" in opt.recomputed
+    assert "head" in opt.plan.recomputed
     if how == "set_bits":
         assert opt.bits["head"] == 4  # the recomputed head is a compressed module: its input
         opt.set_bits("head", 32)
@@ -324,8 +329,11 @@ def test_the_boundary_input_is_kept_at_the_more_precise_of_its_bits_and_the_encl
     )
     opt.apply(model)
     packed: list[tuple[tuple[int, ...], int]] = []
-    compress = opt.hooks._compress
-    opt.hooks._compress = lambda t, b: (packed.append((tuple(t.shape), b)), compress(t, b))[1]
+    compress = opt.internal.hooks._compress
+    opt.internal.hooks._compress = lambda t, b: (
+        packed.append((tuple(t.shape), b)),
+        compress(t, b),
+    )[1]
 
     def boundary_bits() -> int:
         packed.clear()
@@ -348,7 +356,7 @@ def test_planner_parks_bits_of_modules_it_recomputes():
     opt = MemoryOptimizer({"quantize": {"bits": 8}, **rc(auto={"budget": 0.15})})
     opt.apply(model)
     before = opt.bits
-    opt.plan_recompute(lambda: loss_fn(model, batch))
+    plan_recompute(opt, lambda: loss_fn(model, batch))
     inside = {f for f, p in opt.plan.items() if p.action == "in-recompute"}
     recomputed = {f for f, p in opt.plan.items() if p.action == "recompute"}
     assert inside and not inside & set(opt.bits)
@@ -502,9 +510,9 @@ def test_planner_meets_the_budget_without_nesting(caplog):
     opt = MemoryOptimizer(rc(auto={"budget": 0.3}))
     opt.apply(model)
     with caplog.at_level(logging.INFO, logger="memopt"):
-        plan = opt.plan_recompute(lambda: loss_fn(model, batch))
+        plan = plan_recompute(opt, lambda: loss_fn(model, batch))
     assert plan.met and plan.kept_bytes <= 0.3 * plan.baseline_bytes
-    assert opt.recompute_plan is plan and opt.recomputed == plan.chosen
+    assert opt.plan.recompute is plan and opt.plan.recomputed == plan.chosen
     assert outermost(plan.chosen) == list(plan.chosen)
     by_fqn = {c.fqn: c for c in plan.candidates}
     freed = sum(by_fqn[f].saved_bytes for f in plan.chosen)
@@ -526,10 +534,10 @@ def test_auto_planner_measures_the_first_training_forward_then_recomputes():
     model.eval()
     loss_fn(model, batch)
     model.train()
-    assert opt.recomputed == () and opt.recompute_plan is None
+    assert opt.plan.recomputed == () and opt.plan.recompute is None
     loss_fn(model, batch).backward()  # measured step: plain
-    plan = opt.recompute_plan
-    assert plan is not None and opt.recomputed == plan.chosen != ()
+    plan = opt.plan.recompute
+    assert plan is not None and opt.plan.recomputed == plan.chosen != ()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(5)
     loss_fn(model, batch).backward()  # recomputing step
@@ -542,9 +550,9 @@ def test_auto_planner_measures_the_first_training_forward_then_recomputes():
     resumed = MemoryOptimizer(rc(auto={"budget": 0.5}))
     resumed.load_state_dict(state)  # before apply, as Lightning restores callbacks
     resumed.apply(model)
-    assert resumed.recomputed == plan.chosen  # at once, without a measured step
+    assert resumed.plan.recomputed == plan.chosen  # at once, without a measured step
     loss_fn(model, batch).backward()
-    assert resumed.recompute_plan is None and resumed.recomputed == plan.chosen
+    assert resumed.plan.recompute is None and resumed.plan.recomputed == plan.chosen
     resumed.remove()
 
 
@@ -572,10 +580,10 @@ def test_planner_never_picks_a_module_that_changes_its_input_in_place():
     model = Branches()
     opt = MemoryOptimizer(rc(auto={"budget": 0.5}))
     opt.apply(model)
-    plan = opt.plan_recompute(lambda: model(torch.randn(256, 64)))
+    plan = plan_recompute(opt, lambda: model(torch.randn(256, 64)))
     candidates = {c.fqn for c in plan.candidates}
     assert "act" in candidates and "doubling" not in candidates
-    assert "doubling" not in opt.recomputed
+    assert "doubling" not in opt.plan.recomputed
     opt.remove()
 
 
@@ -586,7 +594,7 @@ def test_plan_recompute_leaves_rng_and_buffers_as_they_were():
     opt.apply(model)
     torch.manual_seed(7)
     state = torch.get_rng_state()
-    opt.plan_recompute(lambda: loss_fn(model, batch))
+    plan_recompute(opt, lambda: loss_fn(model, batch))
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
     opt.remove()
@@ -655,7 +663,7 @@ def test_nested_selection_recomputes_the_outer_module_only():
     model, _, _ = small_gpt()
     opt = MemoryOptimizer(rc(modules=["transformer.h.0", "transformer.h.*.mlp"]))
     opt.apply(model)
-    assert opt.recomputed == ("transformer.h.0", "transformer.h.1.mlp")
+    assert opt.plan.recomputed == ("transformer.h.0", "transformer.h.1.mlp")
     opt.remove()
 
 
@@ -671,7 +679,7 @@ def test_state_dict_keys_unchanged_and_remove_restores_exactly():
     assert list(model.state_dict()) == keys
     loss_fn(model, batch).backward()  # planner measures
     loss_fn(model, batch).backward()  # planner's choice recomputes
-    assert len(opt.recomputed) > 2
+    assert len(opt.plan.recomputed) > 2
     saved = copy.deepcopy(model.state_dict())
     opt.remove()
     assert instance_forwards(model) == ["transformer.h.1.mlp"]

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt_plugins import MemoryOptimizer
-from memopt_plugins.measure import isolated
-from memopt_plugins.recompute import RecomputeError
+from memopt_plugins.measure.isolate import isolated
+from memopt_plugins.recompute.wrap import RecomputeError
 
 DIM = 8
 
@@ -247,7 +247,7 @@ def _train_checked(checks: bool, steps: int = 3):
         x = torch.randn(16, DIM) * 3
         sgd.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
-        if checks and opt.should_check():
+        if checks and opt.internal.should_check():
             reports.append(opt.check_drift(lambda x=x: model(x).square().mean()))
         sgd.step()
         opt.count_step()

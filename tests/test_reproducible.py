@@ -24,7 +24,7 @@ def _train(config: dict, steps: int = 3, checks: bool = False, build=None):
     for _ in range(steps):
         sgd.zero_grad(set_to_none=True)
         loss_fn(model, batch).backward()
-        if checks and opt.should_check():
+        if checks and opt.internal.should_check():
             reports.append(opt.check_drift(lambda: loss_fn(model, slice_batch(batch, 4))))
         sgd.step()
         opt.count_step()

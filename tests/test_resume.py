@@ -69,8 +69,8 @@ def resumed(state: dict, bits: int, before_apply: bool) -> MemoryOptimizer:
 
 def stored_bytes(opt: MemoryOptimizer) -> int:
     """What the bits that run keep for backward (one training forward)."""
-    opt.model(X).square().mean().backward()
-    return opt.compression.stats.forward_stored
+    opt.internal.model(X).square().mean().backward()
+    return opt.internal.compression.stats.forward_stored
 
 
 def resume_lines(caplog) -> list[str]:
@@ -90,7 +90,9 @@ def test_raised_config_bits_win_and_the_guards_escalation_stays_on_top(before_ap
     assert "the config's win for 3 modules (<root> 4 -> 8, 0 4 -> 8, 1 4 -> 8)" in lines[0]
     assert "the checkpoint's win for 1 module (2 16 (config 8))" in lines[0]
     assert opt._drift.floor == {"": 8, "0": 8, "1": 8, "2": 8}  # drift.lower's floor: the config's
-    assert opt.steps == 1 and len(opt._drift.history) == 1  # the rest of the state is restored
+    assert (
+        opt.internal.steps == 1 and len(opt._drift.history) == 1
+    )  # the rest of the state is restored
     fresh = MemoryOptimizer(config(8))
     fresh.apply(mlp())
     fresh.set_bits("2", 16)
@@ -135,11 +137,11 @@ def test_another_models_state_is_refused_at_apply_and_kept_for_the_right_model()
     other = Named()
     with pytest.raises(ConfigError, match=r"does not have: \['0', '1', '2'\]"):
         opt.apply(other)
-    assert patched_by(other) is None and opt.model is None
+    assert patched_by(other) is None and opt.internal.model is None
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in other.modules())
     assert opt.state_dict() == state  # nothing lost: the right model takes it
     opt.apply(mlp())
-    assert opt.bits == state["bits"] and opt.steps == 1
+    assert opt.bits == state["bits"] and opt.internal.steps == 1
 
 
 def test_another_models_state_is_refused_after_apply_and_changes_nothing():

@@ -42,7 +42,7 @@ def _run_model(
     x = x.clone().requires_grad_()
     opt = MemoryOptimizer({"quantize": {"min_numel": 1, "rounding": "nearest", **quantize_config}})
     loss = opt.apply(model)(x)
-    stats = opt.compression.stats
+    stats = opt.internal.compression.stats
     scopes = {fqn: (m.original, m.stored) for fqn, m in stats.modules.items()}
     forward, held = (stats.forward_original, stats.forward_stored), stats.held_bytes
     loss.backward()
@@ -124,7 +124,7 @@ def _llama_gradients(quantize_config: dict, exact: Callable[[str], bool] = lambd
         if exact(fqn):
             opt.set_bits(fqn, 32)
     loss = loss_fn(model, batch)
-    stored = opt.compression.stats.forward_stored
+    stored = opt.internal.compression.stats.forward_stored
     loss.backward()
     opt.remove()
     return {n: p.grad for n, p in model.named_parameters()}, stored
@@ -179,9 +179,9 @@ def test_a_saver_at_32_bits_keeps_a_lean_norms_output_rather_than_its_recipe(exa
     opt.apply(model)
     loss = model(x)
     h_bytes = tensor_nbytes(x)
-    scope = opt.compression.stats.modules[exact]
+    scope = opt.internal.compression.stats.modules[exact]
     assert (scope.original, scope.stored) == (h_bytes, h_bytes)
-    assert {"a", "b"} & set(opt.compression.stats.modules) == {exact}
+    assert {"a", "b"} & set(opt.internal.compression.stats.modules) == {exact}
     loss.backward()
     opt.remove()
     for name in ("a.weight", "b.weight"):

@@ -78,7 +78,7 @@ def test_user_globs_match_a_hf_model_inside_a_lightning_module():
     opt = MemoryOptimizer(config)
     opt.apply(module)
     assert _heads(opt.bits) == [] and opt.bits["model.transformer.h.0.mlp"] == 8
-    assert opt.recomputed == ("model.transformer.h.1.attn",)
+    assert opt.plan.recomputed == ("model.transformer.h.1.attn",)
     opt.remove()
 
 
@@ -117,7 +117,7 @@ def test_a_presets_glob_that_does_not_apply_is_logged_and_skipped(caplog):
     with caplog.at_level(logging.INFO, logger="memopt"):
         opt = MemoryOptimizer(preset)
         opt.apply(model)
-    assert opt.recomputed == () and opt.bits  # the rest of the preset applied
+    assert opt.plan.recomputed == () and opt.bits  # the rest of the preset applied
     (line,) = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
     assert "recompute.modules '*.attn'" in line
     opt.remove()
@@ -175,7 +175,7 @@ def test_blocks_glob_recomputes_the_blocks_whatever_lists_they_hold():
     model.zero_grad()
     opt = MemoryOptimizer({"recompute": {"modules": ["blocks.*"]}})
     opt.apply(model)
-    assert opt.recomputed == ("blocks.0", "blocks.1", "blocks.2")
+    assert opt.plan.recomputed == ("blocks.0", "blocks.1", "blocks.2")
     model(x).square().sum().backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), exact, strict=True))
     opt.remove()
@@ -196,7 +196,7 @@ def test_blocks_glob_recomputes_every_block_of_a_t5():
     model = T5ForConditionalGeneration(config)
     opt = MemoryOptimizer({"recompute": {"modules": ["encoder.block.*", "decoder.block.*"]}})
     opt.apply(model)
-    assert opt.recomputed == tuple(
+    assert opt.plan.recomputed == tuple(
         f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(2)
     )
     opt.remove()
@@ -211,7 +211,7 @@ def test_a_list_named_alone_is_refused_with_a_glob_that_selects_its_elements(nam
     opt = MemoryOptimizer({"recompute": {"modules": [advice]}})
     opt.apply(model)
     elements = [f"{named}.{i}" for i in range(len(model.get_submodule(named)))]
-    assert list(opt.recomputed) == elements
+    assert list(opt.plan.recomputed) == elements
     opt.remove()
 
 

@@ -55,7 +55,7 @@ def test_state_survives_remove_and_the_next_apply_starts_from_it():
 
     other = session.apply(mlp())
     assert patched_by(other) is session.memopt and session.memopt.bits == escalated
-    assert session.memopt.steps == 1  # the step counter came back with the state
+    assert session.steps == 1  # the step counter came back with the state
 
 
 def test_apply_is_idempotent_and_moves_to_another_model_with_its_state():
@@ -94,14 +94,14 @@ def test_one_check_per_step_and_the_step_counts():
     assert not session.due(0)  # nothing patched
     model = session.apply(mlp())
     assert session.due(0) and not session.due(1)  # check_every 2, first at step 0
-    assert session.check_if_due(loss_on(model), 0) is not None
+    assert session.check(loss_on(model), step=0, if_due=True) is not None
     assert not session.due(0)  # several optimizers in a step: one check
-    assert session.check_if_due(loss_on(model), 0) is None
+    assert session.check(loss_on(model), step=0, if_due=True) is None
     session.end_step(0, log_due=False)
     assert session.due(0)  # a new step (a second fit starting at 0 checks again)
-    assert session.memopt.steps == 1
+    assert session.steps == 1
     session.end_step(1, log_due=False)
-    assert session.memopt.steps == 2 and session.due()  # default: the counted steps
+    assert session.steps == 2 and session.due()  # default: the counted steps
 
 
 def test_a_step_logs_at_logging_steps_and_at_checks_with_drift_only_then():
@@ -118,7 +118,7 @@ def test_a_step_logs_at_logging_steps_and_at_checks_with_drift_only_then():
     assert with_check["memopt/drift_max"] > 0 and with_check["memopt/escalations"] > 0
     assert "memopt/drift_max" not in without
     assert without["memopt/escalations"] == with_check["memopt/escalations"]
-    assert session.memopt.steps == 4
+    assert session.steps == 4
 
 
 def test_each_check_writes_one_line_on_the_main_process_only(caplog):
@@ -239,7 +239,7 @@ def test_a_loop_that_never_says_the_plan_has_it_said_before_its_first_check(capl
     session.apply(model)
     with caplog.at_level(logging.INFO, logger="memopt"):
         for step in range(3):
-            session.check_if_due(loss_on(model), step)
+            session.check(loss_on(model), step=step, if_due=True)
             loss_on(model)().backward()
             session.end_step(step, log_due=True)
     plans = [i for i, m in enumerate(caplog.messages) if m.startswith("memopt: plan for")]

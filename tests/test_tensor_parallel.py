@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from memopt_plugins import MemoryOptimizer
 from memopt_plugins.drift.report import DISTRIBUTED_PARAMETERS
-from memopt_plugins.measure import storage_key
 from memopt_plugins.measure.process import in_use_bytes
+from memopt_plugins.measure.storage import storage_key
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
@@ -169,12 +169,12 @@ def _tensor_parallel(rank: int) -> dict:
         model, opt = _built(config, on, dropout)
         if name == "int4":
             observer = _Compressed()
-            with opt.compression.observed(observer):
+            with opt.internal.compression.observed(observer):
                 out[name] = _step(model, batch)
             weights = {storage_key(p._local_tensor) for p in model.parameters()}
             out["int4 compressed weights"] = sum(s in weights for s in observer.storages)
             out["int4 compressed"] = len(observer.storages)
-            stats = opt.compression.stats
+            stats = opt.internal.compression.stats
             out["int4 counts"] = (stats.forward_original, stats.saved_stored, stats.unencodable)
         else:
             out[name] = _step(model, batch)
@@ -216,7 +216,7 @@ def _redistributed(rank: int) -> dict:
         observer = _Compressed()
         if opt is not None:
             opt.apply(model)
-            with opt.compression.observed(observer):
+            with opt.internal.compression.observed(observer):
                 model(x).backward()
         else:
             model(x).backward()
@@ -232,7 +232,7 @@ def _two_dimensional(rank: int) -> dict:
         model, opt = _built(config, mesh["tp"], fsdp_mesh=mesh["dp"])
         out[name] = _step(model, batch)
         if opt is not None:
-            stats = opt.compression.stats
+            stats = opt.internal.compression.stats
             out["int4 counts"] = (stats.forward_original, stats.saved_stored, stats.unencodable)
             opt.remove()
     return out
@@ -310,7 +310,7 @@ class _Ratio(Callback):
         self.ratio = 0.0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.ratio = self.memopt.memopt.compression.stats.forward_ratio
+        self.ratio = self.memopt.memopt.internal.compression.stats.forward_ratio
 
 
 def _lightning(rank: int, root: Path) -> dict:

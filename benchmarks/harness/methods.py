@@ -45,7 +45,7 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from memopt_plugins import MemoryOptimizer
+from memopt_plugins import MemoryOptimizer, plan_recompute
 from memopt_plugins.tree import slice_batch
 
 from .workloads import CONFIGS
@@ -101,12 +101,12 @@ class Patched:
         opt = self.optimizer
         if opt is None or opt.config.batchnorm.mode != "running":
             return False
-        return opt.steps >= opt.config.batchnorm.warmup_steps
+        return opt.internal.steps >= opt.config.batchnorm.warmup_steps
 
     @property
     def stats(self):
         """The compression hooks' ``SavedStats`` (packed bytes held), or ``None``."""
-        return self.optimizer.compression.stats if self.optimizer is not None else None
+        return self.optimizer.internal.compression.stats if self.optimizer is not None else None
 
     def loss(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """The training loss of ``batch`` with the method active."""
@@ -120,7 +120,9 @@ class Patched:
         if self.optimizer is None:
             return
         sample = slice_batch(batch, self.drift_sample)
-        report = self.optimizer.maybe_check_drift(lambda: loss_fn(self.model, sample), step)
+        report = self.optimizer.check_drift(
+            lambda: loss_fn(self.model, sample), step=step, if_due=True
+        )
         self.drift_checks += report is not None
 
     def after_step(self) -> None:
@@ -255,7 +257,7 @@ def memopt(config: Any, name: str) -> Callable[..., Patched]:
         plan = None
         if planned and (adopt is not None or batch is not None):
             if adopt is None:
-                opt.plan_recompute(lambda: workload.loss_fn(model, batch))
+                plan_recompute(opt, lambda: workload.loss_fn(model, batch))
             plan = list(opt.state_dict().get("recompute", []))
             details.append(f"recomputes {summarize(plan)}")
         if opt.bits:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import HALF_BITS, OFF_BITS, QuantizeConfig
-from ..measure import SavedStorage
+from ..measure.step import SavedStorage
 from ..policy import compresses_storage
 from .codec import packed_nbytes
 

@@ -31,8 +31,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
-from ..measure import ModelStorages, ScopeTracker, Watch
-from ..measure.storage import ComputedWeights, RunningParameters, is_sharded
+from ..measure.scopes import ScopeTracker, Watch
+from ..measure.storage import ComputedWeights, ModelStorages, RunningParameters, is_sharded
 from ..measure.timeline import PACK_RANGE, UNPACK_RANGE
 from ..packing import narrow_int, widen_int
 from ..policy import (

@@ -18,7 +18,7 @@ import torch
 
 from ..buffers import mark_private, shared_until_written, sole_holder
 from ..config import OFF_BITS
-from ..measure import storage_key
+from ..measure.storage import storage_key
 from .codec import dequantize, tensor_nbytes
 from .codec.traced import memory_order
 

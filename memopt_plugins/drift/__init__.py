@@ -13,33 +13,3 @@ compression costs). Modules over the threshold go up the ladder; with ``drift.lo
 are max-reduced over ranks before any decision (sharded gradients' norms summed first), so all
 ranks run the same bits. docs/drift.md and docs/distributed.md say more.
 """
-
-from .monitor import DriftMonitor
-from .report import (
-    CALLS_DIFFER,
-    HISTORY_LIMIT,
-    NEGLIGIBLE,
-    NEGLIGIBLE_GRADIENT,
-    NEGLIGIBLE_NOISE,
-    NOTHING_TO_JUDGE,
-    SAVES_NOTHING,
-    DriftReport,
-    next_rung,
-)
-from .request import CheckSample, CompressionFace, DriftCheck
-
-__all__ = [
-    "CALLS_DIFFER",
-    "HISTORY_LIMIT",
-    "NEGLIGIBLE",
-    "NEGLIGIBLE_GRADIENT",
-    "NEGLIGIBLE_NOISE",
-    "NOTHING_TO_JUDGE",
-    "SAVES_NOTHING",
-    "CheckSample",
-    "CompressionFace",
-    "DriftCheck",
-    "DriftMonitor",
-    "DriftReport",
-    "next_rung",
-]

@@ -17,7 +17,7 @@ from typing import Any
 from ..config import DriftConfig, checked_bits
 from ..config_io import reading_state, state_count, state_list, state_map, state_name
 from ..distributed import is_rank_zero
-from ..measure import eagerly
+from ..measure.scopes import eagerly
 from .decide import Decision
 from .exact import CheckPasses, ExactPass, exact_pass
 from .judges import Judge, Judging, NoiseScale, noise_scales

@@ -12,8 +12,9 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..distributed import distributed, rank_share, sum_over_ranks
-from ..measure import ModelStorages, ScopeTracker, Watch, isolated
-from ..measure.storage import RunningParameters, is_sharded, local_part
+from ..measure.isolate import isolated
+from ..measure.scopes import ScopeTracker, Watch
+from ..measure.storage import ModelStorages, RunningParameters, is_sharded, local_part
 from ..policy import compressible, in_foreign_region, min_numel_at
 from ..tree import batch_size_of, map_tensors, tensors_in
 

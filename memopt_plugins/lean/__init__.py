@@ -12,23 +12,6 @@ recomputing its cheap internals in backward, so that what they save is what memo
   the swap is exact, and a Hugging Face causal LM's loss for the chunked one.
 """
 
-from .chains import batch_norm, gated_mlp, geglu, gelu, gelu_mlp, layer_norm, rms_norm, swiglu
-from .conv import conv, max_pool, relu
 from .loss import linear_cross_entropy
-from .patch import LeanOps
 
-__all__ = [
-    "LeanOps",
-    "batch_norm",
-    "conv",
-    "gated_mlp",
-    "geglu",
-    "gelu",
-    "gelu_mlp",
-    "layer_norm",
-    "linear_cross_entropy",
-    "max_pool",
-    "relu",
-    "rms_norm",
-    "swiglu",
-]
+__all__ = ["linear_cross_entropy"]

@@ -11,23 +11,8 @@
   training's memory, read in a fresh process.
 """
 
-from .meter import MemoryMeter, MemoryReading
-from .plan import Suggestion, compact_globs, estimate_saved, suggest_config
-from .report import LOSS_ROW, ROOT, ModuleProfile, ProfileReport
+from .plan import suggest_config
+from .report import ProfileReport
 from .run import profile_model
-from .units import human_bytes
 
-__all__ = [
-    "LOSS_ROW",
-    "ROOT",
-    "MemoryMeter",
-    "MemoryReading",
-    "ModuleProfile",
-    "ProfileReport",
-    "Suggestion",
-    "compact_globs",
-    "estimate_saved",
-    "human_bytes",
-    "profile_model",
-    "suggest_config",
-]
+__all__ = ["ProfileReport", "profile_model", "suggest_config"]

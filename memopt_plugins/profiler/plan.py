@@ -16,8 +16,8 @@ import yaml
 
 from ..compress.estimate import storage_ratio
 from ..config import HALF_BITS, OFF_BITS, ConfigError, MemOptConfig, QuantizeConfig
-from ..measure import Measurement
-from ..recompute import RecomputePlan, choose
+from ..measure.step import Measurement
+from ..recompute.planner import RecomputePlan, choose
 from .report import LOSS_ROW, ProfileReport, human_bytes
 
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from ..config import OFF_BITS, MemOptConfig
 from ..engine import COMPRESS, KEEP
-from ..measure import Measurement
 from ..measure.process import batch_fits
+from ..measure.step import Measurement
 from ..measure.timeline import StepTimeline
 from .meter import MemoryReading
 from .plot import Bar, plot_holders, plot_timeline

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compress.hooks import PackObserver
 from ..config import MemOptConfig, load_config
-from ..engine import MemoryOptimizer, PackObserver, patched_by
+from ..engine import MemoryOptimizer, patched_by
 from ..logs import quiet
-from ..measure import Measurement, SavedStorage, StepRecorder, isolated
+from ..measure.isolate import isolated
+from ..measure.step import Measurement, SavedStorage, StepRecorder
 from ..measure.timeline import StepTimeline, record_step
 from ..select import layer_kind, parent_fqns
 from ..tree import slice_batch, tensors_in
@@ -64,7 +66,7 @@ def _timed_step(
     optimizer: MemoryOptimizer | None,
 ) -> tuple[MemoryReading, StepTimeline]:
     """One forward and backward on the allocator's timeline."""
-    compression = optimizer.compression if optimizer is not None else None
+    compression = optimizer.internal.compression if optimizer is not None else None
     packed = [0]
 
     def forward() -> torch.Tensor:
@@ -84,7 +86,7 @@ def _recorded_step(
 ) -> Measurement:
     """One forward and backward recorded per module (a step of its own: the recorder's operation
     counter, a dispatch mode, would hide memopt's ranges from the timeline)."""
-    compression = optimizer.compression if optimizer is not None else None
+    compression = optimizer.internal.compression if optimizer is not None else None
     recorder = StepRecorder(model, tensors_in(batch))
     observer: PackObserver = recorder
     with compression.observed(observer) if compression is not None else nullcontext():

@@ -104,9 +104,9 @@ def train_here(factory: Factory, training: Training, config: dict | None, size: 
     optimizer = OPTIMIZERS[name](model.parameters()) if name else None
     for step in range(training.steps):
         loss_fn(model, batch).backward()
-        if memopt is not None and memopt.should_check(step):
+        if memopt is not None:
             with quiet():
-                memopt.check_drift(loss_fn, batch=batch, step=step)
+                memopt.check_drift(loss_fn, batch=batch, step=step, if_due=True)
         if optimizer is not None:
             optimizer.step()
         model.zero_grad(set_to_none=True)

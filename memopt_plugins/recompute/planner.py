@@ -26,16 +26,8 @@ from torch import nn
 
 from ..config import ConfigError
 from ..distributed import from_rank_zero
-from ..measure import (
-    Measurement,
-    ModuleCost,
-    Ratio,
-    ScopeTracker,
-    StepRecorder,
-    Watch,
-    eagerly,
-    measure,
-)
+from ..measure.scopes import ScopeTracker, Watch, eagerly
+from ..measure.step import Measurement, ModuleCost, Ratio, StepRecorder, measure
 from ..select import outermost, parent_fqns, within
 from ..tree import tensors_in
 from .wrap import IN_RECOMPUTE, RECOMPUTE, Recompute
@@ -393,7 +385,7 @@ class RecomputePlanner:
             log.warning(
                 "memopt: recompute.auto could not measure the first training forward: the model "
                 "runs as one compiled graph, which hides its modules. Call "
-                "MemoryOptimizer.plan_recompute(loss_fn) before training instead (it measures the "
+                "plan_recompute(opt, loss_fn) before training instead (it measures the "
                 "model eagerly), or compile per block."
             )
             return

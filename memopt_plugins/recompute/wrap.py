@@ -28,9 +28,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError, RecomputeConfig
-from ..measure import tensor_version
 from ..measure.isolate import Slots, put
 from ..measure.scopes import UntracedRegions
+from ..measure.storage import tensor_version
 from ..measure.timeline import REPLAY_RANGE, mark
 from ..patching import InstanceForward
 from ..select import (

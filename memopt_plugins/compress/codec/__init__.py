@@ -27,21 +27,7 @@ import torch
 
 from ...packing import pack_bits, unpack_bits
 from . import ops
-from .reference import FIRST_LEVEL, FLOAT_DTYPES, SUPPORTED_BITS
-
-__all__ = [
-    "FIRST_LEVEL",
-    "NoiseGenerators",
-    "PackedTensor",
-    "codec_generator",
-    "dequantize",
-    "draw_seed",
-    "pack_mask",
-    "packed_nbytes",
-    "quantize",
-    "tensor_nbytes",
-    "unpack_mask",
-]
+from .reference import FLOAT_DTYPES, SUPPORTED_BITS
 
 _GENERATOR_SEED = 0x6D656D6F  # of codec_generator: fixed; "memo" in ASCII
 _GENERATORS: dict[torch.device, torch.Generator] = {}
