@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from memopt_plugins.compress.codec import (
-    FIRST_LEVEL,
     PackedTensor,
     codec_generator,
     dequantize,
@@ -21,6 +20,7 @@ from memopt_plugins.compress.codec import (
     reference,
     tensor_nbytes,
 )
+from memopt_plugins.compress.codec.reference import FIRST_LEVEL
 from memopt_plugins.packing import NarrowedInt, narrow_int, pack_bits, unpack_bits, widen_int
 
 BITS = (2, 4, 8)

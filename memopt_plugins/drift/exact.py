@@ -77,13 +77,14 @@ class CheckPasses:
         checked = CheckedParameters(sample.model)
         param_free = [f for f in fqns if not checked.own(f)]
         pieces: Sequence[Callable[[], torch.Tensor]] = [sample.loss_fn]
-        if sample.cut is not None and sample.most > 0:
+        if sample.cut is not None:  # every rank joins the reduce, whatever its own room
             least = int(
                 -max_reduced(check.reduce_max, [-float(sample.most)], device_of(checked))[0]
             )
-            pieces = sample.cut(least)
-            if halves and len(pieces) == 1 and len(cut := sample.cut(max(1, least // 2))) == 2:
-                pieces = cut
+            if least > 0:  # no rank measured a room: every rank runs the sample whole
+                pieces = sample.cut(least)
+                if halves and len(pieces) == 1 and len(cut := sample.cut(max(1, least // 2))) == 2:
+                    pieces = cut
         passes = cls(sample.model, checked, param_free, pieces)
         passes.halves = halves
         return passes
