@@ -295,43 +295,36 @@ def test_statistics_frozen_by_running_mode_are_kept_for_evaluation():
     assert frozen == [False, False, True]
 
 
-def test_step_time_pairs_each_round_with_its_own_baseline():
-    """``benchmarks/step_time.py``: a method's ratio is taken against the baseline of the same
-    round (load that drifts between rounds cancels), then the median and range of the rounds."""
-    from benchmarks.step_time import report
-
-    seconds = {
-        "baseline": [1.0, 2.0, 1.0],
-        "memopt int8": [1.1, 2.4, 1.15],
-        "memopt int4": [1.0] * 3,
-    }
-    rows = [
-        {"key": "gpt2", "method": m, "round": i, "seconds": s}
-        for m, values in seconds.items()
-        for i, s in enumerate(values)
-    ]
-    args = SimpleNamespace(command="python -m benchmarks.step_time", warmup=1, steps=2, repeats=3)
-    text = report(rows, args, (0.0, 0.0))
-    assert "| HF GPT-2 | memopt int8 | 1150.0 (1100.0–2400.0) | 1.15× (1.10–1.20) |" in text
-    assert "| HF GPT-2 | memopt int4 | 1000.0 (1000.0–1000.0) | 1.00× (0.50–1.00) |" in text
-
-
-def test_lora_step_pairs_alternate_and_divide_by_the_baseline_beside(monkeypatch):
-    """``benchmarks/lora_step.py``: each pair times both models back to back, the one first
-    alternating per pair, and its ratio is memopt's step over that pair's baseline step."""
-    from benchmarks import lora_step
+def test_paired_steps_rotate_and_divide_by_the_baseline_of_the_same_round(monkeypatch):
+    """``benchmarks/harness/paired.py``: each round times every step once, the first rotating
+    per round, and a step's ratio is taken against the baseline step of the same round."""
+    from benchmarks.harness import paired
 
     order = []
-    seconds = {"base": iter([1.0, 2.0]), "mem": iter([1.5, 2.2])}
+    seconds = {"base": iter([1.0, 2.0, 4.0]), "mem": iter([1.5, 2.2, 4.4])}
 
-    def timed(run):
-        order.append(run)
-        s = next(seconds[run])
+    def timed(step):
+        order.append(step)
+        s = next(seconds[step])
         return s, 2 * s
 
-    monkeypatch.setattr(lora_step, "timed", timed)
-    readings = lora_step.pairs("base", "mem", 2)
-    assert order == ["base", "mem", "mem", "base"]
-    assert [r["cpu"] for r in readings] == [1.5, 1.1]
-    assert [r["wall"] for r in readings] == [1.5, 1.1]
-    assert lora_step.quartiles([1.0, 1.2, 1.4]).startswith("1.200×")
+    monkeypatch.setattr(paired, "timed", timed)
+    times = paired.interleaved(["base", "mem"], 3)
+    assert order == ["base", "mem", "mem", "base", "base", "mem"]
+    r = paired.ratios(times, 1)
+    assert r["cpu"] == [1.5, 1.1, 1.1] and r["wall"] == r["cpu"]
+    assert paired.quartiles([1.0, 1.2, 1.4]).startswith("1.200×")
+
+
+def test_step_time_reports_the_ratio_to_the_baseline_of_the_same_round():
+    """``benchmarks/step_time.py``: a method's figure is the median of its per-round ratios to
+    that round's baseline step, in CPU and wall time (load that drifts between rounds cancels)."""
+    from benchmarks.step_time import report
+
+    base = [1.0, 2.0, 1.0, 4.0]
+    int8 = [1.1, 2.4, 1.15, 4.4]
+    times = [[(b, b), (m, 2 * m), (b, b)] for b, m in zip(base, int8, strict=True)]
+    args = SimpleNamespace(command="python -m benchmarks.step_time", warmup=1, rounds=4)
+    text = report({"gpt2": {"times": times}}, args, (0.0, 0.0))
+    assert "| HF GPT-2 | memopt int8 | 1775 | 1.125× (1.100–1.188) | 2.250× (2.200–2.375) |" in text
+    assert "| HF GPT-2 | memopt int4 | 1500 | 1.000× (1.000–1.000) |" in text
