@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import HALF_BITS, OFF_BITS
 from ..derived import derivation, note_packed
@@ -75,15 +74,18 @@ from .saved import (
 
 log = logging.getLogger("memopt")
 
+#: What ``saved_tensors_hooks`` enters and exits (a scope pushes and pops at every module call).
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
 
 class _PerThread(threading.local):
-    """A thread's scopes (autograd runs each device's backward on a thread of its own): the
-    entered scopes' hook contexts (``None`` where one pushed nothing), the fqns of those that
-    pushed, innermost last (whose saved bytes a pack counts), and how deep compression is
-    suspended."""
+    """A thread's scopes (autograd runs each device's backward on a thread of its own): whether
+    each entered scope pushed its hooks, the fqns of those that pushed, innermost last (whose
+    saved bytes a pack counts), and how deep compression is suspended."""
 
     def __init__(self) -> None:
-        self.scopes: list[saved_tensors_hooks | None] = []
+        self.scopes: list[bool] = []
         self.names: list[str] = []
         self.suspended = 0
 
@@ -298,19 +300,17 @@ class CompressionHooks:
         if not local.scopes and torch._C._current_graph_task_id() == -1:
             self._begin()  # not a replay in backward
             self._key_scopes()
-        scope = None
-        if torch.is_grad_enabled() and not local.suspended and not in_foreign_region():
-            scope = saved_tensors_hooks(*self.pair(fqn))
-            scope.__enter__()
+        pushed = torch.is_grad_enabled() and not local.suspended and not in_foreign_region()
+        if pushed:  # what saved_tensors_hooks(*pair) enters, without the object
+            _push_hooks(*self.pair(fqn))
             local.names.append(fqn)
-        local.scopes.append(scope)
+        local.scopes.append(pushed)
 
     def exit(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
         scopes = self._local.scopes
         if scopes:
-            scope = scopes.pop()
-            if scope is not None:
-                scope.__exit__(None, None, None)
+            if scopes.pop():
+                _pop_hooks()
                 self._local.names.pop()
             if not scopes:
                 looked = [saved for _, saved, _ in self._cache.values()] + self._dtensors

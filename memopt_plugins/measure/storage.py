@@ -58,10 +58,8 @@ class ModelStorages:
 
     def refresh(self) -> None:
         """Read the storages again."""
-        model = self.model
-        tensors = (*model.parameters(), *model.buffers(), *self.extra)
         storages = {}
-        for t in tensors:
+        for t in (*model_tensors(self.model), *self.extra):
             t = local_part(t)
             key = storage_key(t)
             if key is not None and t.numel() > 0:
@@ -83,6 +81,29 @@ class ModelStorages:
         storage = ref() if ref is not None else None
         # alive, allocated and at the same address: the memory read, not a reuse of its address
         return storage is not None and storage.nbytes() > 0 and storage.data_ptr() == key[1]
+
+
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``model`` and its submodules (a shared one may appear more
+    than once): what ``parameters()`` and ``buffers()`` give, without their names (it runs at
+    every step)."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out += [t for t in module._parameters.values() if t is not None]
+        out += [t for t in module._buffers.values() if t is not None]
+        stack += [m for m in module._modules.values() if m is not None]
+    return out
+
+
+def sharding_imported() -> bool:
+    """Whether any tensor can be a DTensor yet (``torch.distributed.tensor`` was imported)."""
+    return "torch.distributed.tensor" in sys.modules
 
 
 def is_sharded(t: object) -> bool:
@@ -125,7 +146,9 @@ class RunningParameters:
     def sync(self) -> None:
         """Start watching if the model's parameters are sharded now; forget freed storages."""
         self._storages = {k: r for k, r in self._storages.items() if _holds(r(), k)}
-        if self._watch is not None or not any(is_sharded(p) for p in self.model.parameters()):
+        if self._watch is not None or not sharding_imported():
+            return
+        if not any(is_sharded(p) for p in self.model.parameters()):
             return
         owners = [
             fqn

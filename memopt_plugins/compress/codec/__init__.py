@@ -267,15 +267,13 @@ def quantize(
         seed = None
         if stochastic:
             seed = draw_seed(generator if generator is not None else codec_generator(x.device))
-        kernel = ops.quantizer(flat.device, flat.dtype)  # called here: no dispatching frame
+        kernel = ops.quantizer(flat.device, flat.dtype)  # no dispatching frame; None: no table
         codes, scale, zero_point, *tables = kernel(flat, bits, group_size, seed)
     elif stochastic:  # traced: the seed is drawn when the graph runs, inside the operator
         source = _seed_source(generator, _indexed(x.device))
         codes, scale, zero_point, *tables = ops.quantize_drawn_op(flat, bits, group_size, source)
     else:
         codes, scale, zero_point, *tables = ops.quantize_op(flat, bits, group_size, None)
-    if not torch.compiler.is_compiling():  # an empty table is none
-        tables = [t if t.numel() else None for t in tables]
     exact_index, exact_values, const_index, const_values = tables
     return PackedTensor(
         codes=codes,

@@ -116,11 +116,38 @@ def _codec(device: torch.device, dtype: torch.dtype) -> str:
 def _quantize_native(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
     """The C kernel's codes with side tables as large as the groups it flagged (on the CPU,
     reading their sizes waits for nothing)."""
+    codes, scale, zero_point, *tables = _native_untabled(x, bits, group_size, seed)
+    empty = reference.side_tables(None, None, None, like=x, group_size=group_size)
+    return (
+        codes,
+        scale,
+        zero_point,
+        *(e if t is None else t for t, e in zip(tables, empty, strict=True)),
+    )
+
+
+def _native_untabled(
+    x: torch.Tensor, bits: int, group_size: int, seed: int | None
+) -> tuple[torch.Tensor | None, ...]:
+    """:func:`_quantize_native`'s, with ``None`` for all four side tables where the kernel
+    flagged no group (no empty tables made: the common case, on the path of every saved tensor)."""
     q = native.quantize(x, group_size, bits, FIRST_LEVEL[bits], seed)
-    exact, const = (f if f is not None and f.any() else None for f in (q.exact, q.const))
+    if q.exact is None:
+        return (q.codes, q.scale, q.zero_point, None, None, None, None)
+    exact, const = (f if f.any() else None for f in (q.exact, q.const))
     groups = reference.Groups.of(x, group_size) if exact is not None or const is not None else None
     tables = reference.side_tables(groups, exact, const, like=x, group_size=group_size)
-    return (q.codes, q.scale, q.zero_point, *tables)
+    return (q.codes, q.scale, q.zero_point, *(t if t.numel() else None for t in tables))
+
+
+def _untabled(kernel: Callable[..., Quantized]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+    """``kernel`` with ``None`` for each empty side table."""
+
+    def untabled(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> tuple:
+        codes, scale, zero_point, *tables = kernel(x, bits, group_size, seed)
+        return (codes, scale, zero_point, *(t if t.numel() else None for t in tables))
+
+    return untabled
 
 
 def _quantize_triton(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
@@ -176,12 +203,21 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Q
     return _QUANTIZE_KERNELS[_codec(x.device, x.dtype)](x, bits, group_size, seed)
 
 
+#: :data:`_QUANTIZE_KERNELS` with ``None`` for each empty side table: what eager calls take.
+_EAGER_KERNELS = {
+    "native": _native_untabled,
+    "triton": _untabled(_quantize_triton),
+    "torch": _untabled(reference.quantize),
+}
+
+
 def quantizer(
     device: torch.device, dtype: torch.dtype
-) -> Callable[[torch.Tensor, int, int, int | None], Quantized]:
-    """The implementation :func:`quantize` calls for a tensor on ``device`` of ``dtype``: for a
-    caller that calls it itself, one frame nearer the kernel (the eager pack path)."""
-    return _QUANTIZE_KERNELS[_codec(device, dtype)]
+) -> Callable[[torch.Tensor, int, int, int | None], tuple[torch.Tensor | None, ...]]:
+    """The implementation :func:`quantize` calls for a tensor on ``device`` of ``dtype``, with
+    ``None`` for each empty side table: for an eager caller that calls it itself, one frame
+    nearer the kernel (the eager pack path)."""
+    return _EAGER_KERNELS[_codec(device, dtype)]
 
 
 def quantize_bounded(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> Quantized:
