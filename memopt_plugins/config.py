@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import typing
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Mapping
 from importlib import resources
 from typing import Annotated, Any, Literal
 
@@ -67,15 +67,24 @@ def memory_bytes(text: str) -> int:
     return value
 
 
-def _budget(value: Any) -> Any:
-    # quantize.budget: text is an amount of memory ("6MiB"), read into bytes.
+def _memory(value: Any) -> Any:
+    # quantize.memory: text is an amount of memory ("6MiB"), read into bytes.
     if isinstance(value, bool):
-        raise ValueError("true/false is not a budget")
+        raise ValueError("true/false is not an amount of memory")
     return memory_bytes(value) if isinstance(value, str) else value
 
 
-#: The fewest bytes ``quantize.budget`` takes as an amount of memory (an integer below is a slip).
-MIN_BUDGET_BYTES = 1024
+def _fraction_not_memory(value: Any) -> Any:
+    # quantize.budget is a fraction only: an amount of memory written there points to its key
+    # (a number written as text is left to the general advice: write it as a plain number).
+    number = isinstance(value, int) and not isinstance(value, bool) and value > 1
+    if number or (isinstance(value, str) and not re.fullmatch(r"\s*[0-9.]+\s*", value)):
+        raise ValueError(f"an amount of memory is quantize.memory's: write memory: {value!r}")
+    return value
+
+
+#: The fewest bytes ``quantize.memory`` takes (an integer below is a slip, not a target).
+MIN_MEMORY_BYTES = 1024
 
 Bits = Literal[2, 4, 8, 16, 32]
 #: Bits at which nothing is compressed: the top of every ladder, "off".
@@ -108,6 +117,19 @@ ClassNameList = Annotated[
 Fraction = Annotated[float, Field(gt=0, le=1), Allowed("a number in (0, 1]")]
 NonNegativeInt = Annotated[int, Field(ge=0), Allowed("an integer >= 0")]
 PositiveInt = Annotated[int, Field(ge=1), Allowed("an integer >= 1")]
+
+
+def _optional_field(section: str, names: str) -> Any:
+    """The ``optional`` key of a section that names parts of a model (recompute, quantize, ops):
+    what it names that the model lacks is refused by default, skipped (logged) when true."""
+    return Field(
+        False,
+        description=(
+            f"false: {names} that this model does not have is a ConfigError. true: it is "
+            "skipped with one INFO line and the rest of the section applies (for a config meant "
+            f"for many models, as the presets that set {section}.optional are)."
+        ),
+    )
 
 
 class _Section(BaseModel):
@@ -160,6 +182,9 @@ class RecomputeConfig(_Section):
             "modules so that at most the fraction b of the baseline saved bytes is kept."
         ),
     )
+    optional: Annotated[bool, Allowed("true or false")] = _optional_field(
+        "recompute", "a glob of modules or a class name of types that matches no module"
+    )
 
 
 class QuantizeConfig(_Section):
@@ -207,35 +232,42 @@ class QuantizeConfig(_Section):
         ),
     )
     budget: Annotated[
-        int | float | None,
-        BeforeValidator(_budget),
-        Allowed(
-            "null, a fraction in (0, 1] (a float, e.g. 0.25) or an amount of memory: bytes (an "
-            "integer >= 1024) or text such as '6MiB'"
-        ),
+        Fraction | None,
+        BeforeValidator(_fraction_not_memory),
+        Allowed("null or a fraction in (0, 1], e.g. 0.25"),
     ] = Field(
         None,
         description=(
-            "A memory target the bits are solved for at every drift check: the widths (from "
-            "drift.ladder) that minimise the summed squared predicted drift with the bytes kept "
-            "for backward within it, each module's drift still capped by drift.threshold (the "
-            "threshold wins; the log says by how much the budget is missed and which modules "
-            "stopped it). A float is a fraction of the saved bytes uncompressed, an integer or "
-            "'6MiB' bytes of a training forward. null: the bits stay as configured (and drift "
-            "only escalates, or with drift.lower comes back down)."
+            "A memory target as a fraction of the saved bytes uncompressed: the bits are solved "
+            "for it at every drift check, the widths (from drift.ladder) that minimise the summed "
+            "squared predicted drift with the bytes kept for backward within it, each module's "
+            "drift still capped by drift.threshold (the threshold wins; the log says by how much "
+            "the target is missed and which modules stopped it). With memory too, the tighter of "
+            "the two is the target. null: no fraction (with memory null too, the bits stay as "
+            "configured, and drift only escalates, or with drift.lower comes back down)."
         ),
     )
+    memory: Annotated[
+        Annotated[int, Field(ge=MIN_MEMORY_BYTES)] | None,
+        BeforeValidator(_memory),
+        Allowed(f"null, bytes (an integer >= {MIN_MEMORY_BYTES}) or text such as '6MiB', '512MB'"),
+    ] = Field(
+        None,
+        description=(
+            "A memory target as an amount of memory: the bytes a training forward keeps for "
+            "backward, solved for as budget is (with budget too, the tighter of the two is the "
+            "target). It is priced from a training forward's counts: a check before any waits "
+            "(logged). null: no amount."
+        ),
+    )
+    optional: Annotated[bool, Allowed("true or false")] = _optional_field(
+        "quantize", "a glob of modules, exclude or overrides that matches no module"
+    )
 
-    @field_validator("budget")
-    @classmethod
-    def _budget_in_range(cls, budget: int | float | None) -> int | float | None:
-        if isinstance(budget, float) and not 0 < budget <= 1:
-            raise ValueError("a fraction must be in (0, 1]")
-        if isinstance(budget, int) and budget < MIN_BUDGET_BYTES:
-            raise ValueError(
-                f"bytes must be at least {MIN_BUDGET_BYTES}; write a fraction as a float, e.g. 1.0"
-            )
-        return budget
+    @property
+    def targets_memory(self) -> bool:
+        """Whether the bits are solved for a memory target (``budget`` or ``memory``)."""
+        return self.budget is not None or self.memory is not None
 
 
 class DriftConfig(_Section):
@@ -414,6 +446,11 @@ class OpsConfig(_Section):
             "chain the model has."
         ),
     )
+    optional: Annotated[bool, Allowed("true or false")] = _optional_field(
+        "ops",
+        "loss: chunked where no loss head can be reached, or a fuse chain (or attention that "
+        "cannot switch) that matches no module,",
+    )
 
 
 class LogConfig(_Section):
@@ -454,11 +491,9 @@ class MemOptConfig(_Section):
     ops: OpsConfig = Field(default_factory=OpsConfig, description="Memory-lean operations.")
     log: LogConfig = Field(default_factory=LogConfig, description="Metrics sent to loggers.")
 
-    # Where a preset's settings are in force (its name, and each (key, value) it set): a preset's
-    # glob that matches nothing on a model, or its chunked loss where the model has no reachable
-    # loss head, does not apply there (logged), where the user's own would be a mistake.
+    # The name of the preset the settings were loaded from, for display only: what a setting
+    # means never depends on it (a preset that serves many models says so with `optional`).
     _preset: str | None = PrivateAttr(None)
-    _preset_values: frozenset[tuple[str, Any]] = PrivateAttr(frozenset())
 
     def __eq__(self, other: object) -> bool:  # the settings decide, not where they came from
         return type(other) is type(self) and self.__dict__ == other.__dict__
@@ -470,12 +505,6 @@ class MemOptConfig(_Section):
     def preset(self) -> str | None:
         """The name of the preset this config was loaded from (kept by :meth:`with_changes`)."""
         return self._preset
-
-    def set_by_preset(self, key: str, value: Any) -> bool:
-        """Whether the preset this config was loaded from set ``value`` at ``key``: an item of a
-        list (``"quantize.exclude"``, ``"*lm_head"``), a key of a mapping (``"quantize.overrides"``)
-        or a plain value (``"ops.loss"``, ``"chunked"``)."""
-        return (key, value) in self._preset_values
 
     @classmethod
     def from_preset(cls, name: str) -> MemOptConfig:
@@ -494,7 +523,6 @@ class MemOptConfig(_Section):
 
     def _as_preset(self, name: str) -> MemOptConfig:
         self._preset = name
-        self._preset_values = frozenset(_settings(self.to_dict()))
         return self
 
     @field_validator(
@@ -511,10 +539,9 @@ class MemOptConfig(_Section):
 
     @model_validator(mode="after")
     def _budget_needs_drift_checks(self) -> MemOptConfig:
-        if self.quantize.budget is not None and not self.drift.enabled:
-            raise ValueError(
-                "quantize.budget is solved at each drift check: it needs drift.enabled true"
-            )
+        if self.quantize.targets_memory and not self.drift.enabled:
+            key = "quantize.budget" if self.quantize.budget is not None else "quantize.memory"
+            raise ValueError(f"{key} is solved at each drift check: it needs drift.enabled true")
         return self
 
     @classmethod
@@ -548,7 +575,7 @@ class MemOptConfig(_Section):
             else:
                 data[section] = update
         changed = self.from_dict(data)
-        changed._preset, changed._preset_values = self._preset, self._preset_values
+        changed._preset = self._preset
         return changed
 
     @classmethod
@@ -564,18 +591,6 @@ class MemOptConfig(_Section):
             return cls.model_validate(dict(data))
         except ValidationError as err:
             raise config_error(err, cls, header) from None
-
-
-def _settings(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(key path, value)`` of every setting in ``data``: one per list item and mapping key."""
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and not prefix:
-            yield from _settings(value, f"{path}.")
-        elif isinstance(value, Mapping | list):
-            yield from ((path, item) for item in value if isinstance(item, Hashable))
-        else:
-            yield path, value
 
 
 def is_preset_name(text: str) -> bool:

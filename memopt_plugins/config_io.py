@@ -17,7 +17,7 @@ import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -204,7 +204,7 @@ def _problem_line(root: type[BaseModel], error: Any) -> str:
         guess = closest(value, choices, n=1)
         if guess:
             line += f". Did you mean {guess[0]!r}?"
-        elif not choices:
+        elif not choices and kind != "value_error":  # the key's own reader took the text
             line += _number_advice(field.annotation, value)
     return line
 
@@ -225,6 +225,8 @@ def _number_advice(annotation: Any, text: str) -> str:
 def _takes(annotation: Any, kinds: tuple[type, ...]) -> bool:
     """Whether a value of one of ``kinds`` fits ``annotation`` (through unions and literals)."""
     origin = typing.get_origin(annotation)
+    if origin is Annotated:  # a constrained type (Fraction): the type it constrains
+        return _takes(typing.get_args(annotation)[0], kinds)
     if origin is Literal:
         return any(
             isinstance(c, kinds) and not isinstance(c, bool) for c in typing.get_args(annotation)

@@ -196,18 +196,14 @@ class MemoryOptimizer:
         self._model: nn.Module | None = None
         self._table = BitTable()
         self._compression: Compression | None = None
-        self._drift = DriftMonitor(
-            self.config.drift, budget=self.config.quantize.budget is not None
-        )
+        self._drift = DriftMonitor(self.config.drift, budget=self.config.quantize.targets_memory)
         self._recompute: Recompute | None = None
         self._planner: RecomputePlanner | None = None
         self._pending: SavedState | None = None  # a state loaded before apply, laid at apply
         self._dropout: DropoutPatch | None = None
         self._batchnorm: BatchNormPatch | None = None
         self._guard: InterruptGuard | None = None
-        self._lean = LeanOps(
-            self.config.ops, loss_from_preset=self.config.set_by_preset("ops.loss", "chunked")
-        )
+        self._lean = LeanOps(self.config.ops)
         self._logged_bits: dict[str, int] = {}  # what metrics() last reported per module
         self._budget_waits_noted = False
         self._fits_measured: float | None = None  # measured_fits
@@ -256,9 +252,8 @@ class MemoryOptimizer:
             raise RuntimeError("this MemoryOptimizer is already applied; call remove() first")
         _refuse_nested(model)
         show_on_console()
-        preset = self.config.set_by_preset  # a preset's glob may not apply to this model
-        targets = recompute_targets(model, self.config.recompute, preset)  # validates first
-        scopes = resolve_bits(model, self.config.quantize, preset)
+        targets = recompute_targets(model, self.config.recompute)  # validates first
+        scopes = resolve_bits(model, self.config.quantize)
         scripted = scripted_modules(model)  # no scopes there: their callers' scopes hold them
         scopes = {f: b for f, b in scopes.items() if f not in scripted}
         # recompute wins: no scope inside a region; the recomputed module's own scope packs
@@ -423,11 +418,12 @@ class MemoryOptimizer:
         """True when a drift check is due at ``step`` (default: the steps counted).
 
         Due at step 0 and every ``drift.check_every`` steps, when ``drift.enabled`` and some
-        module is compressed below 32 bits (with ``drift.lower`` or ``quantize.budget``: some
+        module is compressed below 32 bits (with ``drift.lower`` or a memory target,
+        ``quantize.budget`` or ``quantize.memory``: some
         module is compressed).
         """
         compressed = self._table.compressed.values()
-        moves_down = self.config.drift.lower or self.config.quantize.budget is not None
+        moves_down = self.config.drift.lower or self.config.quantize.targets_memory
         lowering = moves_down and bool(compressed)  # a module at 32 may come down
         due = lowering or any(b < OFF_BITS for b in compressed)
         return due and self._drift.should_check(step)
@@ -471,13 +467,13 @@ class MemoryOptimizer:
         model = self._require_model()
         compression = self._compression
         sample = self._check_sample(model, loss_fn, batch, batch_size)
-        # Its per-module counts price the budget when they cover all of it (nothing compiled)
+        # Its per-module counts price the memory target when they cover all of it (nothing compiled)
         eager = compression.stats.forward_original == compression.stats.saved_original
         # The check's passes are no training forward: the counts are as before once it is done.
-        # ``trained``: the last training forward's saved bytes, for a budget in bytes.
+        # ``trained``: the last training forward's saved bytes, for quantize.memory.
         with compression.snapshot() as (kept_modules, trained):
             pricing = None
-            if self.config.quantize.budget is not None:
+            if self.config.quantize.targets_memory:
                 pricing = self._pricing(trained, kept_modules if eager else {})
             check = DriftCheck(
                 sample,
@@ -535,13 +531,13 @@ class MemoryOptimizer:
     def _pricing(
         self, trained: int, counts: Mapping[str, ModuleSaved]
     ) -> Callable[[], Pricing | None]:
-        """``quantize.budget``'s prices: each compressed module's bytes at every width, from its
-        scope's saved tensors and the codec's packed sizes, and the budget in the same units.
-        The tensors are those of the last training forward (``counts``) where its eager hooks
-        saw all of it, else those of the check's compressed pass just run (the only ones for a
-        model with compiled graphs), the budget then scaled by the training forward's saved
-        bytes over the pass's. ``None`` for a budget in bytes before any training forward."""
-        budget = self.config.quantize.budget
+        """The memory target's prices (``quantize.budget``, ``quantize.memory``): each compressed
+        module's bytes at every width, from its scope's saved tensors and the codec's packed sizes
+        (:func:`~.compress.estimate.stored_nbytes`), and the target in the same units. The
+        tensors are those of the last training forward (``counts``) where its eager hooks saw
+        all of it, else those of the check's compressed pass just run (the only ones for a model
+        with compiled graphs), bytes of a training forward then scaled by its saved bytes over
+        the pass's. ``None`` for ``quantize.memory`` before any training forward."""
         group = self.config.quantize.group_size
         ladder = self.config.drift.ladder
 
@@ -558,21 +554,34 @@ class MemoryOptimizer:
                 f: {b: float(found[f].bytes_at(b, group)) if f in found else 0.0 for b in widths}
                 for f in compressed
             }
-            if isinstance(budget, float):
-                scale = trained_here / original if trained_here and original else 1.0
-                return Pricing(costs, budget * original, scale)
-            if not trained_here or not original:
-                if not self._budget_waits_noted:
-                    self._budget_waits_noted = True
-                    log.info(
-                        "memopt: quantize.budget in bytes waits for a training forward to be "
-                        "counted (no bits solved at this check)"
-                    )
-                return None
-            scale = trained_here / original
-            return Pricing(costs, budget / scale, scale)
+            counted = bool(trained_here and original)  # a training forward's bytes are known
+            scale = trained_here / original if counted else 1.0
+            target = self._memory_target(original, scale if counted else None)
+            return None if target is None else Pricing(costs, target[0], scale, target[1])
 
         return priced
+
+    def _memory_target(self, original: int, scale: float | None) -> tuple[float, str] | None:
+        """The target in bytes of the check's sample and the key(s) it comes from: the fraction
+        ``quantize.budget`` of ``original`` (the sample's bytes uncompressed), the amount
+        ``quantize.memory`` over ``scale`` (a training forward's bytes per byte of the sample;
+        ``None``: none counted yet, so no target, noted once), both set: the tighter."""
+        q = self.config.quantize
+        fraction = None if q.budget is None else q.budget * original
+        if q.memory is None:
+            return None if fraction is None else (fraction, "quantize.budget")
+        if scale is None:
+            if not self._budget_waits_noted:
+                self._budget_waits_noted = True
+                log.info(
+                    "memopt: quantize.memory waits for a training forward to be counted (no "
+                    "bits solved at this check)"
+                )
+            return None
+        amount = q.memory / scale
+        if fraction is None:
+            return amount, "quantize.memory"
+        return min(fraction, amount), "the tighter of quantize.budget and quantize.memory"
 
     def _check_if_due(
         self,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .config import OFF_BITS, QuantizeConfig
-from .select import FromPreset, check_globs, fqn_matches, parent_fqns
+from .select import check_globs, fqn_matches, parent_fqns
 
 #: Why a compiled graph saves a tensor as it is, for the log and docs/compile.md.
 KEPT = {
@@ -37,9 +37,7 @@ KEPT = {
 }
 
 
-def resolve_bits(
-    model: nn.Module, quantize: QuantizeConfig, from_preset: FromPreset | None = None
-) -> dict[str, int]:
+def resolve_bits(model: nn.Module, quantize: QuantizeConfig) -> dict[str, int]:
     """Bits of every module of ``model`` that needs a compression scope (innermost scope decides).
 
     A module excluded by ``quantize.exclude`` (or inside one) is never compressed; otherwise the
@@ -49,8 +47,8 @@ def resolve_bits(
     on top by the engine's bit table.
 
     Raises:
-        ConfigError: a glob of ``quantize`` matches no module (one a preset wrote, as
-            ``from_preset`` says, is logged instead).
+        ConfigError: a glob of ``quantize`` matches no module (with ``quantize.optional``
+            it is logged and skipped instead).
     """
     q = quantize
     names = [fqn for fqn, _ in model.named_modules()]
@@ -59,7 +57,7 @@ def resolve_bits(
         ("quantize.exclude", q.exclude),
         ("quantize.overrides", list(q.overrides)),
     ):
-        check_globs(key, globs, names, from_preset)
+        check_globs(key, globs, names, q.optional)
 
     def override_of(fqn: str) -> int | None:
         for glob, bits in reversed(list(q.overrides.items())):

@@ -3,17 +3,15 @@
 A glob names a module of the model the user wrote, wherever a framework wraps it: it is matched
 against the module's name and against that name with leading wrapper attributes dropped
 (:data:`WRAPPERS`), so ``lm_head`` matches Lightning's ``model.lm_head`` and PEFT's
-``base_model.model.lm_head``. A glob that matches no module is a :class:`ConfigError`, unless a
-preset wrote it: a preset serves many models, and its glob just does not apply to this one
-(logged).
+``base_model.model.lm_head``. A glob that matches no module is a :class:`ConfigError`, unless
+its section says ``optional: true`` (a config for many models): then it is skipped, logged.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -25,10 +23,6 @@ log = logging.getLogger("memopt")
 #: task model's) ``model``, DDP/FSDP's ``module``, torch.compile's ``_orig_mod`` and PEFT's
 #: ``base_model.model``.
 WRAPPERS = frozenset({"model", "module", "_orig_mod", "base_model"})
-
-#: ``from_preset(key, glob)``: whether a preset wrote ``glob`` under ``key``
-#: (:meth:`~memopt_plugins.config.MemOptConfig.set_by_preset`).
-FromPreset = Callable[[str, Any], bool]
 
 #: Layer kinds, from most to least expensive to recompute.
 COMPUTE = "compute"  # Linear, Conv, attention, embedding: recompute costs a matmul
@@ -162,35 +156,35 @@ def outermost(fqns: Iterable[str]) -> list[str]:
 
 
 def check_globs(
-    key: str, globs: Sequence[str], names: Sequence[str], from_preset: FromPreset | None = None
+    key: str, globs: Sequence[str], names: Sequence[str], optional: bool = False
 ) -> None:
     """Raise ConfigError for a glob that matches none of ``names`` (module fqns of the model);
-    a preset's such glob is logged and left to match nothing."""
+    where its section is ``optional``, log it and leave it to match nothing."""
     for glob in globs:
         if not any(fqn_matches(n, [glob]) for n in names):
-            _no_match(key, glob, names, "module", from_preset)
+            _no_match(key, glob, names, "module", optional)
 
 
 def check_types(
-    key: str, type_names: Sequence[str], model: nn.Module, from_preset: FromPreset | None = None
+    key: str, type_names: Sequence[str], model: nn.Module, optional: bool = False
 ) -> None:
-    """Raise ConfigError for a class name that no module of the model has (a preset's: logged)."""
+    """Raise ConfigError for a class name that no module of the model has (``optional``: log)."""
     present = sorted({type(m).__name__ for m in model.modules()})
     for name in type_names:
         if name not in present:
-            _no_match(key, name, present, "module class", from_preset)
+            _no_match(key, name, present, "module class", optional)
 
 
-def _no_match(
-    key: str, given: str, names: Sequence[str], what: str, from_preset: FromPreset | None
-) -> None:
-    if from_preset is None or not from_preset(key, given):
+def _no_match(key: str, given: str, names: Sequence[str], what: str, optional: bool) -> None:
+    if not optional:
         raise ConfigError(_no_match_message(key, given, names, what))
+    section = key.split(".")[0]
     log.info(
-        "memopt: the preset's %s %r matches no %s of this model: it does not apply here",
+        "memopt: %s %r matches no %s of this model: skipped (%s.optional is true)",
         key,
         given,
         what,
+        section,
     )
 
 

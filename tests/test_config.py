@@ -19,10 +19,10 @@ from memopt_plugins.config import (
 )
 
 # The schema as first specified, written out as data, plus quantize.seed (the
-# drift/reproducibility issue) and the keys of `ops` (the lean-ops issue); docs/configuration.md
-# documents every default.
+# drift/reproducibility issue), the keys of `ops` (the lean-ops issue) and `optional` in the
+# sections that name parts of a model (issue 59); docs/configuration.md documents every default.
 DESIGN_DEFAULTS: dict[str, Any] = {
-    "recompute": {"modules": [], "types": [], "auto": None},
+    "recompute": {"modules": [], "types": [], "auto": None, "optional": False},
     "quantize": {
         "bits": 32,
         "modules": ["*"],
@@ -33,6 +33,8 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "min_numel": 4096,
         "seed": None,
         "budget": None,  # issue 32, a memory target the bits are solved for (null: as before)
+        "memory": None,  # issue 59: budget is a fraction only, an amount of memory is memory's
+        "optional": False,
     },
     "drift": {
         "enabled": True,
@@ -55,13 +57,19 @@ DESIGN_DEFAULTS: dict[str, Any] = {
         "chunk_size": None,
         "no_cache": True,
         "fuse": [],
+        "optional": False,
     },
     "log": {"per_module": False},
 }
 
 # A config that differs from the defaults in every section.
 CUSTOM: dict[str, Any] = {
-    "recompute": {"modules": ["blocks.*.mlp"], "types": ["GELU"], "auto": {"budget": 0.25}},
+    "recompute": {
+        "modules": ["blocks.*.mlp"],
+        "types": ["GELU"],
+        "auto": {"budget": 0.25},
+        "optional": True,
+    },
     "quantize": {
         "bits": 4,
         "modules": ["blocks.*"],
@@ -72,6 +80,8 @@ CUSTOM: dict[str, Any] = {
         "min_numel": 0,
         "seed": 7,
         "budget": None,  # needs drift.enabled, which this config turns off
+        "memory": None,  # so does this
+        "optional": True,
     },
     "drift": {
         "enabled": False,
@@ -93,6 +103,7 @@ CUSTOM: dict[str, Any] = {
         "chunk_size": 512,
         "no_cache": False,
         "fuse": ["swiglu", "rmsnorm"],
+        "optional": True,
     },
     "log": {"per_module": True},
 }
@@ -174,7 +185,7 @@ def test_unknown_key_line_names_path_suggestion_and_allowed_keys():
     err = error_of({"quantize": {"bitz": 4}})
     assert err.problems == (
         "quantize.bitz: unknown key. Did you mean 'bits'? Allowed keys: bits, modules, exclude, "
-        "overrides, group_size, rounding, min_numel, seed, budget",
+        "overrides, group_size, rounding, min_numel, seed, budget, memory, optional",
     )
 
 

@@ -134,17 +134,46 @@ def test_a_budget_the_threshold_forbids_is_missed_and_the_log_names_the_modules(
     assert held and all(f in warnings[0] for f in held)
 
 
-def test_budget_in_bytes_waits_for_a_training_forward_and_scales_to_it(caplog):
-    opt, _, train, sample = _gpt2(_budgeted("700KiB"))
+def _with_memory(memory, budget=None):
+    return {
+        "quantize": {"bits": 4, "budget": budget, "memory": memory},
+        "drift": {"threshold": 0.1},
+    }
+
+
+def test_memory_waits_for_a_training_forward_and_scales_to_it(caplog):
+    opt, _, train, sample = _gpt2(_with_memory("700KiB"))
     with caplog.at_level(logging.INFO, logger="memopt"):
         report = opt.check_drift(sample)
-    assert report.budget is None and "waits for a training forward" in caplog.text
+    assert report.budget is None and "quantize.memory waits for a training forward" in caplog.text
     train().backward()
-    report = opt.check_drift(sample)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        report = opt.check_drift(sample)
     target, kept = report.budget
     assert target == 700 * 1024 and kept <= 1.05 * target
+    assert "memopt: quantize.memory 0.68 MiB: the bits keep" in caplog.text
     train().backward()
     assert opt.internal.compression.stats.forward_stored == pytest.approx(kept, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("budget", "memory", "tighter"), [(1.0, "700KiB", "memory"), (0.25, "1GiB", "budget")]
+)
+def test_with_budget_and_memory_the_tighter_is_the_target(budget, memory, tighter, caplog):
+    opt, _, train, sample = _gpt2(_with_memory(memory, budget))
+    train().backward()
+    uncompressed = opt.internal.compression.stats.forward_original
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        report = opt.check_drift(sample)
+    target, kept = report.budget
+    fraction, amount = (
+        budget * uncompressed,
+        float(MemOptConfig.from_dict(_with_memory(memory)).quantize.memory),
+    )
+    assert (fraction < amount) == (tighter == "budget")
+    assert target == pytest.approx(min(fraction, amount)) and kept <= 1.05 * target
+    assert "the tighter of quantize.budget and quantize.memory" in caplog.text
 
 
 def test_budget_state_round_trips_and_the_check_leaves_the_counts_of_training():
@@ -162,26 +191,37 @@ def test_budget_state_round_trips_and_the_check_leaves_the_counts_of_training():
 
 
 @pytest.mark.parametrize(
-    ("budget", "problem"),
+    ("key", "value", "problem"),
     [
-        (1.5, "a fraction must be in (0, 1]"),
-        (1, "bytes must be at least 1024"),
-        ("lots", "is not an amount of memory"),
-        (True, "true/false is not a budget"),
+        ("budget", 1.5, "a fraction in (0, 1]"),
+        ("budget", 0, "a fraction in (0, 1]"),
+        ("budget", 2048, "an amount of memory is quantize.memory's: write memory: 2048"),
+        ("budget", "6MiB", "an amount of memory is quantize.memory's: write memory: '6MiB'"),
+        ("budget", True, "a fraction in (0, 1]"),
+        ("memory", 1, "bytes (an integer >= 1024)"),
+        ("memory", 0.5, "bytes (an integer >= 1024)"),
+        ("memory", "lots", "is not an amount of memory"),
+        ("memory", True, "true/false is not an amount of memory"),
     ],
 )
-def test_budget_config_errors(budget, problem):
-    with pytest.raises(ConfigError, match="quantize.budget") as err:
-        MemOptConfig.from_dict({"quantize": {"budget": budget}})
+def test_budget_and_memory_config_errors(key, value, problem):
+    """One meaning per key: budget is a fraction, memory an amount of memory."""
+    with pytest.raises(ConfigError, match=f"quantize.{key}") as err:
+        MemOptConfig.from_dict({"quantize": {key: value}})
     assert problem in str(err.value)
 
 
-def test_budget_config_values():
-    assert MemOptConfig.from_dict({"quantize": {"budget": "6MiB"}}).quantize.budget == 6 << 20
+def test_budget_and_memory_config_values():
+    assert MemOptConfig.from_dict({"quantize": {"memory": "6MiB"}}).quantize.memory == 6 << 20
+    assert MemOptConfig.from_dict({"quantize": {"memory": 4096}}).quantize.memory == 4096
     assert MemOptConfig.from_dict({"quantize": {"budget": 0.3}}).quantize.budget == 0.3
-    assert MemOptConfig.from_dict({}).quantize.budget is None
-    with pytest.raises(ConfigError, match="needs drift.enabled true"):
-        MemOptConfig.from_dict({"quantize": {"budget": 0.3}, "drift": {"enabled": False}})
+    assert MemOptConfig.from_dict({"quantize": {"budget": 1}}).quantize.budget == 1.0
+    both = MemOptConfig.from_dict({"quantize": {"budget": 0.3, "memory": "1GiB"}}).quantize
+    assert (both.budget, both.memory, both.targets_memory) == (0.3, 1 << 30, True)
+    assert not MemOptConfig.from_dict({}).quantize.targets_memory
+    for key, value in (("budget", 0.3), ("memory", "6MiB")):
+        with pytest.raises(ConfigError, match=f"quantize.{key} is solved at each drift check"):
+            MemOptConfig.from_dict({"quantize": {key: value}, "drift": {"enabled": False}})
 
 
 def test_escalation_never_takes_the_bits_past_the_budget(caplog):

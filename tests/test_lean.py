@@ -965,6 +965,30 @@ def test_what_cannot_be_patched_is_a_config_error():
     assert dropped.config._attn_implementation == "eager"
 
 
+def test_with_ops_optional_what_the_model_lacks_is_skipped_and_logged(caplog):
+    """The same asks as above under ``ops.optional: true``: one INFO line each, and what the
+    model has (GPT-2's GELU) is still fused."""
+    model, batch, loss_fn = hf_gpt2()
+    config = {"ops": {"fuse": ["swiglu", "gelu"], "optional": True}}
+    with caplog.at_level("INFO", logger="memopt"):
+        opt = MemoryOptimizer(config)
+        opt.apply(model)
+    (line,) = [r.getMessage() for r in caplog.records if "optional is true" in r.getMessage()]
+    assert "ops.fuse: 'swiglu' matches no module of GPT2LMHeadModel" in line
+    assert "lean gelu" in {p.lean for p in opt.plan.values()}
+    loss_fn(model, batch).backward()
+    opt.remove()
+    mlp = nn.Sequential(nn.Linear(4, 4))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="memopt"):
+        opt = MemoryOptimizer({"ops": {"loss": "chunked", "optional": True}})
+        opt.apply(mlp)
+    (line,) = [r.getMessage() for r in caplog.records if "optional is true" in r.getMessage()]
+    assert "left the loss of Sequential as it is: it has no lm_head" in line
+    assert opt.plan[""].lean is None
+    opt.remove()
+
+
 def test_all_leaves_attention_with_dropout_eager_and_says_so(caplog):
     """``fuse: [all]`` on GPT-2 with attention dropout: the MLPs run over chunks of tokens (their
     dropout draws the same masks), the GELUs are swapped and the layer norms routed, attention
@@ -1029,7 +1053,7 @@ def test_the_lean_preset_leaves_an_unreachable_loss_as_it_is_and_applies_the_res
     loss.backward()
     assert torch.isfinite(loss)
     opt.remove()
-    # the user's own ops.loss: chunked on the same model is an error that says why
+    # ops.loss: chunked without cross_entropy: lean (nor ops.optional) is an error that says why
     with pytest.raises(ConfigError, match=rf"ops.loss: chunked cannot act on {name}.*{why}") as err:
         MemoryOptimizer({"ops": {"loss": "chunked", "fuse": ["all"]}}).apply(model)
     assert "not imported" not in str(err.value)

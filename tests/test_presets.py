@@ -4,6 +4,7 @@ installed outside the repository (where configs/ does not exist)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from memopt_plugins import ConfigError, MemOptConfig, MemoryOptimizer, presets
 from memopt_plugins.cli import main
@@ -51,10 +54,40 @@ def test_a_user_config_is_no_preset(tmp_path):
     shutil.copy(CONFIGS / "int8.yaml", path)
     mine = MemOptConfig.from_yaml(path)
     assert mine == MemOptConfig.from_preset("int8")  # the same settings compare equal
-    assert mine.preset is None and not mine.set_by_preset("quantize.modules", "*")
-    assert MemOptConfig.from_preset("int8").set_by_preset("quantize.modules", "*")
+    assert mine.preset is None and MemOptConfig.from_preset("int8").preset == "int8"
     changed = MemOptConfig.from_preset("lean").with_changes(quantize={"exclude": ["head"]})
-    assert changed.preset == "lean" and not changed.set_by_preset("quantize.exclude", "head")
+    assert changed.preset == "lean"  # the name is kept for display; the settings decide
+
+
+# Each preset that names a part of a model some models lack, and the section that says so (lean's
+# loss: chunked needs none: its cross_entropy: lean takes the loss over where no head is reached).
+OPTIONAL_SECTIONS = {"transformer_selective_recompute": {"recompute"}}
+
+
+def test_a_preset_that_names_what_a_model_may_lack_says_so_in_its_settings():
+    for name in presets.names():
+        config = MemOptConfig.from_preset(name)
+        marked = {s for s in ("recompute", "quantize", "ops") if getattr(config, s).optional}
+        assert marked == OPTIONAL_SECTIONS.get(name, set()), name
+        text = (CONFIGS / f"{name}.yaml").read_text()
+        for section in marked:  # written in the file's section, with a comment saying why
+            written = rf"^{section}:\n(?:[ #].*\n)*?  optional: true +# \S"
+            assert re.search(written, text, flags=re.M), name
+
+
+def test_every_preset_applies_to_a_model_it_does_not_fully_match(caplog):
+    """A plain MLP has no attention, no loss head and no BatchNorm: every preset applies to it,
+    and what it names that the MLP lacks is skipped in an INFO line, never silently."""
+    for name in presets.names():
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="memopt"):
+            opt = MemoryOptimizer(name)
+            opt.apply(model)
+        skipped = [r.getMessage() for r in caplog.records if "optional is true" in r.getMessage()]
+        assert len(skipped) == len(OPTIONAL_SECTIONS.get(name, ())), (name, skipped)
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.remove()
 
 
 def test_an_unknown_name_suggests_the_closest_preset():

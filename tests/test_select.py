@@ -1,6 +1,6 @@
 """Module globs name the model the user wrote, wherever a framework wraps it (Lightning's
 ``model.``, PEFT's ``base_model.model.``, DDP's ``module.``, torch.compile's ``_orig_mod.``); a
-preset's glob that does not apply to a model is told apart from a typo."""
+glob that matches nothing is an error unless its section says ``optional: true``."""
 
 from __future__ import annotations
 
@@ -111,20 +111,69 @@ def test_a_users_typo_stays_an_error_with_the_name_it_meant():
         MemoryOptimizer({"quantize": {"bits": 4, "exclude": ["lm_hed"]}}).apply(GPT2Module())
 
 
-def test_a_presets_glob_that_does_not_apply_is_logged_and_skipped(caplog):
+def _skipped(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+
+
+def test_a_glob_matching_nothing_is_an_error_unless_its_section_is_optional(caplog):
     model, _, _ = hf_llama(batch_size=2, seq=16, dim=32, layers=1)  # self_attn, no *.attn
-    preset = MemOptConfig.from_preset("transformer_selective_recompute")
-    with caplog.at_level(logging.INFO, logger="memopt"):
-        opt = MemoryOptimizer(preset)
-        opt.apply(model)
-    assert opt.plan.recomputed == () and opt.bits  # the rest of the preset applied
-    (line,) = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
-    assert "recompute.modules '*.attn'" in line
-    opt.remove()
-    # the same glob written by the user (a copy of the preset's settings) is an error
+    mine = {"recompute": {"modules": ["*.attn"]}, "quantize": {"bits": 8}}
     with pytest.raises(ConfigError, match=r"recompute.modules: '\*.attn' matches no module"):
-        MemoryOptimizer(preset.to_dict()).apply(model)
-    # and so is a glob the user adds to the preset
+        MemoryOptimizer(mine).apply(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # refused before patching
+    optional = {**mine, "recompute": {"modules": ["*.attn", "*.mlp"], "optional": True}}
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        opt = MemoryOptimizer(optional)
+        opt.apply(model)
+    assert _skipped(caplog) == [
+        "memopt: recompute.modules '*.attn' matches no module of this model: skipped "
+        "(recompute.optional is true)"
+    ]
+    assert opt.plan.recomputed == ("model.layers.0.mlp",) and opt.bits  # the rest applied
+    opt.remove()
+
+
+def test_optional_covers_class_names_and_quantize_globs_in_its_own_section_only(caplog):
+    model, _, _ = hf_llama(batch_size=2, seq=16, dim=32, layers=1)
+    config = {
+        "recompute": {"types": ["GELU", "LlamaMLP"], "optional": True},
+        "quantize": {"bits": 4, "exclude": ["lm_hed", "lm_head"], "optional": True},
+    }
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        opt = MemoryOptimizer(config)
+        opt.apply(model)
+    lines = _skipped(caplog)
+    assert len(lines) == 2
+    assert "recompute.types 'GELU' matches no module class" in lines[0]
+    assert "quantize.exclude 'lm_hed'" in lines[1] and "(quantize.optional is true)" in lines[1]
+    assert opt.plan.recomputed == ("model.layers.0.mlp",) and "lm_head" not in opt.bits
+    opt.remove()
+    # recompute's optional says nothing about quantize's globs
+    strict = {**config, "quantize": {"bits": 4, "exclude": ["lm_hed"]}}
+    with pytest.raises(ConfigError, match="quantize.exclude: 'lm_hed' matches no module"):
+        MemoryOptimizer(strict).apply(model)
+
+
+def test_the_presets_optional_is_in_its_settings_and_a_copy_means_the_same(caplog):
+    """What a preset's glob means is written in the preset (``optional: true``), not decided by
+    where the config came from: its settings as a dict behave the same, and without the
+    marker the glob is an error."""
+    model, _, _ = hf_llama(batch_size=2, seq=16, dim=32, layers=1)
+    preset = MemOptConfig.from_preset("transformer_selective_recompute")
+    assert preset.recompute.optional
+    for config in (preset, preset.to_dict()):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="memopt"):
+            opt = MemoryOptimizer(config)
+            opt.apply(model)
+        assert opt.plan.recomputed == () and opt.bits  # the rest of the preset applied
+        (line,) = _skipped(caplog)
+        assert "recompute.modules '*.attn'" in line
+        opt.remove()
+    strict = preset.with_changes(recompute={"optional": False})
+    with pytest.raises(ConfigError, match=r"recompute.modules: '\*.attn' matches no module"):
+        MemoryOptimizer(strict).apply(model)
+    # a glob added to a section the preset leaves strict is an error
     mine = preset.with_changes(quantize={"exclude": ["lm_hed"]})
     with pytest.raises(ConfigError, match="lm_hed"):
         MemoryOptimizer(mine).apply(model)

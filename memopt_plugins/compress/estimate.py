@@ -1,5 +1,5 @@
-"""What compression stores, from sizes and bits alone: the prices of ``quantize.budget`` and the
-planner's estimate.
+"""What compression stores, from sizes and bits alone: the prices of the memory target
+(``quantize.budget``, ``quantize.memory``) and the planner's estimate.
 
 :func:`stored_nbytes` is what the hooks store for one floating tensor at a bit width (the codec's
 packed sizes, :func:`~.codec.packed_nbytes`); the budget prices each scope's saved tensors at every

@@ -6,9 +6,9 @@ the same state of every RNG stream, with buffers restored and gradients taken by
 run in which nothing changes is bit for bit the run without checks. A module with parameters is
 judged by their gradients together, a parameter-free one by the gradient of its inputs
 (:mod:`.judges`); ``drift.metric`` says what its drift is (``sgd``: the share of a step's progress
-compression costs). Modules over the threshold go up the ladder; with ``drift.lower`` or
-``quantize.budget`` calm ones come down, each change confirmed by a probe pass
-(:mod:`.decide`, :mod:`.budget`). Every pass folds gradients as autograd makes them
+compression costs). Modules over the threshold go up the ladder; with ``drift.lower`` or a
+memory target (``quantize.budget``/``memory``) calm ones come down, each change confirmed by a
+probe pass (:mod:`.decide`, :mod:`.budget`). Every pass folds gradients as autograd makes them
 (:mod:`.passes`), so a check holds no second set of gradients. Under torch.distributed the drifts
 are max-reduced over ranks before any decision (sharded gradients' norms summed first), so all
 ranks run the same bits. docs/drift.md and docs/distributed.md say more.

@@ -1,5 +1,5 @@
-"""``quantize.budget``: the widths that minimise the summed squared predicted drift within a
-byte budget (greedy over the ladder), and the predictions it runs on.
+"""``quantize.budget`` and ``quantize.memory``: the widths that minimise the summed squared
+predicted drift within a byte target (greedy over the ladder), and the predictions it runs on.
 
 A module's drift at width ``b`` is predicted from its drift at its current width, scaled by the
 quantization step ``1 / (2^b - 1)`` (:func:`step_size`): the sensitivity of ActNN and GACT, read
@@ -39,11 +39,13 @@ def step_size(bits: int) -> float:
 class Pricing:
     """What the allocation costs: ``costs[fqn][bits]``, the bytes module ``fqn`` keeps at each
     width (of the check's sample), the ``target`` in the same units, and ``scale``: bytes of a
-    training forward per byte of the sample (1.0 when no training forward was counted)."""
+    training forward per byte of the sample (1.0 when no training forward was counted);
+    ``key`` names the config key(s) the target comes from, for the log."""
 
     costs: dict[str, dict[int, float]]
     target: float
     scale: float = 1.0
+    key: str = "quantize.budget"
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -137,7 +139,8 @@ def log_outcome(priced: Pricing, kept: float, held: Sequence[str], floor: int, s
     share = kept / priced.target if priced.target else float("inf")
     if share <= 1 + BUDGET_TOLERANCE:
         log.info(
-            "memopt: quantize.budget %s: the bits keep %s (%.1f%%) at step %d",
+            "memopt: %s %s: the bits keep %s (%.1f%%) at step %d",
+            priced.key,
             _mib(target),
             _mib(kept * scale),
             100 * share,
@@ -145,7 +148,8 @@ def log_outcome(priced: Pricing, kept: float, held: Sequence[str], floor: int, s
         )
         return
     log.warning(
-        "memopt: quantize.budget %s missed by %s (%.1f%%) at step %d: %s",
+        "memopt: %s %s missed by %s (%.1f%%) at step %d: %s",
+        priced.key,
         _mib(target),
         _mib((kept - priced.target) * scale),
         100 * (share - 1),

@@ -70,7 +70,7 @@ def reduced_pricing(
     values = [priced.costs[f][b] for f in fqns for b in widths] + [priced.target, priced.scale]
     out = iter(max_reduced(reduce_max, values, device))
     costs = {f: {b: next(out) for b in widths} for f in fqns}
-    return Pricing(costs, next(out), next(out))
+    return Pricing(costs, next(out), next(out), priced.key)
 
 
 class Decision:
@@ -95,6 +95,7 @@ class Decision:
         self.trail: dict[str, list[int]] = {}  # the bits each raised module went through
         self.lowered: dict[str, tuple[int, int]] = {}  # drift.lower's lowerings kept
         self.kept: tuple[float, float] | None = None  # quantize.budget: (target, kept) bytes
+        self.target_key = "quantize.budget"  # the key(s) of the memory target, for the log
         #: the first round's whole parameter gradient (``None`` where the budget set the bits)
         self.first_total: Whole | None = None
         self.last: Round | None = None  # the round the report shows
@@ -281,6 +282,7 @@ class Decision:
         Returns the last calm round (else the last round) and (target, kept) in bytes of a
         training forward."""
         cfg, monitor, current = self.config, self.monitor, self.current
+        self.target_key = priced.key
         found = first
         at = dict(current)  # the bits the last pass ran at
         monitor.held = {f: (w, n - 1) for f, (w, n) in monitor.held.items() if n > 1}
@@ -340,8 +342,9 @@ class Decision:
             self.back_off(fqn)
         if monitor.speaks():
             log.info(
-                "memopt: quantize.budget at step %d: the probe of %d lowered modules "
+                "memopt: %s at step %d: the probe of %d lowered modules "
                 "found %s over drift.threshold %.4f; they go back and are held",
+                self.target_key,
                 self.step,
                 len(lowered),
                 ", ".join(f or "<root>" for f in over[:3]) + (", ..." if len(over) > 3 else ""),
@@ -358,8 +361,9 @@ class Decision:
         log_outcome(priced, kept, held, floor, self.step)
         if short and monitor.speaks():
             log.warning(
-                "memopt: quantize.budget %.2f MiB holds %d module(s) at step %d that "
+                "memopt: %s %.2f MiB holds %d module(s) at step %d that "
                 "drift.threshold %.4f would raise: %s; a rung up for them needs %.2f MiB more",
+                priced.key,
                 priced.target * priced.scale / 2**20,
                 len(short),
                 self.step,
@@ -420,12 +424,13 @@ class Decision:
         if monitor.speaks():
             sensitivity = monitor.sensitivity.get(fqn)
             log.info(
-                "memopt: %s bits %d -> %d at step %d for quantize.budget (drift %s at %s bits, "
+                "memopt: %s bits %d -> %d at step %d for %s (drift %s at %s bits, "
                 "predicted %s at %d)",
                 fqn or "<root>",
                 old,
                 new,
                 self.step,
+                self.target_key,
                 "-" if drift[0] is None else f"{drift[0]:.4f}",
                 drift[1] or "-",
                 "-" if sensitivity is None else f"{sensitivity * step_size(new):.4f}",

@@ -42,7 +42,7 @@ class DriftMonitor:
 
     def __init__(self, config: DriftConfig, budget: bool = False):
         self.config = config
-        self.budget = budget  # quantize.budget is set: checks come with a pricing
+        self.budget = budget  # a memory target is set: checks come with a pricing
         self.steps = 0
         self.escalations = 0
         self.deescalations = 0

@@ -43,7 +43,8 @@ class DriftReport:
         round_max: the max drift of each round (one compressed pass each): the first is the drift
             training had before this check, the last the drift it has after it.
         threshold, metric: what the drifts were judged by.
-        budget: with ``quantize.budget``, ``(target, kept)``: the budget and the bytes the bits
+        budget: with ``quantize.budget`` or ``quantize.memory``, ``(target, kept)``: the target
+            (the tighter where both are set) and the bytes the bits
             keep after the check (predicted from the check's pass by the codec's packed sizes),
             both in bytes of a training forward; ``None`` otherwise.
         skipped: modules whose exact or compressed gradient was not finite: not judged, their

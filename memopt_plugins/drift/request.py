@@ -82,9 +82,10 @@ class DriftCheck:
         step: the step recorded in the report (default: the counted optimizer steps).
         max_rounds: compressed passes at most; ``None`` re-checks until no module escalates,
             ``1`` escalates at most one rung per call.
-        pricing: ``quantize.budget``: called after the first compressed pass, what each module
-            keeps at each width and the target (:class:`~.budget.Pricing`; ``None``: not known
-            yet); the bits are then solved for it (:meth:`~.decide.Decision.fit_budget`).
+        pricing: ``quantize.budget``/``memory``: called after the first compressed pass, what
+            each module keeps at each width and the target (:class:`~.budget.Pricing`;
+            ``None``: not known yet); the bits are then solved for it
+            (:meth:`~.decide.Decision.fit_budget`).
         reduce_max: element-wise max over ranks of a float64 tensor (the integration's reduce;
             identity without torch.distributed).
         speaks: whether this process writes the check's lines (default: the monitor's).

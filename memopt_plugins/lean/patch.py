@@ -451,14 +451,13 @@ class LeanOps:
     """Applies the ``ops`` section to a model; :meth:`remove` undoes it.
 
     Args:
-        config: the ``ops`` section.
-        loss_from_preset: ``loss: chunked`` came from a preset: where the model has no loss head
-            it can reach, the loss is left as it is (logged) instead of a ConfigError.
+        config: the ``ops`` section. With ``ops.optional``, what it names that the model lacks
+            (a loss head it can reach, a chain named in ``fuse``) is skipped with an INFO line
+            instead of a ConfigError.
     """
 
-    def __init__(self, config: OpsConfig, loss_from_preset: bool = False):
+    def __init__(self, config: OpsConfig):
         self.config = config
-        self.loss_from_preset = loss_from_preset
         self.actions: dict[str, str] = {}  # fqn -> "lean swiglu", "lean loss", ...
         self._patched: list[_LeanForward] = []
         self._attention: list[tuple[nn.Module, str]] = []  # (model, its own implementation)
@@ -528,7 +527,7 @@ class LeanOps:
         norms = [fqn for fqn, m in model.named_modules() if _is_layer_norm(m)]
         if not norms:
             if required:
-                raise ConfigError(
+                self._not_here(
                     f"ops.fuse: 'layernorm' matches no module of {type(model).__name__} "
                     f"({_WHAT['layernorm']})"
                 )
@@ -570,7 +569,7 @@ class LeanOps:
         elif dropout > 0:
             why = f"its attention dropout is {dropout} (SDPA would draw its own masks)"
         if why is not None:
-            if required:
+            if required and not self.config.optional:
                 name = type(model).__name__
                 raise ConfigError(f"ops.fuse: 'attention' cannot act on {name}: {why}")
             log.info("memopt: ops.fuse attention left %s as it is: %s", type(model).__name__, why)
@@ -606,15 +605,22 @@ class LeanOps:
                 ", ".join(inexact[:3]) + (", ..." if len(inexact) > 3 else ""),
             )
         if required and not found and not inexact:
-            raise ConfigError(
+            self._not_here(
                 f"ops.fuse: {chain!r} matches no module of {type(model).__name__} "
                 f"({_WHAT[chain]}); allowed here: "
                 + (", ".join(c for c in _WHAT if _any(model, c)) or "none of them")
             )
 
+    def _not_here(self, message: str) -> None:
+        """What ``ops`` names is not in the model: a ConfigError, or with ``ops.optional`` one
+        INFO line (the rest of the section still applies)."""
+        if not self.config.optional:
+            raise ConfigError(message)
+        log.info("memopt: %s: skipped (ops.optional is true)", message)
+
     def _loss_heads(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The causal LMs (outermost) whose loss ``loss: chunked`` computes; where there is none,
-        a ConfigError, or for a preset's ``loss: chunked`` one logged line and ``[]``."""
+        a ConfigError, or with ``ops.optional`` one logged line and ``[]``."""
         found = _outermost(model, _has_head)
         whys = [(type(lm).__name__, _unreachable(lm)) for _, lm in found]
         failed = [(name, why) for name, why in whys if why is not None]
@@ -629,7 +635,7 @@ class LeanOps:
                 why,
             )
             return [(f, lm) for (f, lm), (_, w) in zip(found, whys, strict=True) if w is None]
-        if not self.loss_from_preset:
+        if not self.config.optional:
             raise ConfigError(
                 f"ops.loss: chunked cannot act on {name}: {why}. It computes the loss of a "
                 "Hugging Face causal LM whose lm_head is fed by its base model; for a head of "
@@ -637,8 +643,8 @@ class LeanOps:
                 "ops.loss: none."
             )
         log.info(
-            "memopt: ops.loss chunked left the loss of %s as it is: %s (for a head of your own, "
-            "call memopt_plugins.lean.linear_cross_entropy in your loss)",
+            "memopt: ops.loss chunked left the loss of %s as it is: %s (ops.optional is true; "
+            "for a head of your own, call memopt_plugins.lean.linear_cross_entropy in your loss)",
             name,
             why,
         )

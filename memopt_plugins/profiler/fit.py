@@ -128,11 +128,11 @@ class PeakPlan:
         lines.append(
             f"#   at the bits below ({_bits_of(config)}). Drift checks may raise bits later: "
             + (
-                "quantize.budget holds them at its bytes, and the batch after the guard is "
-                f"{self.largest_batch} if it holds the starting bits (its expected steady state)"
-                if config.quantize.budget is not None
-                else "without quantize.budget they can climb to 32, down to the batch without "
-                f"memopt ({baseline}); quantize.budget guards the batch"
+                "quantize.budget/memory holds them at its bytes, and the batch after the guard "
+                f"is {self.largest_batch} if it holds the starting bits (its expected steady state)"
+                if config.quantize.targets_memory
+                else "without quantize.budget or quantize.memory they can climb to 32, down to "
+                f"the batch without memopt ({baseline}); either guards the batch"
             )
         )
         return lines

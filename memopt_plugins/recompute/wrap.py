@@ -34,7 +34,6 @@ from ..measure.storage import tensor_version
 from ..measure.timeline import REPLAY_RANGE, mark
 from ..patching import InstanceForward
 from ..select import (
-    FromPreset,
     check_globs,
     check_types,
     outermost,
@@ -63,9 +62,7 @@ class RecomputeError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- selection
-def recompute_targets(
-    model: nn.Module, config: RecomputeConfig, from_preset: FromPreset | None = None
-) -> list[str]:
+def recompute_targets(model: nn.Module, config: RecomputeConfig) -> list[str]:
     """The modules ``recompute.modules``/``types`` select, outermost only, after validation.
 
     A container that is never called (``ModuleList``, ``ModuleDict``) has nothing to replay: it
@@ -75,14 +72,14 @@ def recompute_targets(
     meant its elements and some would be left out: an error that names the glob of all of them.
 
     Raises:
-        ConfigError: a glob or class name that matches nothing (one a preset wrote, as
-            ``from_preset`` says, is logged instead), a selection that is the whole
+        ConfigError: a glob or class name that matches nothing (with ``recompute.optional``
+            it is logged and skipped instead), a selection that is the whole
             model or a never-called container alone (``transformer.h``), or a model that already
             checkpoints its activations (see :func:`existing_checkpointing`).
     """
     names = [fqn for fqn, _ in model.named_modules()]
-    check_globs("recompute.modules", config.modules, names, from_preset)
-    check_types("recompute.types", config.types, model, from_preset)
+    check_globs("recompute.modules", config.modules, names, config.optional)
+    check_types("recompute.types", config.types, model, config.optional)
     if not (config.modules or config.types or config.auto is not None):
         return []
     found = existing_checkpointing(model)
