@@ -11,11 +11,12 @@ from benchmarks.fits import (
     BF16_METHODS,
     BY_NAME,
     QUICK_TIMING,
-    Row,
+    fits_row,
     markdown,
     prepared,
     speed_child,
 )
+from benchmarks.harness.records import Row
 from benchmarks.plot_fits import METHODS, readme_table
 from memopt_plugins.profiler.run import step_memory
 from memopt_plugins.tree import batch_size_of
@@ -29,10 +30,10 @@ def _cells(markdown_text: str, method: str) -> list[str]:
 
 
 def test_the_committed_fits_json_reads_and_shows_each_timed_rows_median_and_range():
-    rows = [Row(**r) for r in json.loads((ROOT / "benchmarks" / "fits.json").read_text())]
+    rows = [Row.from_json(r) for r in json.loads((ROOT / "benchmarks" / "fits.json").read_text())]
     text = markdown(rows, QUICK_TIMING, "A run.")
     baseline = rows[0]
-    runs = sorted(baseline.samples_per_s_runs)
+    runs = sorted(baseline.batch_fit.samples_per_s_runs)
     assert len(runs) >= 2 and baseline.samples_per_s > 0
     median = f"{baseline.samples_per_s:.1f} ({runs[0]:.1f}–{runs[-1]:.1f})"
     assert _cells(text, baseline.method)[-1] == median
@@ -40,8 +41,9 @@ def test_the_committed_fits_json_reads_and_shows_each_timed_rows_median_and_rang
 
 
 def test_samples_per_s_is_the_median_of_the_processes_with_their_range():
-    timed = Row("HF GPT-2", "memopt int4", 1.0, 1.0, samples_per_s_runs=[9.1, 8.7, 8.94])
-    untimed = Row("HF GPT-2", "memopt int8", 1.0, 1.0)
+    timed = fits_row("HF GPT-2", "memopt int4", 1.0, 1.0, peak_at_batch=16)
+    timed.batch_fit.samples_per_s_runs = [9.1, 8.7, 8.94]
+    untimed = fits_row("HF GPT-2", "memopt int8", 1.0, 1.0, peak_at_batch=16)
     text = markdown([timed, untimed], QUICK_TIMING, "A run.")
     assert _cells(text, "memopt int4")[-1] == "8.9 (8.7–9.1)"
     assert _cells(text, "memopt int8")[-1] == "-"
