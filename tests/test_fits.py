@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks import fits
 from benchmarks.fits import (
     BF16_METHODS,
     BY_NAME,
@@ -98,3 +99,26 @@ def test_a_timing_process_gives_the_seconds_of_each_timed_step_at_the_rows_batch
     assert batch_size_of(prepared("resnet", BY_NAME["baseline"], quick=True, n=3).batch) == 3
     seconds = speed_child("resnet", "baseline", n=3, quick=True, warmup=1, steps=2)
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
+
+
+def test_compiled_only_merges_its_rows_into_the_committed_fits_json(tmp_path, monkeypatch):
+    """``--compiled-only`` reads fits.json into rows, puts the new compiled rows in place of
+    the same (model, method) and writes the rest back as it was (the compiling is stubbed)."""
+    for name in ("fits.json", "fits.md"):
+        (tmp_path / name).write_text((ROOT / "benchmarks" / name).read_text())
+    old = json.loads((tmp_path / "fits.json").read_text())
+    new = fits_row("HF GPT-2", "torch.compile", 2.0 * fits.MIB, fits.MIB, peak_at_batch=32)
+    new.fits, new.batch_fit.batch, new.batch_fit.fits_compiled = 3.0, 48, 1.0
+    monkeypatch.setattr(fits, "compiled_rows", lambda names, quick, threads: [new])
+    fits.main(["--compiled-only", "--only", "gpt2", "--time", "none", "--out", str(tmp_path)])
+    merged = json.loads((tmp_path / "fits.json").read_text())
+    assert len(merged) == len(old)
+    for before, after in zip(old, merged, strict=True):
+        if before["method"] == "torch.compile":
+            assert after == new.to_json() and after["peak"] == 32
+        else:
+            assert after == before
+    assert (
+        "| HF GPT-2 | torch.compile | 2.000 MiB | 1.000 MiB | 3.00x (1.00x) | 48 | - |"
+        in (tmp_path / "fits.md").read_text()
+    )
