@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from . import ROOT
 from .compiled_gap import build, compile_model, model_arguments
 from .harness.methods import declared
+from .harness.timing import seconds
 
 #: The methods by name, drift off.
 METHODS = {
@@ -47,12 +47,12 @@ def run_case(args: argparse.Namespace) -> dict:
     model, batch = build(args)
     METHODS[args.method].apply(model, None, None, steady=False)
     compile_model(model, args.mode)
-    steps = []
-    for _ in range(3):
-        start = time.perf_counter()
+
+    def step() -> None:
         model.zero_grad(set_to_none=True)
         model(input_ids=batch, labels=batch).loss.backward()
-        steps.append(time.perf_counter() - start)
+
+    steps = [seconds(step) for _ in range(3)]
     return {"steps": steps, "compile": steps[0] - steps[-1]}
 
 

@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from memopt_plugins.measure.timeline import StepTimeline, record_step  # noqa: E
 from . import RESULTS, chosen  # noqa: E402
 from .fits import LEAN_OPS  # noqa: E402
 from .harness.memory import in_fresh_process  # noqa: E402
+from .harness.records import Depth, Row  # noqa: E402
 
 MIB = 1 << 20
 DEPTHS, QUICK_DEPTHS = (4, 12, 24), (1, 2)
@@ -83,21 +83,6 @@ def build(key: str, layers: int, quick: bool) -> torch.nn.Module:
 
 def _lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(input_ids=batch, labels=batch).loss
-
-
-@dataclass
-class Row:
-    model: str
-    layers: int
-    method: str
-    peak_per_sample: float  # the slope between the two largest batches
-    retained_per_sample: float
-    peak_site: str
-    alive_at_peak: dict[str, int]  # at the largest batch, by kind (the timeline's)
-    peak_slopes: list[float]  # between consecutive batches, smallest first
-    retained_slopes: list[float]
-    fits: float = 1.0
-    kept: float = 1.0  # the baseline's retained per sample over this row's
 
 
 def steps(
@@ -136,9 +121,10 @@ def cell(key: str, layers: int, method: str, quick: bool) -> dict[str, Any]:
     peaks = _slopes(sizes, [t.peak for t in timelines])
     retained = _slopes(sizes, [t.retained for t in timelines])
     last = timelines[-1]
-    row = Row(MODEL_NAMES[key], layers, method, peaks[-1], retained[-1], str(last.site),
-              dict(last.alive_at_peak), peaks, retained)  # fmt: skip
-    return asdict(row)
+    depth = Depth(layers, str(last.site), dict(last.alive_at_peak), peaks, retained)
+    per_sample = {"peak_per_sample": peaks[-1], "retained_per_sample": retained[-1]}  # the largest
+    row = Row(method, MODEL_NAMES[key], **per_sample, fits=1.0, depth=depth)
+    return row.to_json()
 
 
 def _in_child(key: str, layers: int, method: str, quick: bool) -> Row:
@@ -146,7 +132,7 @@ def _in_child(key: str, layers: int, method: str, quick: bool) -> Row:
         target = Path(tmp) / "row.json"
         child = {"key": key, "layers": layers, "method": method, "quick": quick}
         in_fresh_process("benchmarks.depth", ["--child", json.dumps(child), "--out", str(target)])
-        return Row(**json.loads(target.read_text()))
+        return Row.from_json(json.loads(target.read_text()))
 
 
 def run(keys: list[str], quick: bool, depths: tuple[int, ...] | None = None) -> list[Row]:
@@ -158,12 +144,13 @@ def run(keys: list[str], quick: bool, depths: tuple[int, ...] | None = None) -> 
                 row = _in_child(key, layers, method, quick)
                 baseline = baseline or row
                 row.fits = baseline.peak_per_sample / row.peak_per_sample
-                row.kept = baseline.retained_per_sample / row.retained_per_sample
+                row.depth.kept = baseline.retained_per_sample / row.retained_per_sample
                 rows.append(row)
                 print(
                     f"{row.model:12s} {layers:3d} layers {method:16s} peak/sample "
                     f"{row.peak_per_sample / MIB:7.3f} MiB  fits {row.fits:5.2f}x  kept "
-                    f"{row.retained_per_sample / MIB:7.3f} MiB ({row.kept:5.2f}x)  {row.peak_site}",
+                    f"{row.retained_per_sample / MIB:7.3f} MiB ({row.depth.kept:5.2f}x)  "
+                    f"{row.depth.peak_site}",
                     flush=True,
                 )
     return rows
@@ -190,10 +177,12 @@ def markdown(rows: list[Row], quick: bool) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        d = r.depth
+        first = f"{d.peak_slopes[0] / MIB:.3f} MiB" if d.peak_slopes else "-"  # older rows: none
         out.append(
-            f"| {r.model} | {r.layers} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
-            f"{r.peak_slopes[0] / MIB:.3f} MiB | {r.fits:.2f}x | "
-            f"{r.retained_per_sample / MIB:.3f} MiB | {r.kept:.2f}x | {r.peak_site} |"
+            f"| {r.model} | {d.layers} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
+            f"{first} | {r.fits:.2f}x | "
+            f"{r.retained_per_sample / MIB:.3f} MiB | {d.kept:.2f}x | {d.peak_site} |"
         )
     return "\n".join(out) + "\n"
 
@@ -216,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "depth.md").write_text(markdown(rows, args.quick))
-    (out / "depth.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    (out / "depth.json").write_text(json.dumps([r.to_json() for r in rows], indent=2) + "\n")
     print(f"wrote {out / 'depth.md'}, {out / 'depth.json'}")
     return 0
 

@@ -19,7 +19,6 @@ import importlib.util
 import os
 import shlex
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 
 from . import chosen
 from .harness.speed import Spread
+from .harness.timing import seconds
 
 BATCH, LENGTH = 16, 128
 
@@ -98,16 +98,10 @@ def measure(key: str, repeats: int) -> dict[str, Any]:
     passes = sum(forwarded) / opt.config.drift.sample_size
     steps, checks = [], []
     for _ in range(repeats):
-        steps.append(timed(step))
-        checks.append(timed(lambda: opt.check_drift(loss_fn, batch=batch)))
+        steps.append(seconds(step))
+        checks.append(seconds(lambda: opt.check_drift(loss_fn, batch=batch)))
     opt.remove()
     return {"key": key, "passes": passes, "step_s": steps, "check_s": checks}
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def milliseconds(seconds: list[float]) -> Spread:

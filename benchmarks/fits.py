@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Collection
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ from memopt_plugins.tree import batch_size_of  # noqa: E402
 from . import RESULTS, ROOT, chosen  # noqa: E402
 from .harness.memory import child_json  # noqa: E402
 from .harness.methods import Method, declared  # noqa: E402
+from .harness.records import BatchFit, Row  # noqa: E402
 from .harness.speed import Spread, timed_steps  # noqa: E402
 
 MIB = 1 << 20
@@ -180,18 +181,19 @@ SPEED_THREADS = 1
 COMPILE_WARMUP, READINGS = 2, 3
 
 
-@dataclass
-class Row:
-    model: str
-    method: str
-    peak_per_sample: float
-    retained_per_sample: float
-    fits: float = 1.0
-    batch: int = 0
-    samples_per_s: float = 0.0  # the median of samples_per_s_runs (0: not timed)
-    peak_at_batch: int = 0
-    fits_compiled: float | None = None  # torch.compile rows: against the compiled baseline
-    samples_per_s_runs: list[float] = field(default_factory=list)  # one per timing process
+def fits_row(model: str, method: str, peak: float, retained: float, peak_at_batch: int) -> Row:
+    """A row of this study: ``peak`` and ``retained`` per sample, the step's peak at the model's
+    batch; its ``fits`` and batch are :func:`_fit`'s, its samples/s :func:`time_rows`'."""
+    return Row(
+        method,
+        model,
+        peak=peak_at_batch,
+        peak_per_sample=peak,
+        retained_per_sample=retained,
+        fits=1.0,
+        samples_per_s=0.0,
+        batch_fit=BatchFit(),
+    )
 
 
 @dataclass
@@ -265,15 +267,16 @@ def speed_child(key: str, method: str, n: int, quick: bool, warmup: int, steps: 
 def _fit(rows: list[Row], n: int, compiled: Row | None = None) -> None:
     """Each row's ``fits`` against the first (and ``compiled``), and its batch from ``n``."""
     for row in rows:
+        fit = row.batch_fit
         row.fits = rows[0].peak_per_sample / row.peak_per_sample
-        row.batch = max(1, int(n * row.fits))
+        fit.batch = max(1, int(n * row.fits))
         against = ""
         if compiled is not None:
-            row.fits_compiled = compiled.peak_per_sample / row.peak_per_sample
-            against = f" ({row.fits_compiled:5.2f}x vs compiled)"
+            fit.fits_compiled = compiled.peak_per_sample / row.peak_per_sample
+            against = f" ({fit.fits_compiled:5.2f}x vs compiled)"
         print(
             f"{row.model:16s} {row.method:44s} peak/sample {row.peak_per_sample / MIB:7.3f} MiB"
-            f"  fits {row.fits:5.2f}x{against}  batch {row.batch:4d}",
+            f"  fits {row.fits:5.2f}x{against}  batch {fit.batch:4d}",
             flush=True,
         )
 
@@ -292,8 +295,9 @@ def eager_rows(names: list[str], quick: bool) -> list[Row]:
                 if p.optimizer is not None:
                     p.optimizer.remove()
                 per = step.per_sample
-                group.append(Row(spec.name, method.name, per.peak, per.retained))
-                group[-1].peak_at_batch = step.reading.peak
+                group.append(
+                    fits_row(spec.name, method.name, per.peak, per.retained, step.reading.peak)
+                )
             if group:
                 _fit(group, batch_size_of(p.batch))
             rows += group
@@ -318,8 +322,9 @@ def compiled_rows(names: list[str], quick: bool, threads: int) -> list[Row]:
             print(f"  {spec.name} {method.name}: batch {n} {big}, {n // 2} {small}", flush=True)
             if per["peak"] <= 0:
                 raise RuntimeError(f"{spec.name} {method.name}: peak per sample {per['peak']} <= 0")
-            group.append(Row(spec.name, method.name, per["peak"], per["retained"]))
-            group[-1].peak_at_batch = big["peak"]
+            group.append(
+                fits_row(spec.name, method.name, per["peak"], per["retained"], big["peak"])
+            )
         _fit(group, n, compiled=group[1])
         rows += group
     return rows
@@ -346,21 +351,22 @@ def time_rows(rows: list[Row], timed: Collection[str], quick: bool, timing: Timi
     chosen = [r for r in rows if r.method in timed]
     key_of = {spec.name: key for key, spec in MODELS.items()}
     for r in chosen:
-        r.samples_per_s_runs = []
+        r.batch_fit.samples_per_s_runs = []
     for round_ in range(timing.repeats):
         for row in chosen:
+            fit = row.batch_fit
             task = {"task": "speed", "key": key_of[row.model], "method": row.method,
-                    "n": row.batch, "quick": quick, "warmup": timing.warmup,
+                    "n": fit.batch, "quick": quick, "warmup": timing.warmup,
                     "steps": timing.steps}  # fmt: skip
             seconds = child_json(MODULE, task, SPEED_THREADS, malloc=False)
-            row.samples_per_s_runs.append(row.batch / statistics.median(seconds))
+            fit.samples_per_s_runs.append(fit.batch / statistics.median(seconds))
             print(
-                f"{row.model:16s} {row.method:44s} batch {row.batch:4d} process {round_ + 1}: "
-                f"{row.samples_per_s_runs[-1]:7.2f} samples/s",
+                f"{row.model:16s} {row.method:44s} batch {fit.batch:4d} process {round_ + 1}: "
+                f"{fit.samples_per_s_runs[-1]:7.2f} samples/s",
                 flush=True,
             )
     for row in chosen:
-        row.samples_per_s = Spread.of(row.samples_per_s_runs).median
+        row.samples_per_s = Spread.of(row.batch_fit.samples_per_s_runs).median
 
 
 BF16_NOTE = (
@@ -401,8 +407,8 @@ def speed_note(timing: Timing) -> str:
 
 
 def _speed(row: Row) -> str:
-    if row.samples_per_s_runs:
-        return str(Spread.of(row.samples_per_s_runs))
+    if row.batch_fit.samples_per_s_runs:
+        return str(Spread.of(row.batch_fit.samples_per_s_runs))
     return f"{row.samples_per_s:.1f}" if row.samples_per_s else "-"
 
 
@@ -428,11 +434,11 @@ def markdown(rows: list[Row], timing: Timing, source: str) -> str:
     ]
     for r in rows:
         fits = f"{r.fits:.2f}x"
-        if r.fits_compiled is not None:
-            fits += f" ({r.fits_compiled:.2f}x)"
+        if r.batch_fit.fits_compiled is not None:
+            fits += f" ({r.batch_fit.fits_compiled:.2f}x)"
         out.append(
             f"| {r.model} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
-            f"{r.retained_per_sample / MIB:.3f} MiB | {fits} | {r.batch} | {_speed(r)} |"
+            f"{r.retained_per_sample / MIB:.3f} MiB | {fits} | {r.batch_fit.batch} | {_speed(r)} |"
         )
     return "\n".join(out) + "\n"
 
@@ -514,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     command = shlex.join(["python", "-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
     if args.compiled_only or args.time_only:
-        old = [Row(**r) for r in json.loads((out / "fits.json").read_text())]
+        old = [Row.from_json(r) for r in json.loads((out / "fits.json").read_text())]
     if args.compiled_only:
         rows = compiled_rows(names, args.quick, threads)
         time_rows(rows, timed, args.quick, timing)
@@ -542,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     out.mkdir(parents=True, exist_ok=True)
     (out / "fits.md").write_text(markdown(rows, timing, source))
-    (out / "fits.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    (out / "fits.json").write_text(json.dumps([r.to_json() for r in rows], indent=2) + "\n")
     print(f"wrote {out / 'fits.md'}, {out / 'fits.json'}")
     return 0
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +37,8 @@ from memopt_plugins.profiler.meter import MemoryMeter
 
 from . import RESULTS
 from .harness.memory import in_fresh_process
+from .harness.paired import timed
+from .harness.timing import seconds
 
 MIB = 1 << 20
 #: (tokens, hidden, classes); the unfused loss only where its logits are small enough to run.
@@ -92,9 +93,7 @@ def time_child(shape: tuple[int, int, int], names: list[str], repeats: int) -> d
         _step(losses[n], h, w, t)
     for _ in range(repeats):
         for n in names:
-            start = time.perf_counter()
-            _step(losses[n], h, w, t)
-            times[n].append(time.perf_counter() - start)
+            times[n].append(seconds(lambda n=n: _step(losses[n], h, w, t)))
     return {n: statistics.median(v) for n, v in times.items()}
 
 
@@ -104,12 +103,7 @@ def cpu_child(name: str, shape: tuple[int, int, int], steps: int) -> dict[str, l
     h, w, t = _inputs(*shape)
     loss = _loss(name)
     _step(loss, h, w, t)
-    seconds = []
-    for _ in range(steps):
-        start = time.thread_time()
-        _step(loss, h, w, t)
-        seconds.append(time.thread_time() - start)
-    return {"cpu_s": seconds}
+    return {"cpu_s": [timed(lambda: _step(loss, h, w, t))[0] for _ in range(steps)]}
 
 
 def cpu_time(shape: str, repeats: int, steps: int) -> dict[str, float]:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from . import RESULTS
 from .harness.plot import write_plot
+from .harness.records import load_results, write_results_json
 from .harness.tables import OTHER_BENCHMARKS, bars, headline, workload_section
 from .harness.tables_compiled import compiled_bars, compiled_section
 
@@ -85,31 +84,18 @@ def write_results(path: Path, results: Sequence[Any], meta: dict[str, Any]) -> P
     return path
 
 
-def _load(path: Path) -> SimpleNamespace:
-    return json.loads(path.read_text(), object_hook=lambda d: SimpleNamespace(**d))
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with its namespaces as dicts again (for ``json.dumps``)."""
-    if isinstance(value, SimpleNamespace):
-        return {k: _plain(v) for k, v in vars(value).items()}
-    return [_plain(v) for v in value] if isinstance(value, list) else value
-
-
 def merge_compiled(results: Path, rerun: Path, command: str) -> Path:
     """Replace the compiled rows of ``results`` (a whole run's ``results.json``) by those of
     ``rerun`` (a run of the compiled methods alone, ``command``) and rewrite ``results.md``,
     ``pareto.png`` and ``results.json`` beside ``results``."""
-    payload, later = _load(results), _load(rerun)
-    compiled = {w.key: w.compiled for w in later.workloads if w.compiled}
-    for w in payload.workloads:
+    (meta, workloads), (later_meta, later) = load_results(results), load_results(rerun)
+    compiled = {w.key: w.compiled for w in later if w.compiled}
+    for w in workloads:
         w.compiled = compiled.get(w.key, w.compiled)
-    meta = _plain(payload.meta)
-    meta["compiled_rerun"] = {"command": command, "seconds": later.meta.seconds}
-    path = write_results(results.with_name("results.md"), payload.workloads, meta)
-    write_plot(results.with_name("pareto.png"), payload.workloads)
-    payload.meta = meta
-    results.write_text(json.dumps(_plain(payload), indent=1) + "\n")
+    meta["compiled_rerun"] = {"command": command, "seconds": later_meta["seconds"]}
+    path = write_results(results.with_name("results.md"), workloads, meta)
+    write_plot(results.with_name("pareto.png"), workloads)
+    write_results_json(results, meta, workloads)
     return path
 
 
@@ -130,7 +116,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.compiled_from:
         path = merge_compiled(args.results, args.compiled_from, args.command)
     else:
-        path = write_plot(args.results.with_name("pareto.png"), _load(args.results).workloads)
+        path = write_plot(args.results.with_name("pareto.png"), load_results(args.results)[1])
     print(f"wrote {path}")
     return path
 

@@ -56,7 +56,7 @@ import os
 import platform
 import time
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ from .harness.methods import (  # noqa: E402
     Method,
 )
 from .harness.plot import write_plot  # noqa: E402
-from .harness.records import Row, WorkloadResult  # noqa: E402
+from .harness.records import Row, WorkloadResult, harness_row, write_results_json  # noqa: E402
 from .harness.sizes import Sizes  # noqa: E402
 from .harness.timing import time_steps  # noqa: E402
 from .harness.training import train  # noqa: E402
@@ -110,16 +110,17 @@ def measure_rows(
     tag = f"{workload.key}{' compiled' if compiled else ''}"
     log(f"{tag}: patching {len(methods)} copies", started)
     measured = Measured(workload, methods, device, child["plans"])
-    rows = [Row(m.name, m.family) for m in methods]
-    for row, p in zip(rows, measured.patched, strict=True):
-        row.detail = p.detail if p is not None else "-"
+    rows = [
+        harness_row(m.name, m.family, p.detail if p is not None else "-")
+        for m, p in zip(methods, measured.patched, strict=True)
+    ]
     if compiled:
         log(f"{tag}: compiling", started)
         compile_all(measured, workload)
 
     log(f"{tag}: gradient error", started)
     for i, error in gradient_errors(measured, workload).items():
-        rows[i].grad_error = error
+        rows[i].bench.grad_error = error
     log(f"{tag}: step time ({settings.timed_rounds} rounds)", started)
     for i, seconds in time_steps(measured, workload, settings, device).items():
         rows[i].step_seconds = seconds
@@ -128,10 +129,10 @@ def measure_rows(
 
     for i, row in enumerate(rows):
         reading = child["memory"].get(row.method, {"error": "not measured"})
-        row.error = measured.errors.get(i) or reading.get("error")
+        row.bench.error = measured.errors.get(i) or reading.get("error")
         record_memory(row, reading, device)
         if graphs[i]:
-            row.detail += f"; {graphs[i]} graph{'' if graphs[i] == 1 else 's'}"
+            row.bench.detail += f"; {graphs[i]} graph{'' if graphs[i] == 1 else 's'}"
     return rows
 
 
@@ -272,8 +273,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     }
     path = write_results(args.out / "results.md", results, meta)
     write_plot(args.out / "pareto.png", results)
-    payload = {"meta": meta, "workloads": [asdict(r) for r in results]}
-    (args.out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_results_json(args.out / "results.json", meta, results)
     log(f"wrote {path}, pareto.png, results.json in {elapsed:.0f} s", started)
     return path
 

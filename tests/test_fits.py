@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks import fits
 from benchmarks.fits import (
     BF16_METHODS,
     BY_NAME,
     QUICK_TIMING,
-    Row,
+    fits_row,
     markdown,
     prepared,
     speed_child,
 )
+from benchmarks.harness.records import Row
 from benchmarks.plot_fits import METHODS, readme_table
 from memopt_plugins.profiler.run import step_memory
 from memopt_plugins.tree import batch_size_of
@@ -29,10 +31,10 @@ def _cells(markdown_text: str, method: str) -> list[str]:
 
 
 def test_the_committed_fits_json_reads_and_shows_each_timed_rows_median_and_range():
-    rows = [Row(**r) for r in json.loads((ROOT / "benchmarks" / "fits.json").read_text())]
+    rows = [Row.from_json(r) for r in json.loads((ROOT / "benchmarks" / "fits.json").read_text())]
     text = markdown(rows, QUICK_TIMING, "A run.")
     baseline = rows[0]
-    runs = sorted(baseline.samples_per_s_runs)
+    runs = sorted(baseline.batch_fit.samples_per_s_runs)
     assert len(runs) >= 2 and baseline.samples_per_s > 0
     median = f"{baseline.samples_per_s:.1f} ({runs[0]:.1f}–{runs[-1]:.1f})"
     assert _cells(text, baseline.method)[-1] == median
@@ -40,8 +42,9 @@ def test_the_committed_fits_json_reads_and_shows_each_timed_rows_median_and_rang
 
 
 def test_samples_per_s_is_the_median_of_the_processes_with_their_range():
-    timed = Row("HF GPT-2", "memopt int4", 1.0, 1.0, samples_per_s_runs=[9.1, 8.7, 8.94])
-    untimed = Row("HF GPT-2", "memopt int8", 1.0, 1.0)
+    timed = fits_row("HF GPT-2", "memopt int4", 1.0, 1.0, peak_at_batch=16)
+    timed.batch_fit.samples_per_s_runs = [9.1, 8.7, 8.94]
+    untimed = fits_row("HF GPT-2", "memopt int8", 1.0, 1.0, peak_at_batch=16)
     text = markdown([timed, untimed], QUICK_TIMING, "A run.")
     assert _cells(text, "memopt int4")[-1] == "8.9 (8.7–9.1)"
     assert _cells(text, "memopt int8")[-1] == "-"
@@ -96,3 +99,26 @@ def test_a_timing_process_gives_the_seconds_of_each_timed_step_at_the_rows_batch
     assert batch_size_of(prepared("resnet", BY_NAME["baseline"], quick=True, n=3).batch) == 3
     seconds = speed_child("resnet", "baseline", n=3, quick=True, warmup=1, steps=2)
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
+
+
+def test_compiled_only_merges_its_rows_into_the_committed_fits_json(tmp_path, monkeypatch):
+    """``--compiled-only`` reads fits.json into rows, puts the new compiled rows in place of
+    the same (model, method) and writes the rest back as it was (the compiling is stubbed)."""
+    for name in ("fits.json", "fits.md"):
+        (tmp_path / name).write_text((ROOT / "benchmarks" / name).read_text())
+    old = json.loads((tmp_path / "fits.json").read_text())
+    new = fits_row("HF GPT-2", "torch.compile", 2.0 * fits.MIB, fits.MIB, peak_at_batch=32)
+    new.fits, new.batch_fit.batch, new.batch_fit.fits_compiled = 3.0, 48, 1.0
+    monkeypatch.setattr(fits, "compiled_rows", lambda names, quick, threads: [new])
+    fits.main(["--compiled-only", "--only", "gpt2", "--time", "none", "--out", str(tmp_path)])
+    merged = json.loads((tmp_path / "fits.json").read_text())
+    assert len(merged) == len(old)
+    for before, after in zip(old, merged, strict=True):
+        if before["method"] == "torch.compile":
+            assert after == new.to_json() and after["peak"] == 32
+        else:
+            assert after == before
+    assert (
+        "| HF GPT-2 | torch.compile | 2.000 MiB | 1.000 MiB | 3.00x (1.00x) | 48 | - |"
+        in (tmp_path / "fits.md").read_text()
+    )

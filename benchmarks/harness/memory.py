@@ -165,9 +165,10 @@ def record_memory(row: Row, reading: dict[str, Any], device: torch.device) -> No
     """
     if "retained" not in reading:
         return
-    row.meter_retained = reading["retained"]
-    row.packed = reading["packed"]
+    bench = row.bench
+    bench.meter_retained = reading["retained"]
+    bench.packed = reading["packed"]
     cpu = device.type == "cpu"
-    row.retained = max(row.meter_retained, row.packed) if cpu else row.meter_retained
+    row.retained = max(bench.meter_retained, bench.packed) if cpu else bench.meter_retained
     row.peak = max(reading["peak"], row.retained)
-    row.compile_seconds = reading.get("first_step")
+    bench.compile_seconds = reading.get("first_step")

@@ -87,7 +87,7 @@ def write_plot(path: Path, results: Sequence[Any]) -> Path:
             colors = [
                 style.BASELINE
                 if r.method == BASELINE
-                else (style.MEMOPT if r.family == MEMOPT else style.PYTORCH)
+                else (style.MEMOPT if r.bench.family == MEMOPT else style.PYTORCH)
                 for r in rows
             ]
             ax.scatter(xs, ys, c=colors, s=(2 * DOT_RADIUS) ** 2, zorder=3)

@@ -13,8 +13,6 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from .timing import seconds
 
 
@@ -22,8 +20,7 @@ def timed_steps(step: Callable[[], object], warmup: int, steps: int) -> list[flo
     """Wall seconds of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
         step()
-    cpu = torch.device("cpu")
-    return [seconds(step, cpu) for _ in range(steps)]
+    return [seconds(step) for _ in range(steps)]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The tables of ``results.md``: the numbers behind them and the eager methods' sections.
 
-Works on the rows ``run.py`` measured (duck-typed: ``WorkloadResult`` with ``Row`` items, or the
-namespaces ``report.py`` reads back from ``results.json``), so tables and plot always come from
-the same numbers. The compiled methods' sections are in :mod:`.tables_compiled`; the file
+Works on the rows ``run.py`` measured or ``report.py`` reads back from ``results.json``
+(``records.WorkloadResult`` with ``records.Row`` items), so tables and plot always come from the
+same numbers. The compiled methods' sections are in :mod:`.tables_compiled`; the file
 itself is put together by :func:`benchmarks.report.write_results`.
 """
 
@@ -52,7 +52,7 @@ def _row(result: Any, name: str) -> Any | None:
 def memory_ratio(result: Any, row: Any) -> float | None:
     """Retained memory as a ratio to the baseline's (``None`` when either failed)."""
     base = _row(result, BASELINE)
-    if row is None or row.error or base.error or not base.retained:
+    if row is None or row.bench.error or base.bench.error or not base.retained:
         return None
     return row.retained / base.retained
 
@@ -60,7 +60,7 @@ def memory_ratio(result: Any, row: Any) -> float | None:
 def time_ratio(result: Any, row: Any) -> float | None:
     """Median step time as a ratio to the baseline's (``None`` when either failed)."""
     base = _row(result, BASELINE)
-    if row is None or row.error or base.error or not base.step_seconds:
+    if row is None or row.bench.error or base.bench.error or not base.step_seconds:
         return None
     return row.step_seconds / base.step_seconds
 
@@ -73,9 +73,9 @@ def verdict(ok: bool) -> str:
 def loss_change(result: Any, row: Any) -> float | None:
     """Relative change of the held-out loss against the baseline's (0.01 = 1% higher)."""
     base = _row(result, BASELINE)
-    if row is None or row.val_loss is None or base.val_loss is None:
+    if row is None or row.trained.val_loss is None or base.trained.val_loss is None:
         return None
-    return row.val_loss / base.val_loss - 1
+    return row.trained.val_loss / base.trained.val_loss - 1
 
 
 def _paired(paired: Any) -> str:
@@ -110,8 +110,8 @@ def _ratio(x: float | None) -> str:
 
 
 def _err(row: Any) -> str:
-    x = row.grad_error
-    if row.error:
+    x = row.bench.grad_error
+    if row.bench.error:
         return "failed"
     return "0" if x == 0 else (f"{x:.1e}" if x < 1e-3 else f"{x:.3f}")
 
@@ -178,7 +178,9 @@ def bars(results: Sequence[Any]) -> list[str]:
                 for label, p, c in pairs
             )
             + " -- "
-            + verdict(all(not p.error and p.step_seconds < c.step_seconds for _, p, c in pairs))
+            + verdict(
+                all(not p.bench.error and p.step_seconds < c.step_seconds for _, p, c in pairs)
+            )
         )
     trained = [res for res in results if res.train_steps]
     for name, bar in (
@@ -205,13 +207,13 @@ def bars(results: Sequence[Any]) -> list[str]:
             for res in trained:
                 row = _row(res, name)
                 change = loss_change(res, row)
-                paired = getattr(row, "paired", None)
+                paired = row.trained.paired
                 measured = _paired(paired) if paired is not None else _pct(change)
                 lines.append(
                     f"  - {res.label}, {res.train_steps} steps: {measured} "
                     f"-- {loss_verdict(change, paired)}"
                 )
-                short = getattr(row, "short_paired", None)
+                short = row.trained.short_paired
                 if getattr(res, "short_steps", None) and short is not None:
                     lines.append(
                         f"  - {res.label}, {res.short_steps}-step run: {_paired(short)} "
@@ -235,15 +237,13 @@ def _metric_bits_bar(trained: list[Any]) -> list[str]:
     pairs = [(res, n, r) for res, n, r in pairs if n is not None and r is not None]
     if not pairs:
         return []
-    known = all(n.mean_bits is not None and r.mean_bits is not None for _, n, r in pairs)
+    bits = [(res, n.trained.mean_bits, r.trained.mean_bits) for res, n, r in pairs]
+    known = all(n is not None and r is not None for _, n, r in bits)
     return [
         "- drift.metric noise settles at lower mean bits than rel_l2 (compressed modules after "
         "training, mean over seeds): "
-        + ", ".join(
-            f"{res.label} {n.mean_bits or 0:.1f} vs {r.mean_bits or 0:.1f} bits"
-            for res, n, r in pairs
-        )
-        + f" -- {verdict(known and all(n.mean_bits < r.mean_bits for _, n, r in pairs))}"
+        + ", ".join(f"{res.label} {n or 0:.1f} vs {r or 0:.1f} bits" for res, n, r in bits)
+        + f" -- {verdict(known and all(n < r for _, n, r in bits))}"
     ]
 
 
@@ -262,19 +262,19 @@ def workload_section(res: Any) -> list[str]:
     for r in res.rows:
         if r.method == NOISE:
             continue
-        if r.error:
-            failures.append(f"- {r.method}: `{r.error}`")
-            rows.append([r.method, r.detail] + ["failed"] * 8)
+        if r.bench.error:
+            failures.append(f"- {r.method}: `{r.bench.error}`")
+            rows.append([r.method, r.bench.detail] + ["failed"] * 8)
             continue
         rows.append(
             [
                 r.method,
-                r.detail,
+                r.bench.detail,
                 f"{r.retained / MIB:.2f}",
                 _ratio(memory_ratio(res, r)),
                 f"{r.peak / MIB:.2f}",
                 f"{r.peak / base.peak:.2f}x" if base.peak else "-",
-                f"{r.packed / MIB:.2f}" if r.packed else "-",
+                f"{r.bench.packed / MIB:.2f}" if r.bench.packed else "-",
                 f"{r.step_seconds * 1e3:.1f}",
                 _ratio(time_ratio(res, r)),
                 _err(r),
@@ -321,7 +321,7 @@ def workload_section(res: Any) -> list[str]:
         "",
     ]
     header = ["method", "held-out loss", "vs baseline"]
-    if base.accuracy is not None:
+    if base.trained.accuracy is not None:
         header.append("accuracy")
     if res.seeds > 1:
         header.append("paired")
@@ -330,21 +330,23 @@ def workload_section(res: Any) -> list[str]:
         header.append(f"{short}-step run, paired")
     header += ["train loss", "s/step vs baseline", "drift checks / bits at the end"]
     rows = []
+    b = base.trained
     for r in res.rows:
-        if r.val_loss is None:
-            cells = [r.method, "failed", "-"] + ["-"] * (len(header) - 4) + [r.training]
+        t = r.trained
+        if t.val_loss is None:
+            cells = [r.method, "failed", "-"] + ["-"] * (len(header) - 4) + [t.training]
             rows.append(cells)
             continue
-        spread = f" ± {r.val_spread:.4f}" if r.val_spread is not None else ""
-        cells = [r.method, f"{r.val_loss:.4f}{spread}", _pct(loss_change(res, r))]
-        if base.accuracy is not None:
-            cells.append(f"{r.accuracy:.1%}")
+        spread = f" ± {t.val_spread:.4f}" if t.val_spread is not None else ""
+        cells = [r.method, f"{t.val_loss:.4f}{spread}", _pct(loss_change(res, r))]
+        if b.accuracy is not None:
+            cells.append(f"{t.accuracy:.1%}")
         if res.seeds > 1:
-            cells.append(_paired(r.paired))
+            cells.append(_paired(t.paired))
         if short:
-            cells.append(_paired(r.short_paired))
-        speed = f"{r.train_seconds / base.train_seconds:.2f}x" if base.train_seconds else "-"
-        cells += [f"{r.train_loss:.4f}", speed, r.training]
+            cells.append(_paired(t.short_paired))
+        speed = f"{t.train_seconds / b.train_seconds:.2f}x" if b.train_seconds else "-"
+        cells += [f"{t.train_loss:.4f}", speed, t.training]
         rows.append(cells)
     lines += _table(header, ["---"] + ["--:"] * (len(header) - 2) + ["---"], rows)
     return lines

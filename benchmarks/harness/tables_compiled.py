@@ -35,7 +35,8 @@ def compiled_ratio(result: Any, row: Any, attr: str) -> float | None:
     """``row.<attr>`` (``retained``, ``peak``, ``step_seconds``) of a compiled method as a ratio
     to the compiled baseline's (``None`` when either failed or is missing)."""
     base = next((r for r in result.compiled if r.method == C_BASELINE), None)
-    if row is None or base is None or row.error or base.error or not getattr(base, attr):
+    failed = row is None or base is None or row.bench.error or base.bench.error
+    if failed or not getattr(base, attr):
         return None
     return getattr(row, attr) / getattr(base, attr)
 
@@ -85,14 +86,14 @@ def compiled_bars(results: Sequence[Any]) -> list[str]:
         parts, ok = [], True
         for res in compiled:
             peer = _compiled_row(res, C_BUDGET_03)
-            if peer.error:
+            if peer.bench.error:
                 parts.append(f"{res.label}: {C_BUDGET_03} failed")
                 ok = False
                 continue
             lower = [
                 r
                 for r in res.compiled
-                if r.family == MEMOPT and not r.error and r.retained < peer.retained
+                if r.bench.family == MEMOPT and not r.bench.error and r.retained < peer.retained
             ]
             ok = ok and any(r.step_seconds < peer.step_seconds for r in lower)
             found = ", ".join(
@@ -142,20 +143,20 @@ def compiled_section(results: Sequence[Any]) -> list[str]:
         ]
         rows, failures = [], []
         for r in res.compiled:
-            if r.error:
-                failures.append(f"- {r.method}: `{r.error}`")
-                rows.append([r.method, r.detail] + ["failed"] * 9 + ["-"])
+            if r.bench.error:
+                failures.append(f"- {r.method}: `{r.bench.error}`")
+                rows.append([r.method, r.bench.detail] + ["failed"] * 9 + ["-"])
                 continue
-            first = "-" if r.compile_seconds is None else f"{r.compile_seconds:.1f}"
+            first = "-" if r.bench.compile_seconds is None else f"{r.bench.compile_seconds:.1f}"
             rows.append(
                 [
                     r.method,
-                    r.detail,
+                    r.bench.detail,
                     f"{r.retained / MIB:.2f}",
                     _ratio(compiled_ratio(res, r, "retained")),
                     f"{r.peak / MIB:.2f}",
                     _ratio(compiled_ratio(res, r, "peak")),
-                    f"{r.packed / MIB:.2f}" if r.packed else "-",
+                    f"{r.bench.packed / MIB:.2f}" if r.bench.packed else "-",
                     f"{r.step_seconds * 1e3:.1f}",
                     _ratio(compiled_ratio(res, r, "step_seconds")),
                     "- (eager's masks)" if r.method == C_EAGER else _err(r),

@@ -18,8 +18,11 @@ from .measured import Measured, Settings, sync
 from .methods import Patched
 from .workloads import Workload
 
+#: The device of the studies that run on the CPU alone (nothing queued to wait for).
+CPU = torch.device("cpu")
 
-def seconds(fn: Callable[[], object], device: torch.device) -> float:
+
+def seconds(fn: Callable[[], object], device: torch.device = CPU) -> float:
     """Wall seconds of ``fn()``, the device's queued work included."""
     sync(device)
     start = time.perf_counter()

@@ -24,7 +24,7 @@ from torch import nn
 
 from .measured import failure, rng_state, set_rng_state, shape_of, sync
 from .methods import BASELINE, LOSS_BARS, Method, Patched
-from .records import NOISE, Row, WorkloadResult
+from .records import NOISE, Row, WorkloadResult, harness_row
 from .stats import Paired
 from .workloads import Workload, evaluate, precise_batchnorm
 
@@ -104,14 +104,16 @@ def train(
     others = [s + len(seeds) for s in seeds]
     pristine = workload.build().to(device).train()
     baseline = next(m for m in methods if m.name == BASELINE)
-    noise_row = Row(NOISE, baseline.family, f"seeds {others}: other data order, dropout masks")
-    plan = [(m, r, seeds) for m, r in zip(methods, rows, strict=True) if r.error is None]
+    noise_row = harness_row(
+        NOISE, baseline.family, f"seeds {others}: other data order, dropout masks"
+    )
+    plan = [(m, r, seeds) for m, r in zip(methods, rows, strict=True) if r.bench.error is None]
     plan.append((baseline, noise_row, others))
     runs = start_runs(plan, workload, pristine, device)
     train_interleaved(runs, workload, device)
     losses = final_losses(runs, workload)
     for row, pairs in paired_losses(runs, losses):
-        row.paired = Paired.of(pairs) if len(pairs) > 1 else None
+        row.trained.paired = Paired.of(pairs) if len(pairs) > 1 else None
     for row in [r for _, r, _ in plan]:
         summarize_runs(row, [run for run in runs if run.row is row], losses)
     if workload.short_steps is not None:
@@ -124,8 +126,8 @@ def train(
         train_interleaved(short, workload, device)
         losses = final_losses(short, workload)
         for row, pairs in paired_losses(short, losses):
-            row.short_loss = statistics.fmean(loss for loss, _ in pairs)
-            row.short_paired = Paired.of(pairs) if len(pairs) > 1 else None
+            row.trained.short_loss = statistics.fmean(loss for loss, _ in pairs)
+            row.trained.short_paired = Paired.of(pairs) if len(pairs) > 1 else None
         unpatch(short)
         result.short_seeds = len(workload.short_seeds)
         result.bar_seeds = len(workload.bar_seeds)
@@ -156,7 +158,7 @@ def start_runs(
             try:
                 patched = method.apply(model, workload, data[0], False, None)
             except Exception as exc:
-                row.training = f"failed: {failure(exc)}"
+                row.trained.training = f"failed: {failure(exc)}"
                 break
             adamw = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.01)
             schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lr_factor(len(data)))
@@ -205,20 +207,21 @@ def unpatch(runs: list[TrainingRun]) -> None:
 def summarize_runs(row: Row, runs: list[TrainingRun], losses: dict[int, tuple]) -> None:
     """Means over the seeds of one method (loss, accuracy, speed) from its runs and their
     :func:`final_losses`; any failure fails the row."""
+    trained = row.trained
     errors = [run.error for run in runs if run.error is not None]
     if errors:
-        row.training = f"failed at {errors[0]}"
-        row.paired = None
-    elif runs and not row.training.startswith("failed"):
+        trained.training = f"failed at {errors[0]}"
+        trained.paired = None
+    elif runs and not trained.training.startswith("failed"):
         tail = max(1, len(runs[0].losses) // 10)
         finals = [losses[id(run)] for run in runs]
         held_out = [loss for loss, _ in finals]
-        row.val_loss = statistics.fmean(held_out)
-        row.val_spread = (max(held_out) - min(held_out)) / 2 if len(held_out) > 1 else None
-        row.accuracy = None if finals[0][1] is None else statistics.fmean(a for _, a in finals)
-        row.train_loss = statistics.fmean(sum(run.losses[-tail:]) / tail for run in runs)
-        row.train_seconds = sum(run.seconds for run in runs) / sum(len(r.losses) for r in runs)
-        row.training = runs[0].patched.training_summary()  # the first seed's
+        trained.val_loss = statistics.fmean(held_out)
+        trained.val_spread = (max(held_out) - min(held_out)) / 2 if len(held_out) > 1 else None
+        trained.accuracy = None if finals[0][1] is None else statistics.fmean(a for _, a in finals)
+        trained.train_loss = statistics.fmean(sum(run.losses[-tail:]) / tail for run in runs)
+        trained.train_seconds = sum(run.seconds for run in runs) / sum(len(r.losses) for r in runs)
+        trained.training = runs[0].patched.training_summary()  # the first seed's
         bits = [run.patched.mean_bits() for run in runs]
-        row.mean_bits = None if None in bits else statistics.fmean(bits)
+        trained.mean_bits = None if None in bits else statistics.fmean(bits)
     unpatch(runs)
