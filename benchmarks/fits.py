@@ -292,12 +292,15 @@ def eager_rows(names: list[str], quick: bool) -> list[Row]:
             for method in [m for m in methods if m.applies_to(spec)]:
                 p = prepared(key, method, quick)
                 step = step_memory(p.model, p.batch, p.loss_fn)
+                half = resize_batch(p.batch, batch_size_of(p.batch) // 2)
+                below = step_memory(p.model, half, p.loss_fn).per_sample.peak
                 if p.optimizer is not None:
                     p.optimizer.remove()
                 per = step.per_sample
                 group.append(
                     fits_row(spec.name, method.name, per.peak, per.retained, step.reading.peak)
                 )
+                group[-1].batch_fit.peak_per_sample_below = below
             if group:
                 _fit(group, batch_size_of(p.batch))
             rows += group
@@ -421,7 +424,9 @@ def markdown(rows: list[Row], timing: Timing, source: str) -> str:
         "baseline's step needs at the model's batch (the baseline's peak per sample over the "
         "method's); `samples/s` at that batch. Per sample: the slope between the model's batch "
         "and its half (16 and 8 for GPT-2 and Llama, 64 and 32 for the ResNet), on the "
-        "allocator's timeline.",
+        "allocator's timeline; `peak, ¼–½`: the peak's slope one halving lower (4 to 8, 16 to "
+        "32), which reads low where a small batch's peak sits on what does not grow with it "
+        "(the gradients, a workspace): where the two slopes agree, the slope is stable.",
         "",
         speed_note(timing),
         "",
@@ -429,15 +434,18 @@ def markdown(rows: list[Row], timing: Timing, source: str) -> str:
         "",
         COMPILED_NOTE,
         "",
-        "| model | method | peak / sample | retained / sample | fits | batch | samples/s |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| model | method | peak / sample | peak, ¼–½ | retained / sample | fits | batch | "
+        "samples/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fits = f"{r.fits:.2f}x"
         if r.batch_fit.fits_compiled is not None:
             fits += f" ({r.batch_fit.fits_compiled:.2f}x)"
+        below = r.batch_fit.peak_per_sample_below
+        below = "-" if below is None else f"{below / MIB:.3f} MiB"
         out.append(
-            f"| {r.model} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | "
+            f"| {r.model} | {r.method} | {r.peak_per_sample / MIB:.3f} MiB | {below} | "
             f"{r.retained_per_sample / MIB:.3f} MiB | {fits} | {r.batch_fit.batch} | {_speed(r)} |"
         )
     return "\n".join(out) + "\n"

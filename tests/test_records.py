@@ -43,8 +43,9 @@ def test_a_studys_json_reads_into_rows_with_its_own_group_and_keeps_every_value(
     for written, read in zip(data, rows, strict=True):
         again = read.to_json()
         assert {k: again[k] for k in written} == written
-        # depth.json was written before the slopes were kept: they are the only keys added
-        assert set(again) - set(written) <= {"peak_slopes", "retained_slopes"}
+        # written before the slopes were kept: they are the only keys added
+        added = {"peak_slopes", "retained_slopes", "peak_per_sample_below"}
+        assert set(again) - set(written) <= added
 
 
 def test_a_row_writes_only_what_is_set_and_each_group_whole():
@@ -56,6 +57,7 @@ def test_a_row_writes_only_what_is_set_and_each_group_whole():
         "peak_per_sample": 1.5,
         "batch": 3,
         "fits_compiled": None,
+        "peak_per_sample_below": None,
         "samples_per_s_runs": [],
     }
     assert Row.from_json(row.to_json()) == row

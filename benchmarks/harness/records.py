@@ -61,6 +61,8 @@ class BatchFit:
 
     batch: int = 0
     fits_compiled: float | None = None  # torch.compile rows: against the compiled baseline
+    # the peak's slope one halving lower (a quarter to a half of the batch): how stable it is
+    peak_per_sample_below: float | None = None
     samples_per_s_runs: list[float] = field(default_factory=list)  # one per timing process
 
 
