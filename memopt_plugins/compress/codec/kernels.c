@@ -73,21 +73,102 @@ static inline float from_order_key(int32_t k) {
     return f;
 }
 
+/* The group's minimum and maximum from the order keys of its extremes, both NaN when a key lies
+ * beyond +inf's (a NaN with the sign bit clear) or below -inf's (one with it set). */
+static inline void extremes_of_keys(int32_t lo, int32_t hi, float *mn, float *mx) {
+    const int nan = hi > 0x7f800000 || lo < -0x7f800001; /* key of -inf: 0x807fffff */
+    *mn = nan ? __builtin_nanf("") : from_order_key(lo);
+    *mx = nan ? __builtin_nanf("") : from_order_key(hi);
+}
+
 /* Minimum and maximum of the n floats at v, both NaN when one is NaN. Integer reductions over
  * order keys: they vectorize where float min/max (NaN rules) do not. */
 static void minmax(const float *v, int64_t n, float *mn, float *mx) {
-    int32_t lo = INT32_MAX, hi = INT32_MIN, nan = 0;
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int64_t i = 0; i < n; i++) {
         int32_t bits;
         memcpy(&bits, &v[i], sizeof bits);
         int32_t k = bits ^ ((bits >> 31) & 0x7fffffff);
         lo = k < lo ? k : lo;
         hi = k > hi ? k : hi;
-        nan |= (bits & 0x7fffffff) > 0x7f800000;
     }
-    *mn = nan ? __builtin_nanf("") : from_order_key(lo);
-    *mx = nan ? __builtin_nanf("") : from_order_key(hi);
+    extremes_of_keys(lo, hi, mn, mx);
 }
+
+#if defined(MEMOPT_AVX512)
+/* Order keys of 16 float32 (or 32 bfloat16) bit patterns: the magnitude bits of negatives
+ * flipped (ternary logic 0x78: a ^ (sign & magnitude)). */
+static inline __m512i keys32(__m512i a) {
+    return _mm512_ternarylogic_epi32(a, _mm512_srai_epi32(a, 31), _mm512_set1_epi32(0x7fffffff),
+                                     0x78);
+}
+static inline __m512i keys16(__m512i a) {
+    return _mm512_ternarylogic_epi32(a, _mm512_srai_epi16(a, 15), _mm512_set1_epi16(0x7fff),
+                                     0x78);
+}
+
+/* minmax of a float32 group in AVX-512: two key vectors per step, masked tail. */
+static void minmax_f32(const float *v, int64_t n, float *mn, float *mx) {
+    __m512i lo0 = _mm512_set1_epi32(INT32_MAX), hi0 = _mm512_set1_epi32(INT32_MIN);
+    __m512i lo1 = lo0, hi1 = hi0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512i a = keys32(_mm512_loadu_si512(v + i));
+        const __m512i b = keys32(_mm512_loadu_si512(v + i + 16));
+        lo0 = _mm512_min_epi32(lo0, a);
+        hi0 = _mm512_max_epi32(hi0, a);
+        lo1 = _mm512_min_epi32(lo1, b);
+        hi1 = _mm512_max_epi32(hi1, b);
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512i a = keys32(_mm512_maskz_loadu_epi32(lanes, v + i));
+        lo0 = _mm512_mask_min_epi32(lo0, lanes, lo0, a);
+        hi0 = _mm512_mask_max_epi32(hi0, lanes, hi0, a);
+    }
+    extremes_of_keys(_mm512_reduce_min_epi32(_mm512_min_epi32(lo0, lo1)),
+                     _mm512_reduce_max_epi32(_mm512_max_epi32(hi0, hi1)), mn, mx);
+}
+
+/* The 16-bit order key's float32 key: the bfloat16's float32 bits are its own shifted left by
+ * 16, and a negative's flipped magnitude bits take the low 16 along. */
+static inline int32_t key32_of_key16(int32_t k) {
+    return (int32_t)((uint32_t)k << 16) | (k < 0 ? 0xffff : 0);
+}
+
+/* Reduce 32 signed 16-bit lanes to one, by halves. */
+static inline int32_t reduce_min_epi16(__m512i a) {
+    __m256i h = _mm256_min_epi16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m128i q = _mm_min_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    q = _mm_min_epi16(q, _mm_shuffle_epi32(q, 0x4e));
+    q = _mm_min_epi16(q, _mm_shuffle_epi32(q, 0xb1));
+    q = _mm_min_epi16(q, _mm_srli_epi32(q, 16));
+    return (int16_t)_mm_cvtsi128_si32(q);
+}
+static inline int32_t reduce_max_epi16(__m512i a) {
+    __m256i h = _mm256_max_epi16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m128i q = _mm_max_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    q = _mm_max_epi16(q, _mm_shuffle_epi32(q, 0x4e));
+    q = _mm_max_epi16(q, _mm_shuffle_epi32(q, 0xb1));
+    q = _mm_max_epi16(q, _mm_srli_epi32(q, 16));
+    return (int16_t)_mm_cvtsi128_si32(q);
+}
+
+/* minmax of a bfloat16 group on its 16-bit keys, 32 lanes a vector (the float32 keys of
+ * bfloat16 values are ordered as their 16-bit keys). */
+static void minmax_bf16(const uint16_t *v, int64_t n, float *mn, float *mx) {
+    __m512i lo = _mm512_set1_epi16(INT16_MAX), hi = _mm512_set1_epi16(INT16_MIN);
+    for (int64_t i = 0; i < n; i += 32) {
+        const __mmask32 lanes = n - i >= 32 ? (__mmask32)0xffffffffu
+                                            : (__mmask32)((1u << (n - i)) - 1);
+        const __m512i a = keys16(_mm512_maskz_loadu_epi16(lanes, v + i));
+        lo = _mm512_mask_min_epi16(lo, lanes, lo, a);
+        hi = _mm512_mask_max_epi16(hi, lanes, hi, a);
+    }
+    extremes_of_keys(key32_of_key16(reduce_min_epi16(lo)), key32_of_key16(reduce_max_epi16(hi)),
+                     mn, mx);
+}
+#endif
 
 /* f (>= 0) as bfloat16 bits, rounded toward +inf so a step never shrinks:
  * codec._bf16_round_up. In 32 bits, so that loops over groups vectorize. */
@@ -207,6 +288,124 @@ static void fill_noise(uint64_t first, uint64_t seed, int64_t n, uint16_t *k) {
     if (i + 2 * pairs < n) k[n - 1] = (uint16_t)mix32((pair0 + (uint32_t)pairs) ^ key);
 }
 
+#if defined(MEMOPT_AVX512)
+/* 16 elements from lane i on as float32: float32 or bfloat16 (its bits shifted up), masked. */
+static inline __m512 load_lanes(const void *v, int bf16, int64_t i, __mmask16 lanes) {
+    if (!bf16) return _mm512_maskz_loadu_ps(lanes, (const float *)v + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)v + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Store the codes (0..top, one per 32-bit lane) of `count` lanes packed `bits` wide, low bits
+ * first, at out: 16 bytes, 8 (two codes a byte) or 4 (four). count is a multiple of 8 / bits. */
+static inline void store_packed(__m512i code, int bits, int64_t count, uint8_t *out) {
+    const __m128i bytes = _mm512_cvtepi32_epi8(code); /* narrowed in a register: faster than
+                                                          the masked narrowing store */
+    if (bits == 8) {
+        if (count >= 16)
+            _mm_storeu_si128((__m128i *)out, bytes);
+        else
+            _mm_mask_storeu_epi8(out, (__mmask16)((1u << count) - 1), bytes);
+        return;
+    }
+    __m128i packed;
+    if (bits == 4) { /* per 16-bit lane: b0 | b1 << 4 in the low byte */
+        packed = _mm_cvtepi16_epi8(_mm_or_si128(bytes, _mm_srli_epi16(bytes, 4)));
+    } else { /* per 32-bit lane: b0 | b1 << 2 | b2 << 4 | b3 << 6 in the low byte */
+        __m128i t = _mm_or_si128(bytes, _mm_srli_epi32(bytes, 6));
+        packed = _mm_cvtepi32_epi8(_mm_or_si128(t, _mm_srli_epi32(t, 12)));
+    }
+    const int64_t n_bytes = count * bits / 8;
+    if (count >= 16) {
+        if (bits == 4)
+            _mm_storel_epi64((__m128i *)out, packed);
+        else
+            _mm_storeu_si32(out, packed);
+    } else {
+        _mm_mask_storeu_epi8(out, (__mmask16)((1u << n_bytes) - 1), packed);
+    }
+}
+
+/* The constants of one group's rounding, in vectors. */
+typedef struct {
+    __m512 inv, first, zero, half, cap, fixed_one, magnitude;
+    __m512i zp, above, below, top, zero_i;
+} rounding_t;
+
+static inline rounding_t rounding_of(float inverse, float first, int32_t zp, int32_t top) {
+    rounding_t r;
+    r.inv = _mm512_set1_ps(inverse);
+    r.first = _mm512_set1_ps(first);
+    r.zero = _mm512_setzero_ps();
+    r.half = _mm512_set1_ps(0.5f);
+    r.cap = _mm512_set1_ps(1024.0f);
+    r.fixed_one = _mm512_set1_ps(65536.0f);
+    r.magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    r.zp = _mm512_set1_epi32(zp);
+    r.above = _mm512_set1_epi32(zp + 1);
+    r.below = _mm512_set1_epi32(zp - 1);
+    r.top = _mm512_set1_epi32(top);
+    r.zero_i = _mm512_setzero_si512();
+    return r;
+}
+
+/* The codes of 16 lanes from lane i on (round_group's, below): zp + 1 + m above zero and
+ * zp - 1 - m below, m = floor(q + u), clamped to [0, top]. k: the noise, NULL for nearest. */
+static inline __attribute__((always_inline)) __m512i
+round_lanes(const rounding_t *r, const void *v, int bf16, const uint16_t *k, int64_t i,
+            __mmask16 lanes) {
+    const __m512 e = load_lanes(v, bf16, i, lanes);
+    __m512 q = _mm512_sub_ps(_mm512_and_ps(_mm512_mul_ps(e, r->inv), r->magnitude), r->first);
+    q = _mm512_max_ps(q, r->zero); /* NaN -> 0 */
+    __m512i mag;
+    if (k) {
+        q = _mm512_min_ps(q, r->cap);
+        const __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(q, r->fixed_one, r->half));
+        const __m512i noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, k + i));
+        mag = _mm512_srli_epi32(_mm512_add_epi32(fixed, noise), 16);
+    } else {
+        mag = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(q, r->half), r->cap));
+    }
+    const __mmask16 pos = _mm512_cmp_ps_mask(e, r->zero, _CMP_GT_OQ);
+    const __mmask16 neg = _mm512_cmp_ps_mask(e, r->zero, _CMP_LT_OQ);
+    __m512i code = _mm512_mask_add_epi32(r->zp, pos, r->above, mag);
+    code = _mm512_mask_sub_epi32(code, neg, r->below, mag);
+    return _mm512_min_epi32(_mm512_max_epi32(code, r->zero_i), r->top);
+}
+
+/* round_packed with the element type, rounding and width fixed (constants once inlined). */
+static inline __attribute__((always_inline)) void
+round_packed_as(const void *v, const int bf16, const uint16_t *k, int64_t n, float inverse,
+                float first, int32_t zp, int32_t top, const int bits, uint8_t *out) {
+    const rounding_t r = rounding_of(inverse, first, zp, top);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16, out += 2 * bits)
+        store_packed(round_lanes(&r, v, bf16, k, i, (__mmask16)0xffff), bits, 16, out);
+    if (i < n)
+        store_packed(round_lanes(&r, v, bf16, k, i, (__mmask16)((1u << (n - i)) - 1)), bits,
+                     n - i, out);
+}
+
+/* round_group's codes (below) in AVX-512, 16 lanes at a time (gcc's own vectorization of the
+ * plain loop packs the codes with long permute chains), from float32 or bfloat16 elements (bf16),
+ * packed `bits` wide into out as they are made (n a multiple of 8 / bits; bits 8: a byte a
+ * code). k: the noise, NULL for round-to-nearest. */
+static void round_packed(const void *v, int bf16, const uint16_t *k, int64_t n, float inverse,
+                         float first, int32_t zp, int32_t top, int bits, uint8_t *out) {
+#define MEMOPT_ROUND(BF16, K, BITS) \
+    round_packed_as(v, BF16, K, n, inverse, first, zp, top, BITS, out)
+#define MEMOPT_ROUND_BITS(BF16, K) \
+    (bits == 8 ? MEMOPT_ROUND(BF16, K, 8) : bits == 4 ? MEMOPT_ROUND(BF16, K, 4) \
+                                                      : MEMOPT_ROUND(BF16, K, 2))
+    if (bf16)
+        k ? MEMOPT_ROUND_BITS(1, k) : MEMOPT_ROUND_BITS(1, NULL);
+    else
+        k ? MEMOPT_ROUND_BITS(0, k) : MEMOPT_ROUND_BITS(0, NULL);
+#undef MEMOPT_ROUND_BITS
+#undef MEMOPT_ROUND
+}
+#endif
+
 /* codes[i] = clamp(zp + sign(v) * (floor(max(|v * inverse| - first, 0) + u) + 1), 0, top): zp
  * where v == 0, and where v is NaN (only groups kept exactly hold NaN; their codes go unused).
  * Nearest rounding (k == NULL) takes u = 1/2. Stochastic rounding takes u = (k[i] + 1/2) / 2^16
@@ -217,41 +416,8 @@ static void round_group(const float *v, const uint16_t *k, int64_t n, float inve
                         int32_t zp, int32_t top, uint8_t *codes) {
     int64_t i = 0;
 #if defined(MEMOPT_AVX512)
-    /* The same operations 16 lanes at a time: gcc's own vectorization of the loop below packs
-     * the codes with long permute chains and runs at half this speed. */
-    const __m512 inv = _mm512_set1_ps(inverse), lowest = _mm512_set1_ps(first);
-    const __m512 zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f);
-    const __m512 cap = _mm512_set1_ps(1024.0f), fixed_one = _mm512_set1_ps(65536.0f);
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    const __m512i zpv = _mm512_set1_epi32(zp), one = _mm512_set1_epi32(1);
-    const __m512i topv = _mm512_set1_epi32(top), zero_i = _mm512_setzero_si512();
-    for (; i < n; i += 16) {
-        const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 e = _mm512_maskz_loadu_ps(lanes, v + i);
-        __m512 q = _mm512_sub_ps(_mm512_and_ps(_mm512_mul_ps(e, inv), magnitude), lowest);
-        q = _mm512_max_ps(q, zero); /* NaN -> 0 */
-        __m512i mag;
-        if (k) {
-            q = _mm512_min_ps(q, cap);
-            const __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(q, fixed_one, half));
-            const __m512i noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, k + i));
-            mag = _mm512_srli_epi32(_mm512_add_epi32(fixed, noise), 16);
-        } else {
-            mag = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(q, half), cap));
-        }
-        mag = _mm512_add_epi32(mag, one);
-        const __mmask16 pos = _mm512_cmp_ps_mask(e, zero, _CMP_GT_OQ);
-        const __mmask16 neg = _mm512_cmp_ps_mask(e, zero, _CMP_LT_OQ);
-        __m512i code = _mm512_mask_add_epi32(zpv, pos, zpv, mag);
-        code = _mm512_mask_sub_epi32(code, neg, zpv, mag);
-        code = _mm512_min_epi32(_mm512_max_epi32(code, zero_i), topv);
-        /* narrowed in a register: the masked narrowing store is several times slower */
-        const __m128i bytes = _mm512_cvtepi32_epi8(code);
-        if (lanes == 0xffff)
-            _mm_storeu_si128((__m128i *)(codes + i), bytes);
-        else
-            _mm_mask_storeu_epi8(codes + i, lanes, bytes);
-    }
+    round_packed(v, 0, k, n, inverse, first, zp, top, 8, codes);
+    i = n;
 #elif defined(MEMOPT_AVX2)
     /* 32 lanes at a time in four vectors of 8, narrowed to bytes by two packs and one permute
      * (gcc's own vectorization of the loop below narrows with long shuffle chains). */
@@ -324,6 +490,76 @@ static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
     }
 }
 
+/* A group's elements where the codes are read from: float32 or bfloat16 (bf16). */
+typedef struct {
+    const void *v;
+    int bf16;
+} source_t;
+
+/* Group g's elements and their minimum and maximum: in place where the rounding reads the type
+ * (AVX-512: a whole float32 or bfloat16 group), else as float32 in buf (load_group). */
+static source_t group_source(const void *x, int dtype, int64_t numel, int64_t group_size,
+                             int64_t g, float *buf, float *mn, float *mx) {
+    const int64_t start = g * group_size;
+#if defined(MEMOPT_AVX512)
+    if (numel - start >= group_size && dtype == F32) {
+        minmax_f32((const float *)x + start, group_size, mn, mx);
+        return (source_t){(const float *)x + start, 0};
+    }
+    if (numel - start >= group_size && dtype == BF16) {
+        minmax_bf16((const uint16_t *)x + start, group_size, mn, mx);
+        return (source_t){(const uint16_t *)x + start, 1};
+    }
+    const float *v = load_group(x, dtype, numel, group_size, g, buf);
+    minmax_f32(v, group_size, mn, mx);
+#else
+    const float *v = load_group(x, dtype, numel, group_size, g, buf);
+    minmax(v, group_size, mn, mx);
+#endif
+    return (source_t){v, 0};
+}
+
+/* The codes of n elements, `bits` wide: packed as they are made with AVX-512, else (bits 8
+ * only) a byte a code. k: the noise, NULL for round-to-nearest. */
+static void round_codes(source_t src, const uint16_t *k, int64_t n, float inverse, float first,
+                        int32_t zp, int32_t top, int bits, uint8_t *out) {
+#if defined(MEMOPT_AVX512)
+    round_packed(src.v, src.bf16, k, n, inverse, first, zp, top, bits, out);
+#else
+    (void)bits;
+    round_group((const float *)src.v, k, n, inverse, first, zp, top, out);
+#endif
+}
+
+/* Whether round_codes packs codes `bits` wide itself: with AVX-512, where every group starts on
+ * a byte (group_size a multiple of 8 / bits). */
+static int packs_codes(int64_t group_size, int bits) {
+#if defined(MEMOPT_AVX512)
+    return group_size % (8 / bits) == 0;
+#else
+    return bits == 8;
+#endif
+}
+
+/* The parameters of a block's groups, from their minima and maxima, in arrays. */
+typedef struct {
+    float inverse[MAX_BLOCK], zero_point[MAX_BLOCK];
+    uint32_t scale[MAX_BLOCK], flags[MAX_BLOCK];
+} block_params_t;
+
+/* group_params of nb groups, one a SIMD lane (group_params is branch-free for this). */
+static void block_params(const float *mn, const float *mx, int64_t nb, int bits, float first,
+                         int dtype, float dtype_max, block_params_t *out) {
+#pragma omp simd
+    for (int64_t j = 0; j < nb; j++) {
+        const params_t p = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
+        out->inverse[j] = p.inverse;
+        out->zero_point[j] = p.zero_point;
+        out->scale[j] = p.scale;
+        out->flags[j] = p.flags;
+    }
+}
+
 /* Quantize groups [g0, g1): parameters (codec._group_params) and codes packed into out (the whole
  * tensor's packed bytes), a block of groups at a time while it is in cache (block_of). The range
  * must start on a byte: g0 * group_size a multiple of 8 / bits. Rounding: nearest (stochastic ==
@@ -339,34 +575,33 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
                               uint8_t *codes) {
     const int per_byte = 8 / bits;
     const int32_t top = (1 << bits) - 1;
+    const int packed = packs_codes(group_size, bits);
     int64_t flagged = 0;
     int64_t pending = 0; /* codes of the previous group not yet packed, fewer than per_byte */
     uint8_t *next = out + g0 * group_size / per_byte;
     const int64_t block = block_of(group_size);
     float mn[MAX_BLOCK], mx[MAX_BLOCK];
-    params_t p[MAX_BLOCK];
-    const float *v[MAX_BLOCK];
+    block_params_t p;
+    source_t src[MAX_BLOCK];
     for (int64_t gb = g0; gb < g1; gb += block) {
         const int64_t nb = g1 - gb < block ? g1 - gb : block;
-        for (int64_t j = 0; j < nb; j++) {
-            v[j] = load_group(x, dtype, numel, group_size, gb + j, buf + j * group_size);
-            minmax(v[j], group_size, &mn[j], &mx[j]);
-        }
         for (int64_t j = 0; j < nb; j++)
-            p[j] = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
+            src[j] = group_source(x, dtype, numel, group_size, gb + j, buf + j * group_size,
+                                  &mn[j], &mx[j]);
+        block_params(mn, mx, nb, bits, first, dtype, dtype_max, &p);
         for (int64_t j = 0; j < nb; j++) {
             const int64_t g = gb + j;
-            scale[g] = (uint16_t)p[j].scale;
-            zero_point[g] = (uint8_t)p[j].zero_point;
-            flags[g] = (uint8_t)p[j].flags;
-            flagged += p[j].flags != 0;
+            scale[g] = (uint16_t)p.scale[j];
+            zero_point[g] = (uint8_t)p.zero_point[j];
+            flags[g] = (uint8_t)p.flags[j];
+            flagged += p.flags[j] != 0;
             if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
-            /* a byte per code: straight into the output (pending stays 0) */
-            uint8_t *target = per_byte == 1 ? next : codes + pending;
-            round_group(v[j], stochastic ? noise : NULL, group_size, p[j].inverse, first,
-                        (int32_t)p[j].zero_point, top, target);
-            if (per_byte == 1) {
-                next += group_size;
+            /* packed as made: straight into the output (pending stays 0) */
+            round_codes(src[j], stochastic ? noise : NULL, group_size, p.inverse[j], first,
+                        (int32_t)p.zero_point[j], top, packed ? bits : 8,
+                        packed ? next : codes + pending);
+            if (packed) {
+                next += group_size / per_byte;
                 continue;
             }
             int64_t have = pending + group_size;
