@@ -350,18 +350,18 @@ static inline rounding_t rounding_of(float inverse, float first, int32_t zp, int
 }
 
 /* The codes of 16 lanes from lane i on (round_group's, below): zp + 1 + m above zero and
- * zp - 1 - m below, m = floor(q + u), clamped to [0, top]. k: the noise, NULL for nearest. */
+ * zp - 1 - m below, m = floor(q + u), clamped to [0, top]. noise: the lanes' 16-bit noise k
+ * where stochastic, else round-to-nearest. */
 static inline __attribute__((always_inline)) __m512i
-round_lanes(const rounding_t *r, const void *v, int bf16, const uint16_t *k, int64_t i,
-            __mmask16 lanes) {
+round_lanes(const rounding_t *r, const void *v, int bf16, const int stochastic, __m512i noise,
+            int64_t i, __mmask16 lanes) {
     const __m512 e = load_lanes(v, bf16, i, lanes);
     __m512 q = _mm512_sub_ps(_mm512_and_ps(_mm512_mul_ps(e, r->inv), r->magnitude), r->first);
     q = _mm512_max_ps(q, r->zero); /* NaN -> 0 */
     __m512i mag;
-    if (k) {
+    if (stochastic) {
         q = _mm512_min_ps(q, r->cap);
         const __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(q, r->fixed_one, r->half));
-        const __m512i noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, k + i));
         mag = _mm512_srli_epi32(_mm512_add_epi32(fixed, noise), 16);
     } else {
         mag = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(q, r->half), r->cap));
@@ -373,34 +373,69 @@ round_lanes(const rounding_t *r, const void *v, int bf16, const uint16_t *k, int
     return _mm512_min_epi32(_mm512_max_epi32(code, r->zero_i), r->top);
 }
 
-/* round_packed with the element type, rounding and width fixed (constants once inlined). */
+/* How a group's codes are rounded: to nearest; with noise from a buffer (fill_noise's); or with
+ * noise hashed in the registers, for a group that starts on an even element. */
+enum { NEAREST, NOISE_BUFFER, NOISE_HASHED };
+
+/* mix32 in 8 lanes (fill_noise's hash). */
+static inline __m256i mix32_lanes(__m256i h) {
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7feb352d));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+/* round_packed with the element type, rounding and width fixed (constants once inlined).
+ * NOISE_HASHED: fill_noise's noise of elements [first_element, + n), first_element even: lane
+ * pair j of a vector takes the halves of one hash, low first, as fill_noise writes them. */
 static inline __attribute__((always_inline)) void
-round_packed_as(const void *v, const int bf16, const uint16_t *k, int64_t n, float inverse,
-                float first, int32_t zp, int32_t top, const int bits, uint8_t *out) {
+round_packed_as(const void *v, const int bf16, const int rounding, const uint16_t *k,
+                uint64_t first_element, uint64_t seed, int64_t n, float inverse, float first,
+                int32_t zp, int32_t top, const int bits, uint8_t *out) {
     const rounding_t r = rounding_of(inverse, first, zp, top);
+    const uint32_t key = (uint32_t)seed ^ mix32((uint32_t)(first_element >> 33) ^
+                                                (uint32_t)(seed >> 32));
+    const __m256i keys = _mm256_set1_epi32((int)key), eight = _mm256_set1_epi32(8);
+    __m256i pairs = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(first_element >> 1)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const int stochastic = rounding != NEAREST;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16, out += 2 * bits)
-        store_packed(round_lanes(&r, v, bf16, k, i, (__mmask16)0xffff), bits, 16, out);
-    if (i < n)
-        store_packed(round_lanes(&r, v, bf16, k, i, (__mmask16)((1u << (n - i)) - 1)), bits,
-                     n - i, out);
+    for (;; i += 16, out += 2 * bits) {
+        const int whole = i + 16 <= n;
+        if (!whole && i >= n) break;
+        const __mmask16 lanes = whole ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512i noise = _mm512_setzero_si512();
+        if (rounding == NOISE_HASHED) {
+            noise = _mm512_cvtepu16_epi32(mix32_lanes(_mm256_xor_si256(pairs, keys)));
+            pairs = _mm256_add_epi32(pairs, eight);
+        } else if (rounding == NOISE_BUFFER) {
+            noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, k + i));
+        }
+        store_packed(round_lanes(&r, v, bf16, stochastic, noise, i, lanes), bits,
+                     whole ? 16 : n - i, out);
+        if (!whole) break;
+    }
 }
 
 /* round_group's codes (below) in AVX-512, 16 lanes at a time (gcc's own vectorization of the
  * plain loop packs the codes with long permute chains), from float32 or bfloat16 elements (bf16),
  * packed `bits` wide into out as they are made (n a multiple of 8 / bits; bits 8: a byte a
  * code). k: the noise, NULL for round-to-nearest. */
-static void round_packed(const void *v, int bf16, const uint16_t *k, int64_t n, float inverse,
+static void round_packed(const void *v, int bf16, int rounding, const uint16_t *k,
+                         uint64_t first_element, uint64_t seed, int64_t n, float inverse,
                          float first, int32_t zp, int32_t top, int bits, uint8_t *out) {
-#define MEMOPT_ROUND(BF16, K, BITS) \
-    round_packed_as(v, BF16, K, n, inverse, first, zp, top, BITS, out)
-#define MEMOPT_ROUND_BITS(BF16, K) \
-    (bits == 8 ? MEMOPT_ROUND(BF16, K, 8) : bits == 4 ? MEMOPT_ROUND(BF16, K, 4) \
-                                                      : MEMOPT_ROUND(BF16, K, 2))
-    if (bf16)
-        k ? MEMOPT_ROUND_BITS(1, k) : MEMOPT_ROUND_BITS(1, NULL);
-    else
-        k ? MEMOPT_ROUND_BITS(0, k) : MEMOPT_ROUND_BITS(0, NULL);
+#define MEMOPT_ROUND(BF16, MODE, BITS) \
+    round_packed_as(v, BF16, MODE, k, first_element, seed, n, inverse, first, zp, top, BITS, out)
+#define MEMOPT_ROUND_BITS(BF16, MODE) \
+    (bits == 8 ? MEMOPT_ROUND(BF16, MODE, 8) : bits == 4 ? MEMOPT_ROUND(BF16, MODE, 4) \
+                                                         : MEMOPT_ROUND(BF16, MODE, 2))
+#define MEMOPT_ROUND_MODE(BF16) \
+    (rounding == NEAREST        ? MEMOPT_ROUND_BITS(BF16, NEAREST) \
+     : rounding == NOISE_BUFFER ? MEMOPT_ROUND_BITS(BF16, NOISE_BUFFER) \
+                                : MEMOPT_ROUND_BITS(BF16, NOISE_HASHED))
+    bf16 ? MEMOPT_ROUND_MODE(1) : MEMOPT_ROUND_MODE(0);
+#undef MEMOPT_ROUND_MODE
 #undef MEMOPT_ROUND_BITS
 #undef MEMOPT_ROUND
 }
@@ -416,7 +451,7 @@ static void round_group(const float *v, const uint16_t *k, int64_t n, float inve
                         int32_t zp, int32_t top, uint8_t *codes) {
     int64_t i = 0;
 #if defined(MEMOPT_AVX512)
-    round_packed(v, 0, k, n, inverse, first, zp, top, 8, codes);
+    round_packed(v, 0, k ? NOISE_BUFFER : NEAREST, k, 0, 0, n, inverse, first, zp, top, 8, codes);
     i = n;
 #elif defined(MEMOPT_AVX2)
     /* 32 lanes at a time in four vectors of 8, narrowed to bytes by two packs and one permute
@@ -519,15 +554,23 @@ static source_t group_source(const void *x, int dtype, int64_t numel, int64_t gr
     return (source_t){v, 0};
 }
 
-/* The codes of n elements, `bits` wide: packed as they are made with AVX-512, else (bits 8
- * only) a byte a code. k: the noise, NULL for round-to-nearest. */
-static void round_codes(source_t src, const uint16_t *k, int64_t n, float inverse, float first,
-                        int32_t zp, int32_t top, int bits, uint8_t *out) {
+/* The codes of n elements from element first_element on, `bits` wide: packed as they are made
+ * with AVX-512, else (bits 8 only) a byte a code. Stochastic rounding with fill_noise's noise of
+ * the seed (hashed in the registers where it can, else through the scratch `noise`, n 16-bit
+ * integers), else to nearest. */
+static void round_codes(source_t src, int stochastic, uint64_t seed, uint64_t first_element,
+                        int64_t n, float inverse, float first, int32_t zp, int32_t top, int bits,
+                        uint16_t *noise, uint8_t *out) {
 #if defined(MEMOPT_AVX512)
-    round_packed(src.v, src.bf16, k, n, inverse, first, zp, top, bits, out);
+    int rounding = !stochastic ? NEAREST : first_element & 1 ? NOISE_BUFFER : NOISE_HASHED;
+    if (rounding == NOISE_BUFFER) fill_noise(first_element, seed, n, noise);
+    round_packed(src.v, src.bf16, rounding, noise, first_element, seed, n, inverse, first, zp,
+                 top, bits, out);
 #else
     (void)bits;
-    round_group((const float *)src.v, k, n, inverse, first, zp, top, out);
+    if (stochastic) fill_noise(first_element, seed, n, noise);
+    round_group((const float *)src.v, stochastic ? noise : NULL, n, inverse, first, zp, top,
+                out);
 #endif
 }
 
@@ -595,11 +638,10 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
             zero_point[g] = (uint8_t)p.zero_point[j];
             flags[g] = (uint8_t)p.flags[j];
             flagged += p.flags[j] != 0;
-            if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
             /* packed as made: straight into the output (pending stays 0) */
-            round_codes(src[j], stochastic ? noise : NULL, group_size, p.inverse[j], first,
-                        (int32_t)p.zero_point[j], top, packed ? bits : 8,
-                        packed ? next : codes + pending);
+            round_codes(src[j], stochastic, seed, (uint64_t)(g * group_size), group_size,
+                        p.inverse[j], first, (int32_t)p.zero_point[j], top, packed ? bits : 8,
+                        noise, packed ? next : codes + pending);
             if (packed) {
                 next += group_size / per_byte;
                 continue;
@@ -769,6 +811,103 @@ static inline float level(uint8_t code, float zp, float pull, float step) {
     return (o > 0.0f ? o - pull : o < 0.0f ? o + pull : 0.0f) * step;
 }
 
+#if defined(MEMOPT_AVX512)
+/* 16 levels (float32) in the output type, stored at out (element i of out's dtype). bfloat16 as
+ * to_bf16 rounds; float16 by the conversion a C cast makes (to nearest even). */
+static inline __attribute__((always_inline)) void store_levels(__m512 levels, const int dtype,
+                                                               void *out, int64_t i) {
+    if (dtype == F32) {
+        _mm512_storeu_ps((float *)out + i, levels);
+    } else if (dtype == BF16) {
+        const __m512i u = _mm512_castps_si512(levels);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    } else {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
+                            _mm512_cvtps_ph(levels, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+}
+
+/* The first n / 16 * 16 levels of an 8-bit group at out (dtype), its codes at p: level()'s
+ * operations in 16 lanes. Returns the number of elements written. */
+static inline __attribute__((always_inline)) int64_t
+levels_8bit(const uint8_t *p, int64_t n, float zp, float pull, float step, const int dtype,
+            void *out) {
+    const __m512 zpv = _mm512_set1_ps(zp), pullv = _mm512_set1_ps(pull);
+    const __m512 stepv = _mm512_set1_ps(step), zero = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+        const __m512 o = _mm512_sub_ps(_mm512_cvtepi32_ps(c), zpv);
+        const __mmask16 pos = _mm512_cmp_ps_mask(o, zero, _CMP_GT_OQ);
+        const __mmask16 neg = _mm512_cmp_ps_mask(o, zero, _CMP_LT_OQ);
+        __m512 t = _mm512_mask_sub_ps(o, pos, o, pullv); /* o == 0 stays +0 */
+        t = _mm512_mask_add_ps(t, neg, o, pullv);
+        store_levels(_mm512_mul_ps(t, stepv), dtype, out, i);
+    }
+    return i;
+}
+
+/* The first n / 16 * 16 levels of a 4- or 2-bit group by table: the level of every code, in the
+ * output type (one 32-bit lane each, the table repeated to 16 entries), permuted by the codes'
+ * bits (a lane's low 4 bits: the code, then for 2 bits the next codes, which the repeats
+ * ignore). Returns the number of elements written. */
+static inline __attribute__((always_inline)) int64_t
+levels_by_table(const uint8_t *p, const int bits, int64_t n, float zp, float pull, float step,
+                const int dtype, void *out) {
+    uint32_t entries[16];
+    for (int c = 0; c < 16; c++) {
+        const float f = level((uint8_t)(c & ((1 << bits) - 1)), zp, pull, step);
+        if (dtype == F32) {
+            memcpy(&entries[c], &f, sizeof f);
+        } else if (dtype == BF16) {
+            entries[c] = to_bf16(f);
+        } else {
+            const _Float16 h = (_Float16)f;
+            uint16_t hb;
+            memcpy(&hb, &h, sizeof hb);
+            entries[c] = hb;
+        }
+    }
+    const __m512i table = _mm512_loadu_si512(entries);
+    const __m512i shifts =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16, p += 2 * bits) {
+        __m512i idx;
+        if (bits == 4) { /* bytes 2j, 2j + 1: byte j's low and high nibble in their low bits */
+            const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+            idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));
+        } else {
+            uint32_t w;
+            memcpy(&w, p, sizeof w);
+            idx = _mm512_srlv_epi32(_mm512_set1_epi32((int)w), shifts);
+        }
+        const __m512i v = _mm512_permutexvar_epi32(idx, table);
+        if (dtype == F32)
+            _mm512_storeu_si512((float *)out + i, v);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(v));
+    }
+    return i;
+}
+
+/* The levels of a group's first n / 16 * 16 elements in AVX-512 (the group starts on a byte of
+ * packed); returns how many were written. */
+static int64_t levels_simd(const uint8_t *p, int bits, int64_t n, float zp, float pull,
+                           float step, int dtype, void *out) {
+#define MEMOPT_LEVELS(DTYPE) \
+    (bits == 8   ? levels_8bit(p, n, zp, pull, step, DTYPE, out) \
+     : bits == 4 ? levels_by_table(p, 4, n, zp, pull, step, DTYPE, out) \
+                 : levels_by_table(p, 2, n, zp, pull, step, DTYPE, out))
+    return dtype == F32 ? MEMOPT_LEVELS(F32) : dtype == BF16 ? MEMOPT_LEVELS(BF16)
+                                                             : MEMOPT_LEVELS(F16);
+#undef MEMOPT_LEVELS
+}
+#endif
+
 /* The levels (codec._decode) of groups [g0, g1) into out, which holds (groups, group_size)
  * elements of dtype. scale: bfloat16 bits per group; each level is exact in float32 and rounded
  * once to the output type. buf: group_size floats; codes: group_size bytes. */
@@ -781,20 +920,29 @@ static void decode_range(const uint8_t *packed, int bits, float first, int64_t g
         /* scale 0 with the top code: a group lost for want of side-table room, decoded as NaN */
         const float step = scale[g] == 0 && zero_point[g] == top ? NAN : from_bf16(scale[g]);
         const float zp = (float)zero_point[g];
-        const int64_t start = g * group_size;
-        unpack(packed, bits, start, group_size, codes);
+        int64_t start = g * group_size, n = group_size;
+#if defined(MEMOPT_AVX512)
+        if (group_size % (8 / bits) == 0) { /* the group starts on a byte */
+            const size_t width = dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+            const int64_t done = levels_simd(packed + start * bits / 8, bits, n, zp, pull, step,
+                                             dtype, (char *)out + (size_t)start * width);
+            start += done;
+            n -= done;
+        }
+#endif
+        unpack(packed, bits, start, n, codes);
         if (dtype == F32) {
             float *o = (float *)out + start;
-            for (int64_t i = 0; i < group_size; i++) o[i] = level(codes[i], zp, pull, step);
+            for (int64_t i = 0; i < n; i++) o[i] = level(codes[i], zp, pull, step);
             continue;
         }
-        for (int64_t i = 0; i < group_size; i++) buf[i] = level(codes[i], zp, pull, step);
+        for (int64_t i = 0; i < n; i++) buf[i] = level(codes[i], zp, pull, step);
         if (dtype == BF16) {
             uint16_t *o = (uint16_t *)out + start;
-            for (int64_t i = 0; i < group_size; i++) o[i] = to_bf16(buf[i]);
+            for (int64_t i = 0; i < n; i++) o[i] = to_bf16(buf[i]);
         } else {
             _Float16 *o = (_Float16 *)out + start;
-            for (int64_t i = 0; i < group_size; i++) o[i] = (_Float16)buf[i];
+            for (int64_t i = 0; i < n; i++) o[i] = (_Float16)buf[i];
         }
     }
 }
