@@ -288,6 +288,20 @@ static void fill_noise(uint64_t first, uint64_t seed, int64_t n, uint16_t *k) {
     if (i + 2 * pairs < n) k[n - 1] = (uint16_t)mix32((pair0 + (uint32_t)pairs) ^ key);
 }
 
+/* One group's rounding: its elements, their place in the tensor (the noise's index), parameters
+ * and noise. */
+typedef struct {
+    const void *v;          /* the elements: float32, or bfloat16 where bf16 */
+    int bf16;
+    int64_t ahead;          /* bytes from v on of the next block's group, prefetched; or 0 */
+    int64_t n;              /* elements */
+    uint64_t first_element; /* v[0]'s index in the tensor */
+    uint64_t seed;          /* stochastic rounding's */
+    const uint16_t *noise;  /* fill_noise's noise of the elements, where read from a buffer */
+    float inverse, first;   /* 1 / step; the first level in steps */
+    int32_t zp, top;        /* zero point; the top code */
+} group_round_t;
+
 #if defined(MEMOPT_AVX512)
 /* 16 elements from lane i on as float32: float32 or bfloat16 (its bits shifted up), masked. */
 static inline __m512 load_lanes(const void *v, int bf16, int64_t i, __mmask16 lanes) {
@@ -387,57 +401,54 @@ static inline __m256i mix32_lanes(__m256i h) {
 }
 
 /* round_packed with the element type, rounding and width fixed (constants once inlined).
- * NOISE_HASHED: fill_noise's noise of elements [first_element, + n), first_element even: lane
- * pair j of a vector takes the halves of one hash, low first, as fill_noise writes them. */
+ * NOISE_HASHED: fill_noise's noise of the group's elements (its first element even): lane pair j
+ * of a vector takes the halves of one hash, low first, as fill_noise writes them. */
 static inline __attribute__((always_inline)) void
-round_packed_as(const void *v, const int bf16, const int rounding, const uint16_t *k,
-                uint64_t first_element, uint64_t seed, int64_t n, float inverse, float first,
-                int32_t zp, int32_t top, const int bits, uint8_t *out) {
-    const rounding_t r = rounding_of(inverse, first, zp, top);
-    const uint32_t key = (uint32_t)seed ^ mix32((uint32_t)(first_element >> 33) ^
-                                                (uint32_t)(seed >> 32));
+round_packed_as(const group_round_t *g, const int bf16, const int rounding, const int bits,
+                uint8_t *out) {
+    const rounding_t r = rounding_of(g->inverse, g->first, g->zp, g->top);
+    const uint32_t key = (uint32_t)g->seed ^ mix32((uint32_t)(g->first_element >> 33) ^
+                                                   (uint32_t)(g->seed >> 32));
     const __m256i keys = _mm256_set1_epi32((int)key), eight = _mm256_set1_epi32(8);
-    __m256i pairs = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(first_element >> 1)),
+    __m256i pairs = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(g->first_element >> 1)),
                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const int stochastic = rounding != NEAREST;
-    int64_t i = 0;
-    for (;; i += 16, out += 2 * bits) {
+    const int64_t n = g->n;
+    const char *next_block = (const char *)g->v + g->ahead;
+    for (int64_t i = 0;; i += 16, out += 2 * bits) {
         const int whole = i + 16 <= n;
         if (!whole && i >= n) break;
         const __mmask16 lanes = whole ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        /* the next block's elements stream in while this block's are rounded from the cache */
+        _mm_prefetch(next_block + i * (bf16 ? 2 : 4), _MM_HINT_T0);
         __m512i noise = _mm512_setzero_si512();
         if (rounding == NOISE_HASHED) {
             noise = _mm512_cvtepu16_epi32(mix32_lanes(_mm256_xor_si256(pairs, keys)));
             pairs = _mm256_add_epi32(pairs, eight);
         } else if (rounding == NOISE_BUFFER) {
-            noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, k + i));
+            noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, g->noise + i));
         }
-        store_packed(round_lanes(&r, v, bf16, stochastic, noise, i, lanes), bits,
+        store_packed(round_lanes(&r, g->v, bf16, rounding != NEAREST, noise, i, lanes), bits,
                      whole ? 16 : n - i, out);
         if (!whole) break;
     }
 }
 
 /* round_group's codes (below) in AVX-512, 16 lanes at a time (gcc's own vectorization of the
- * plain loop packs the codes with long permute chains), from float32 or bfloat16 elements (bf16),
+ * plain loop packs the codes with long permute chains), from float32 or bfloat16 elements,
  * packed `bits` wide into out as they are made (n a multiple of 8 / bits; bits 8: a byte a
- * code). k: the noise, NULL for round-to-nearest. */
-static void round_packed(const void *v, int bf16, int rounding, const uint16_t *k,
-                         uint64_t first_element, uint64_t seed, int64_t n, float inverse,
-                         float first, int32_t zp, int32_t top, int bits, uint8_t *out) {
-#define MEMOPT_ROUND(BF16, MODE, BITS) \
-    round_packed_as(v, BF16, MODE, k, first_element, seed, n, inverse, first, zp, top, BITS, out)
+ * code). */
+static void round_packed(const group_round_t *g, int rounding, int bits, uint8_t *out) {
 #define MEMOPT_ROUND_BITS(BF16, MODE) \
-    (bits == 8 ? MEMOPT_ROUND(BF16, MODE, 8) : bits == 4 ? MEMOPT_ROUND(BF16, MODE, 4) \
-                                                         : MEMOPT_ROUND(BF16, MODE, 2))
+    (bits == 8   ? round_packed_as(g, BF16, MODE, 8, out) \
+     : bits == 4 ? round_packed_as(g, BF16, MODE, 4, out) \
+                 : round_packed_as(g, BF16, MODE, 2, out))
 #define MEMOPT_ROUND_MODE(BF16) \
     (rounding == NEAREST        ? MEMOPT_ROUND_BITS(BF16, NEAREST) \
      : rounding == NOISE_BUFFER ? MEMOPT_ROUND_BITS(BF16, NOISE_BUFFER) \
                                 : MEMOPT_ROUND_BITS(BF16, NOISE_HASHED))
-    bf16 ? MEMOPT_ROUND_MODE(1) : MEMOPT_ROUND_MODE(0);
+    g->bf16 ? MEMOPT_ROUND_MODE(1) : MEMOPT_ROUND_MODE(0);
 #undef MEMOPT_ROUND_MODE
 #undef MEMOPT_ROUND_BITS
-#undef MEMOPT_ROUND
 }
 #endif
 
@@ -451,7 +462,9 @@ static void round_group(const float *v, const uint16_t *k, int64_t n, float inve
                         int32_t zp, int32_t top, uint8_t *codes) {
     int64_t i = 0;
 #if defined(MEMOPT_AVX512)
-    round_packed(v, 0, k ? NOISE_BUFFER : NEAREST, k, 0, 0, n, inverse, first, zp, top, 8, codes);
+    const group_round_t g = {.v = v, .n = n, .noise = k, .inverse = inverse, .first = first,
+                             .zp = zp, .top = top};
+    round_packed(&g, k ? NOISE_BUFFER : NEAREST, 8, codes);
     i = n;
 #elif defined(MEMOPT_AVX2)
     /* 32 lanes at a time in four vectors of 8, narrowed to bytes by two packs and one permute
@@ -529,21 +542,22 @@ static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
 typedef struct {
     const void *v;
     int bf16;
+    int64_t ahead; /* bytes to the next block's group (read in place), or 0 */
 } source_t;
 
 /* Group g's elements and their minimum and maximum: in place where the rounding reads the type
  * (AVX-512: a whole float32 or bfloat16 group), else as float32 in buf (load_group). */
 static source_t group_source(const void *x, int dtype, int64_t numel, int64_t group_size,
                              int64_t g, float *buf, float *mn, float *mx) {
-    const int64_t start = g * group_size;
 #if defined(MEMOPT_AVX512)
+    const int64_t start = g * group_size, block = block_of(group_size) * group_size;
     if (numel - start >= group_size && dtype == F32) {
         minmax_f32((const float *)x + start, group_size, mn, mx);
-        return (source_t){(const float *)x + start, 0};
+        return (source_t){(const float *)x + start, 0, block * (int64_t)sizeof(float)};
     }
     if (numel - start >= group_size && dtype == BF16) {
         minmax_bf16((const uint16_t *)x + start, group_size, mn, mx);
-        return (source_t){(const uint16_t *)x + start, 1};
+        return (source_t){(const uint16_t *)x + start, 1, block * (int64_t)sizeof(uint16_t)};
     }
     const float *v = load_group(x, dtype, numel, group_size, g, buf);
     minmax_f32(v, group_size, mn, mx);
@@ -551,26 +565,24 @@ static source_t group_source(const void *x, int dtype, int64_t numel, int64_t gr
     const float *v = load_group(x, dtype, numel, group_size, g, buf);
     minmax(v, group_size, mn, mx);
 #endif
-    return (source_t){v, 0};
+    return (source_t){v, 0, 0};
 }
 
-/* The codes of n elements from element first_element on, `bits` wide: packed as they are made
- * with AVX-512, else (bits 8 only) a byte a code. Stochastic rounding with fill_noise's noise of
- * the seed (hashed in the registers where it can, else through the scratch `noise`, n 16-bit
- * integers), else to nearest. */
-static void round_codes(source_t src, int stochastic, uint64_t seed, uint64_t first_element,
-                        int64_t n, float inverse, float first, int32_t zp, int32_t top, int bits,
-                        uint16_t *noise, uint8_t *out) {
+/* Group g's codes, `bits` wide: packed as they are made with AVX-512, else (bits 8 only) a byte
+ * a code. Stochastic rounding with fill_noise's noise of g's seed (hashed in the registers where
+ * it can, else through `scratch`, g->n 16-bit integers), else to nearest. */
+static void round_codes(group_round_t g, int stochastic, int bits, uint16_t *scratch,
+                        uint8_t *out) {
 #if defined(MEMOPT_AVX512)
-    int rounding = !stochastic ? NEAREST : first_element & 1 ? NOISE_BUFFER : NOISE_HASHED;
-    if (rounding == NOISE_BUFFER) fill_noise(first_element, seed, n, noise);
-    round_packed(src.v, src.bf16, rounding, noise, first_element, seed, n, inverse, first, zp,
-                 top, bits, out);
+    const int rounding = !stochastic ? NEAREST : g.first_element & 1 ? NOISE_BUFFER : NOISE_HASHED;
+    if (rounding == NOISE_BUFFER) fill_noise(g.first_element, g.seed, g.n, scratch);
+    g.noise = scratch;
+    round_packed(&g, rounding, bits, out);
 #else
     (void)bits;
-    if (stochastic) fill_noise(first_element, seed, n, noise);
-    round_group((const float *)src.v, stochastic ? noise : NULL, n, inverse, first, zp, top,
-                out);
+    if (stochastic) fill_noise(g.first_element, g.seed, g.n, scratch);
+    round_group((const float *)g.v, stochastic ? scratch : NULL, g.n, g.inverse, g.first, g.zp,
+                g.top, out);
 #endif
 }
 
@@ -580,6 +592,7 @@ static int packs_codes(int64_t group_size, int bits) {
 #if defined(MEMOPT_AVX512)
     return group_size % (8 / bits) == 0;
 #else
+    (void)group_size;
     return bits == 8;
 #endif
 }
@@ -639,9 +652,13 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
             flags[g] = (uint8_t)p.flags[j];
             flagged += p.flags[j] != 0;
             /* packed as made: straight into the output (pending stays 0) */
-            round_codes(src[j], stochastic, seed, (uint64_t)(g * group_size), group_size,
-                        p.inverse[j], first, (int32_t)p.zero_point[j], top, packed ? bits : 8,
-                        noise, packed ? next : codes + pending);
+            const group_round_t job = {
+                .v = src[j].v, .bf16 = src[j].bf16, .ahead = src[j].ahead, .n = group_size,
+                .first_element = (uint64_t)(g * group_size), .seed = seed,
+                .inverse = p.inverse[j], .first = first, .zp = (int32_t)p.zero_point[j],
+                .top = top};
+            round_codes(job, stochastic, packed ? bits : 8, noise,
+                        packed ? next : codes + pending);
             if (packed) {
                 next += group_size / per_byte;
                 continue;
