@@ -81,6 +81,7 @@ static inline void extremes_of_keys(int32_t lo, int32_t hi, float *mn, float *mx
     *mx = nan ? __builtin_nanf("") : from_order_key(hi);
 }
 
+#if !defined(MEMOPT_AVX512) /* AVX-512 builds: minmax_f32 */
 /* Minimum and maximum of the n floats at v, both NaN when one is NaN. Integer reductions over
  * order keys: they vectorize where float min/max (NaN rules) do not. */
 static void minmax(const float *v, int64_t n, float *mn, float *mx) {
@@ -94,6 +95,7 @@ static void minmax(const float *v, int64_t n, float *mn, float *mx) {
     }
     extremes_of_keys(lo, hi, mn, mx);
 }
+#endif
 
 #if defined(MEMOPT_AVX512)
 /* Order keys of 16 float32 (or 32 bfloat16) bit patterns: the magnitude bits of negatives
@@ -452,6 +454,7 @@ static void round_packed(const group_round_t *g, int rounding, int bits, uint8_t
 }
 #endif
 
+#if !defined(MEMOPT_AVX512) /* AVX-512 builds round in round_packed */
 /* codes[i] = clamp(zp + sign(v) * (floor(max(|v * inverse| - first, 0) + u) + 1), 0, top): zp
  * where v == 0, and where v is NaN (only groups kept exactly hold NaN; their codes go unused).
  * Nearest rounding (k == NULL) takes u = 1/2. Stochastic rounding takes u = (k[i] + 1/2) / 2^16
@@ -461,12 +464,7 @@ static void round_packed(const group_round_t *g, int rounding, int bits, uint8_t
 static void round_group(const float *v, const uint16_t *k, int64_t n, float inverse, float first,
                         int32_t zp, int32_t top, uint8_t *codes) {
     int64_t i = 0;
-#if defined(MEMOPT_AVX512)
-    const group_round_t g = {.v = v, .n = n, .noise = k, .inverse = inverse, .first = first,
-                             .zp = zp, .top = top};
-    round_packed(&g, k ? NOISE_BUFFER : NEAREST, 8, codes);
-    i = n;
-#elif defined(MEMOPT_AVX2)
+#if defined(MEMOPT_AVX2)
     /* 32 lanes at a time in four vectors of 8, narrowed to bytes by two packs and one permute
      * (gcc's own vectorization of the loop below narrows with long shuffle chains). */
     const __m256 inv = _mm256_set1_ps(inverse), lowest = _mm256_set1_ps(first);
@@ -523,6 +521,7 @@ static void round_group(const float *v, const uint16_t *k, int64_t n, float inve
         codes[i] = (uint8_t)(code > top ? top : code);
     }
 }
+#endif
 
 /* Pack n one-byte codes into n / per_byte bytes (n a multiple of per_byte), low bits first. */
 static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
@@ -769,13 +768,12 @@ int memopt_graph_encode(const void *x, int dtype, int64_t numel, int64_t group_s
         }
         uint16_t *noise = buf ? (uint16_t *)(buf + block * group_size) : NULL;
         float mn[MAX_BLOCK], mx[MAX_BLOCK];
-        const float *v[MAX_BLOCK];
+        source_t src[MAX_BLOCK];
         for (int64_t gb = g0; gb < g1; gb += block) {
             const int64_t nb = g1 - gb < block ? g1 - gb : block;
-            for (int64_t j = 0; j < nb; j++) {
-                v[j] = load_group(x, dtype, numel, group_size, gb + j, buf + j * group_size);
-                minmax(v[j], group_size, &mn[j], &mx[j]);
-            }
+            for (int64_t j = 0; j < nb; j++)
+                src[j] = group_source(x, dtype, numel, group_size, gb + j, buf + j * group_size,
+                                      &mn[j], &mx[j]);
             for (int64_t j = 0; j < nb; j++) {
                 const int64_t g = gb + j;
                 const params_t p = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
@@ -783,9 +781,12 @@ int memopt_graph_encode(const void *x, int dtype, int64_t numel, int64_t group_s
                     (p.flags & EXACT) || ((p.flags & CONSTANT) && !__builtin_isfinite(mx[j]));
                 scale[g] = (uint16_t)(lost ? 0u : p.scale);
                 zero_point[g] = (uint8_t)(lost ? top : (int32_t)p.zero_point);
-                if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
-                round_group(v[j], stochastic ? noise : NULL, group_size, p.inverse, first,
-                            (int32_t)p.zero_point, top, codes);
+                const group_round_t job = {
+                    .v = src[j].v, .bf16 = src[j].bf16, .ahead = src[j].ahead, .n = group_size,
+                    .first_element = (uint64_t)(g * group_size), .seed = seed,
+                    .inverse = p.inverse, .first = first, .zp = (int32_t)p.zero_point,
+                    .top = top};
+                round_codes(job, stochastic, 8, noise, codes);
                 pack_planes(codes, group_size, bits, out + g * bytes);
             }
         }
