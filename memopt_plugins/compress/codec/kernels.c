@@ -4,6 +4,9 @@
  * bytes as its torch code (tests/test_native.py checks it). Quantizing makes one pass over memory
  * (group statistics, parameters, codes and packing while a block of groups is in cache) instead
  * of torch's dozen, decoding one; both work on a range of groups, so callers can split a tensor.
+ * With AVX-512, float32 and bfloat16 groups are read in place, codes are packed in a register as
+ * they are made with the noise hashed in registers, and 4- and 2-bit codes decode by table; the
+ * AVX2 and plain C paths write the same bytes (tests/test_native.py builds them).
  *
  * Element types (dtype argument): 0 float32, 1 bfloat16, 2 float16. Codes are packed low bits
  * first, 8 / bits per byte, in the order of the flattened tensor.
