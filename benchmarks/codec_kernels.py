@@ -6,7 +6,8 @@ side by side. Inputs: the float32 tensors memopt int8 quantizes in one training 
 every input set, width (8, 4, 2 bits), rounding (stochastic, nearest) and decode, both builds
 must write the same bytes; then each is timed, alternating, as the minimum of ``--rounds``
 rounds over the set (thread CPU time at one thread, wall time with more), beside a clone of
-the set. Prints a table (ms) and, with ``--json``, writes the numbers.
+the set: through ``native.quantize`` / ``native.decode``, and the C entry points alone writing
+into buffers allocated once. Prints a table (ms) and, with ``--json``, writes the numbers.
 
     python -m benchmarks.codec_kernels [--against main] [--threads 1] [--rounds 5] [--json F]
 """
@@ -103,6 +104,30 @@ def decode(lib, codes: list, bits: int, dtype: torch.dtype) -> list[torch.Tensor
     ]
 
 
+def encode_into(lib, tensors: list[torch.Tensor], outs: list, bits: int, seed: int | None):
+    """The kernel alone: ``memopt_quantize`` into the buffers of earlier results ``outs`` (no
+    Python wrapper, no allocation)."""
+    first, threads = FIRST_LEVEL[bits], torch.get_num_threads()
+    for t, o in zip(tensors, outs, strict=True):
+        flags = torch.empty_like(o.zero_point) if o.exact is None else o.exact.to(torch.uint8)
+        lib.memopt_quantize(
+            t.data_ptr(), native._DTYPE_CODES[t.dtype], t.numel(), GROUP_SIZE, o.scale.numel(),
+            bits, first, seed is not None, seed or 0, torch.finfo(t.dtype).max,
+            o.codes.data_ptr(), o.scale.data_ptr(), o.zero_point.data_ptr(), flags.data_ptr(),
+            threads,
+        )  # fmt: skip
+
+
+def decode_into(lib, codes: list, outs: list[torch.Tensor], bits: int) -> None:
+    """The kernel alone: ``memopt_decode`` into ``outs``."""
+    first, threads = FIRST_LEVEL[bits], torch.get_num_threads()
+    for c, out in zip(codes, outs, strict=True):
+        lib.memopt_decode(
+            c.codes.data_ptr(), bits, first, GROUP_SIZE, c.scale.numel(), c.scale.data_ptr(),
+            c.zero_point.data_ptr(), native._DTYPE_CODES[out.dtype], out.data_ptr(), threads,
+        )  # fmt: skip
+
+
 def alternate(libs: dict, run: Callable, rounds: int, clock) -> dict[str, float]:
     """Each build's best time of ``run(lib)``, the builds alternated twice (the machine's load
     shifts under both)."""
@@ -123,13 +148,18 @@ def compare(libs: dict, tensors: list[torch.Tensor], rounds: int, clock) -> list
             fields = [[_bytes(getattr(c, f)) for c in cs for f in KERNEL_FIELDS] for cs in out]
             assert _same(*fields), f"the builds' codes differ at {bits} bits, seed {seed}"
             times = alternate(libs, partial(_encode_as, tensors, bits, seed), rounds, clock)
+            alone = alternate(
+                libs, partial(_encode_into_as, tensors, out[0], bits, seed), rounds, clock
+            )
             op = "quantize " + ("stochastic" if seed is not None else "nearest")
-            rows.append({"op": op, "bits": bits, **times})
+            rows.append({"op": op, "bits": bits, **times, "kernel alone": alone})
         codes, dtype = out[0], tensors[0].dtype
         decoded = [[_bytes(d) for d in decode(lib, codes, bits, dtype)] for lib in libs.values()]
         assert _same(*decoded), f"the builds decode differently at {bits} bits"
         times = alternate(libs, partial(_decode_as, codes, bits, dtype), rounds, clock)
-        rows.append({"op": "decode", "bits": bits, **times})
+        outs = decode(next(iter(libs.values())), codes, bits, dtype)
+        alone = alternate(libs, partial(_decode_into_as, codes, outs, bits), rounds, clock)
+        rows.append({"op": "decode", "bits": bits, **times, "kernel alone": alone})
     return rows
 
 
@@ -139,6 +169,14 @@ def _encode_as(tensors, bits, seed, lib):
 
 def _decode_as(codes, bits, dtype, lib):
     return decode(lib, codes, bits, dtype)
+
+
+def _encode_into_as(tensors, outs, bits, seed, lib):
+    return encode_into(lib, tensors, outs, bits, seed)
+
+
+def _decode_into_as(codes, outs, bits, lib):
+    return decode_into(lib, codes, outs, bits)
 
 
 def main() -> None:
@@ -177,7 +215,8 @@ def main() -> None:
             print(f"\n{name}: {len(tensors)} tensors, {mib:.1f} MiB, clone {clone:.2f}")
             for row in rows:
                 cells = "  ".join(f"{k} {row[k]:7.2f}" for k in libs)
-                print(f"  {row['op']:20s} {row['bits']} bits  {cells}")
+                alone = "  ".join(f"{k} {row['kernel alone'][k]:7.2f}" for k in libs)
+                print(f"  {row['op']:20s} {row['bits']} bits  {cells}  | kernel alone: {alone}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
