@@ -130,7 +130,7 @@ def test_kernels_give_the_same_result_on_any_number_of_threads(stochastic: bool)
 #: The kernels' intrinsics paths: the CPU flags each needs, and the compiler flag that builds the
 #: path below it instead.
 SIMD_PATHS = {
-    "avx512": ({"avx512f", "avx512bw", "avx512vl"}, "-mno-avx512f"),
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "-mno-avx512f"),
     "avx2": ({"avx2", "fma"}, "-mno-avx2"),
 }
 

@@ -15,7 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
 #define MEMOPT_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MEMOPT_AVX2 1
@@ -347,7 +348,7 @@ static inline void store_packed(__m512i code, int bits, int64_t count, uint8_t *
 
 /* The constants of one group's rounding, in vectors. */
 typedef struct {
-    __m512 inv, first, zero, half, cap, fixed_one, magnitude;
+    __m512 inv, first, zero, half, cap, fixed_one;
     __m512i zp, above, below, top, zero_i;
 } rounding_t;
 
@@ -359,7 +360,6 @@ static inline rounding_t rounding_of(float inverse, float first, int32_t zp, int
     r.half = _mm512_set1_ps(0.5f);
     r.cap = _mm512_set1_ps(1024.0f);
     r.fixed_one = _mm512_set1_ps(65536.0f);
-    r.magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     r.zp = _mm512_set1_epi32(zp);
     r.above = _mm512_set1_epi32(zp + 1);
     r.below = _mm512_set1_epi32(zp - 1);
@@ -375,8 +375,10 @@ static inline __attribute__((always_inline)) __m512i
 round_lanes(const rounding_t *r, const void *v, int bf16, const int stochastic, __m512i noise,
             int64_t i, __mmask16 lanes) {
     const __m512 e = load_lanes(v, bf16, i, lanes);
-    __m512 q = _mm512_sub_ps(_mm512_and_ps(_mm512_mul_ps(e, r->inv), r->magnitude), r->first);
-    q = _mm512_max_ps(q, r->zero); /* NaN -> 0 */
+    /* max(|e * inverse|, first) - first == max(|e * inverse| - first, 0), one operation fewer
+     * (vrangeps 0x0b: the larger magnitude, sign cleared); NaN stays NaN, and its lane's code
+     * is zp whatever its magnitude */
+    __m512 q = _mm512_sub_ps(_mm512_range_ps(_mm512_mul_ps(e, r->inv), r->first, 0x0b), r->first);
     __m512i mag;
     if (stochastic) {
         q = _mm512_min_ps(q, r->cap);
