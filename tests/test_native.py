@@ -127,25 +127,45 @@ def test_kernels_give_the_same_result_on_any_number_of_threads(stochastic: bool)
         assert torch.equal(decoded, results[0][1])
 
 
-#: The rounding loop's intrinsics paths: the CPU flags each needs, and the compiler flag that
-#: builds the path below it instead.
+#: The kernels' intrinsics paths: the CPU flags each needs, and the compiler flag that builds the
+#: path below it instead.
 SIMD_PATHS = {
-    "avx512": ({"avx512f", "avx512bw", "avx512vl"}, "-mno-avx512f"),
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "-mno-avx512f"),
     "avx2": ({"avx2", "fma"}, "-mno-avx2"),
 }
 
 
+def _kernel_bytes(x: torch.Tensor, group_size: int) -> list[torch.Tensor | None]:
+    """Everything quantize and dequantize write for x, at every width, nearest and stochastic."""
+    out = []
+    for bits in BITS:
+        for stochastic in (False, True):
+            p = quantize(x, bits, group_size, stochastic=stochastic, generator=_generator(34))
+            out += [p.codes, p.scale, p.zero_point, p.exact_index, p.const_index, dequantize(p)]
+    return out
+
+
 @pytest.mark.parametrize("path", SIMD_PATHS)
-def test_the_portable_rounding_loop_writes_the_same_bytes(path, tmp_path, monkeypatch) -> None:
-    # Where the CPU has AVX-512 or AVX2, rounding runs in intrinsics; built without them, the
-    # next path down does (down to the plain C loop). Every path must give the same codes,
-    # nearest and stochastic (the noise is the same), also on a group that is not a whole number
-    # of vectors (the intrinsics' tail).
+def test_the_portable_kernels_write_the_same_bytes(path, tmp_path, monkeypatch) -> None:
+    # Where the CPU has AVX-512 or AVX2, the kernels run intrinsics (group extremes, rounding,
+    # noise, packing, decoding); built without them, the next path down does (down to the plain
+    # C loops). Every path must write the same bytes (codes, parameters, decoded values), nearest
+    # and stochastic, for float32 and bfloat16 groups read in place and float16 ones converted,
+    # also on groups that are not a whole number of vectors (the intrinsics' tails) or that
+    # start inside a byte or on an odd element (group size 7).
     needs, without = SIMD_PATHS[path]
     if not needs <= set(native._cpu_identity().split()):
-        pytest.skip(f"no {path} here: both builds would run the same loop")
+        pytest.skip(f"no {path} here: both builds would run the same loops")
     x = _adversarial(40_000, 256, torch.float32, seed=33)
     odd = _adversarial(4_000, 100, torch.float32, seed=35)
+    inputs = [
+        (x, 256),
+        (odd, 100),
+        (x.bfloat16(), 256),
+        (odd.bfloat16(), 100),
+        (odd.half(), 100),
+        (_adversarial(3_001, 7, torch.bfloat16, seed=36), 7),
+    ]
     compiler = os.environ.get("CC", "cc")
     built = {}
     for flags in ("", without):
@@ -153,16 +173,9 @@ def test_the_portable_rounding_loop_writes_the_same_bytes(path, tmp_path, monkey
         monkeypatch.setenv("CC", f"{compiler} {flags}")
         monkeypatch.setattr(native, "_state", {})
         assert native.library() is not None
-        built[flags] = [
-            quantize(
-                t, bits, group_size=size, stochastic=stochastic, generator=_generator(34)
-            ).codes
-            for t, size in ((x, 256), (odd, 100))
-            for bits in BITS
-            for stochastic in (False, True)
-        ]
+        built[flags] = [field for t, size in inputs for field in _kernel_bytes(t, size)]
     for simd, portable in zip(built[""], built[without], strict=True):
-        assert torch.equal(simd, portable)
+        assert _same_bits(simd, portable)
 
 
 def test_kernels_are_built_once_into_the_cache(tmp_path, monkeypatch) -> None:

@@ -4,6 +4,9 @@
  * bytes as its torch code (tests/test_native.py checks it). Quantizing makes one pass over memory
  * (group statistics, parameters, codes and packing while a block of groups is in cache) instead
  * of torch's dozen, decoding one; both work on a range of groups, so callers can split a tensor.
+ * With AVX-512, float32 and bfloat16 groups are read in place, codes are packed in a register as
+ * they are made with the noise hashed in registers, and 4- and 2-bit codes decode by table; the
+ * AVX2 and plain C paths write the same bytes (tests/test_native.py builds them).
  *
  * Element types (dtype argument): 0 float32, 1 bfloat16, 2 float16. Codes are packed low bits
  * first, 8 / bits per byte, in the order of the flattened tensor.
@@ -12,7 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
 #define MEMOPT_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MEMOPT_AVX2 1
@@ -73,21 +77,104 @@ static inline float from_order_key(int32_t k) {
     return f;
 }
 
+/* The group's minimum and maximum from the order keys of its extremes, both NaN when a key lies
+ * beyond +inf's (a NaN with the sign bit clear) or below -inf's (one with it set). */
+static inline void extremes_of_keys(int32_t lo, int32_t hi, float *mn, float *mx) {
+    const int nan = hi > 0x7f800000 || lo < -0x7f800001; /* key of -inf: 0x807fffff */
+    *mn = nan ? __builtin_nanf("") : from_order_key(lo);
+    *mx = nan ? __builtin_nanf("") : from_order_key(hi);
+}
+
+#if !defined(MEMOPT_AVX512) /* AVX-512 builds: minmax_f32 */
 /* Minimum and maximum of the n floats at v, both NaN when one is NaN. Integer reductions over
  * order keys: they vectorize where float min/max (NaN rules) do not. */
 static void minmax(const float *v, int64_t n, float *mn, float *mx) {
-    int32_t lo = INT32_MAX, hi = INT32_MIN, nan = 0;
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int64_t i = 0; i < n; i++) {
         int32_t bits;
         memcpy(&bits, &v[i], sizeof bits);
         int32_t k = bits ^ ((bits >> 31) & 0x7fffffff);
         lo = k < lo ? k : lo;
         hi = k > hi ? k : hi;
-        nan |= (bits & 0x7fffffff) > 0x7f800000;
     }
-    *mn = nan ? __builtin_nanf("") : from_order_key(lo);
-    *mx = nan ? __builtin_nanf("") : from_order_key(hi);
+    extremes_of_keys(lo, hi, mn, mx);
 }
+#endif
+
+#if defined(MEMOPT_AVX512)
+/* Order keys of 16 float32 (or 32 bfloat16) bit patterns: the magnitude bits of negatives
+ * flipped (ternary logic 0x78: a ^ (sign & magnitude)). */
+static inline __m512i keys32(__m512i a) {
+    return _mm512_ternarylogic_epi32(a, _mm512_srai_epi32(a, 31), _mm512_set1_epi32(0x7fffffff),
+                                     0x78);
+}
+static inline __m512i keys16(__m512i a) {
+    return _mm512_ternarylogic_epi32(a, _mm512_srai_epi16(a, 15), _mm512_set1_epi16(0x7fff),
+                                     0x78);
+}
+
+/* minmax of a float32 group in AVX-512: two key vectors per step, masked tail. */
+static void minmax_f32(const float *v, int64_t n, float *mn, float *mx) {
+    __m512i lo0 = _mm512_set1_epi32(INT32_MAX), hi0 = _mm512_set1_epi32(INT32_MIN);
+    __m512i lo1 = lo0, hi1 = hi0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512i a = keys32(_mm512_loadu_si512(v + i));
+        const __m512i b = keys32(_mm512_loadu_si512(v + i + 16));
+        lo0 = _mm512_min_epi32(lo0, a);
+        hi0 = _mm512_max_epi32(hi0, a);
+        lo1 = _mm512_min_epi32(lo1, b);
+        hi1 = _mm512_max_epi32(hi1, b);
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512i a = keys32(_mm512_maskz_loadu_epi32(lanes, v + i));
+        lo0 = _mm512_mask_min_epi32(lo0, lanes, lo0, a);
+        hi0 = _mm512_mask_max_epi32(hi0, lanes, hi0, a);
+    }
+    extremes_of_keys(_mm512_reduce_min_epi32(_mm512_min_epi32(lo0, lo1)),
+                     _mm512_reduce_max_epi32(_mm512_max_epi32(hi0, hi1)), mn, mx);
+}
+
+/* The 16-bit order key's float32 key: the bfloat16's float32 bits are its own shifted left by
+ * 16, and a negative's flipped magnitude bits take the low 16 along. */
+static inline int32_t key32_of_key16(int32_t k) {
+    return (int32_t)((uint32_t)k << 16) | (k < 0 ? 0xffff : 0);
+}
+
+/* Reduce 32 signed 16-bit lanes to one, by halves. */
+static inline int32_t reduce_min_epi16(__m512i a) {
+    __m256i h = _mm256_min_epi16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m128i q = _mm_min_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    q = _mm_min_epi16(q, _mm_shuffle_epi32(q, 0x4e));
+    q = _mm_min_epi16(q, _mm_shuffle_epi32(q, 0xb1));
+    q = _mm_min_epi16(q, _mm_srli_epi32(q, 16));
+    return (int16_t)_mm_cvtsi128_si32(q);
+}
+static inline int32_t reduce_max_epi16(__m512i a) {
+    __m256i h = _mm256_max_epi16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m128i q = _mm_max_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    q = _mm_max_epi16(q, _mm_shuffle_epi32(q, 0x4e));
+    q = _mm_max_epi16(q, _mm_shuffle_epi32(q, 0xb1));
+    q = _mm_max_epi16(q, _mm_srli_epi32(q, 16));
+    return (int16_t)_mm_cvtsi128_si32(q);
+}
+
+/* minmax of a bfloat16 group on its 16-bit keys, 32 lanes a vector (the float32 keys of
+ * bfloat16 values are ordered as their 16-bit keys). */
+static void minmax_bf16(const uint16_t *v, int64_t n, float *mn, float *mx) {
+    __m512i lo = _mm512_set1_epi16(INT16_MAX), hi = _mm512_set1_epi16(INT16_MIN);
+    for (int64_t i = 0; i < n; i += 32) {
+        const __mmask32 lanes = n - i >= 32 ? (__mmask32)0xffffffffu
+                                            : (__mmask32)((1u << (n - i)) - 1);
+        const __m512i a = keys16(_mm512_maskz_loadu_epi16(lanes, v + i));
+        lo = _mm512_mask_min_epi16(lo, lanes, lo, a);
+        hi = _mm512_mask_max_epi16(hi, lanes, hi, a);
+    }
+    extremes_of_keys(key32_of_key16(reduce_min_epi16(lo)), key32_of_key16(reduce_max_epi16(hi)),
+                     mn, mx);
+}
+#endif
 
 /* f (>= 0) as bfloat16 bits, rounded toward +inf so a step never shrinks:
  * codec._bf16_round_up. In 32 bits, so that loops over groups vectorize. */
@@ -207,6 +294,172 @@ static void fill_noise(uint64_t first, uint64_t seed, int64_t n, uint16_t *k) {
     if (i + 2 * pairs < n) k[n - 1] = (uint16_t)mix32((pair0 + (uint32_t)pairs) ^ key);
 }
 
+/* One group's rounding: its elements, their place in the tensor (the noise's index), parameters
+ * and noise. */
+typedef struct {
+    const void *v;          /* the elements: float32, or bfloat16 where bf16 */
+    int bf16;
+    int64_t ahead;          /* bytes from v on of the next block's group, prefetched; or 0 */
+    int64_t n;              /* elements */
+    uint64_t first_element; /* v[0]'s index in the tensor */
+    uint64_t seed;          /* stochastic rounding's */
+    const uint16_t *noise;  /* fill_noise's noise of the elements, where read from a buffer */
+    float inverse, first;   /* 1 / step; the first level in steps */
+    int32_t zp, top;        /* zero point; the top code */
+} group_round_t;
+
+#if defined(MEMOPT_AVX512)
+/* 16 elements from lane i on as float32: float32 or bfloat16 (its bits shifted up), masked. */
+static inline __m512 load_lanes(const void *v, int bf16, int64_t i, __mmask16 lanes) {
+    if (!bf16) return _mm512_maskz_loadu_ps(lanes, (const float *)v + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)v + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Store the codes (0..top, one per 32-bit lane) of `count` lanes packed `bits` wide, low bits
+ * first, at out: 16 bytes, 8 (two codes a byte) or 4 (four). count is a multiple of 8 / bits. */
+static inline void store_packed(__m512i code, int bits, int64_t count, uint8_t *out) {
+    const __m128i bytes = _mm512_cvtepi32_epi8(code); /* narrowed in a register: faster than
+                                                          the masked narrowing store */
+    if (bits == 8) {
+        if (count >= 16)
+            _mm_storeu_si128((__m128i *)out, bytes);
+        else
+            _mm_mask_storeu_epi8(out, (__mmask16)((1u << count) - 1), bytes);
+        return;
+    }
+    __m128i packed;
+    if (bits == 4) { /* per 16-bit lane: b0 | b1 << 4 in the low byte */
+        packed = _mm_cvtepi16_epi8(_mm_or_si128(bytes, _mm_srli_epi16(bytes, 4)));
+    } else { /* per 32-bit lane: b0 | b1 << 2 | b2 << 4 | b3 << 6 in the low byte */
+        __m128i t = _mm_or_si128(bytes, _mm_srli_epi32(bytes, 6));
+        packed = _mm_cvtepi32_epi8(_mm_or_si128(t, _mm_srli_epi32(t, 12)));
+    }
+    const int64_t n_bytes = count * bits / 8;
+    if (count >= 16) {
+        if (bits == 4)
+            _mm_storel_epi64((__m128i *)out, packed);
+        else
+            _mm_storeu_si32(out, packed);
+    } else {
+        _mm_mask_storeu_epi8(out, (__mmask16)((1u << n_bytes) - 1), packed);
+    }
+}
+
+/* The constants of one group's rounding, in vectors. */
+typedef struct {
+    __m512 inv, first, zero, half, cap, fixed_one;
+    __m512i zp, above, below, top, zero_i;
+} rounding_t;
+
+static inline rounding_t rounding_of(float inverse, float first, int32_t zp, int32_t top) {
+    rounding_t r;
+    r.inv = _mm512_set1_ps(inverse);
+    r.first = _mm512_set1_ps(first);
+    r.zero = _mm512_setzero_ps();
+    r.half = _mm512_set1_ps(0.5f);
+    r.cap = _mm512_set1_ps(1024.0f);
+    r.fixed_one = _mm512_set1_ps(65536.0f);
+    r.zp = _mm512_set1_epi32(zp);
+    r.above = _mm512_set1_epi32(zp + 1);
+    r.below = _mm512_set1_epi32(zp - 1);
+    r.top = _mm512_set1_epi32(top);
+    r.zero_i = _mm512_setzero_si512();
+    return r;
+}
+
+/* The codes of 16 lanes from lane i on (round_group's, below): zp + 1 + m above zero and
+ * zp - 1 - m below, m = floor(q + u), clamped to [0, top]. noise: the lanes' 16-bit noise k
+ * where stochastic, else round-to-nearest. */
+static inline __attribute__((always_inline)) __m512i
+round_lanes(const rounding_t *r, const void *v, int bf16, const int stochastic, __m512i noise,
+            int64_t i, __mmask16 lanes) {
+    const __m512 e = load_lanes(v, bf16, i, lanes);
+    /* max(|e * inverse|, first) - first == max(|e * inverse| - first, 0), one operation fewer
+     * (vrangeps 0x0b: the larger magnitude, sign cleared); NaN stays NaN, and its lane's code
+     * is zp whatever its magnitude */
+    __m512 q = _mm512_sub_ps(_mm512_range_ps(_mm512_mul_ps(e, r->inv), r->first, 0x0b), r->first);
+    __m512i mag;
+    if (stochastic) {
+        q = _mm512_min_ps(q, r->cap);
+        const __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(q, r->fixed_one, r->half));
+        mag = _mm512_srli_epi32(_mm512_add_epi32(fixed, noise), 16);
+    } else {
+        mag = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(q, r->half), r->cap));
+    }
+    const __mmask16 pos = _mm512_cmp_ps_mask(e, r->zero, _CMP_GT_OQ);
+    const __mmask16 neg = _mm512_cmp_ps_mask(e, r->zero, _CMP_LT_OQ);
+    __m512i code = _mm512_mask_add_epi32(r->zp, pos, r->above, mag);
+    code = _mm512_mask_sub_epi32(code, neg, r->below, mag);
+    return _mm512_min_epi32(_mm512_max_epi32(code, r->zero_i), r->top);
+}
+
+/* How a group's codes are rounded: to nearest; with noise from a buffer (fill_noise's); or with
+ * noise hashed in the registers, for a group that starts on an even element. */
+enum { NEAREST, NOISE_BUFFER, NOISE_HASHED };
+
+/* mix32 in 8 lanes (fill_noise's hash). */
+static inline __m256i mix32_lanes(__m256i h) {
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7feb352d));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+/* round_packed with the element type, rounding and width fixed (constants once inlined).
+ * NOISE_HASHED: fill_noise's noise of the group's elements (its first element even): lane pair j
+ * of a vector takes the halves of one hash, low first, as fill_noise writes them. */
+static inline __attribute__((always_inline)) void
+round_packed_as(const group_round_t *g, const int bf16, const int rounding, const int bits,
+                uint8_t *out) {
+    const rounding_t r = rounding_of(g->inverse, g->first, g->zp, g->top);
+    const uint32_t key = (uint32_t)g->seed ^ mix32((uint32_t)(g->first_element >> 33) ^
+                                                   (uint32_t)(g->seed >> 32));
+    const __m256i keys = _mm256_set1_epi32((int)key), eight = _mm256_set1_epi32(8);
+    __m256i pairs = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(g->first_element >> 1)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const int64_t n = g->n;
+    const char *next_block = (const char *)g->v + g->ahead;
+    for (int64_t i = 0;; i += 16, out += 2 * bits) {
+        const int whole = i + 16 <= n;
+        if (!whole && i >= n) break;
+        const __mmask16 lanes = whole ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        /* the next block's elements stream in while this block's are rounded from the cache */
+        _mm_prefetch(next_block + i * (bf16 ? 2 : 4), _MM_HINT_T0);
+        __m512i noise = _mm512_setzero_si512();
+        if (rounding == NOISE_HASHED) {
+            noise = _mm512_cvtepu16_epi32(mix32_lanes(_mm256_xor_si256(pairs, keys)));
+            pairs = _mm256_add_epi32(pairs, eight);
+        } else if (rounding == NOISE_BUFFER) {
+            noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, g->noise + i));
+        }
+        store_packed(round_lanes(&r, g->v, bf16, rounding != NEAREST, noise, i, lanes), bits,
+                     whole ? 16 : n - i, out);
+        if (!whole) break;
+    }
+}
+
+/* round_group's codes (below) in AVX-512, 16 lanes at a time (gcc's own vectorization of the
+ * plain loop packs the codes with long permute chains), from float32 or bfloat16 elements,
+ * packed `bits` wide into out as they are made (n a multiple of 8 / bits; bits 8: a byte a
+ * code). */
+static void round_packed(const group_round_t *g, int rounding, int bits, uint8_t *out) {
+#define MEMOPT_ROUND_BITS(BF16, MODE) \
+    (bits == 8   ? round_packed_as(g, BF16, MODE, 8, out) \
+     : bits == 4 ? round_packed_as(g, BF16, MODE, 4, out) \
+                 : round_packed_as(g, BF16, MODE, 2, out))
+#define MEMOPT_ROUND_MODE(BF16) \
+    (rounding == NEAREST        ? MEMOPT_ROUND_BITS(BF16, NEAREST) \
+     : rounding == NOISE_BUFFER ? MEMOPT_ROUND_BITS(BF16, NOISE_BUFFER) \
+                                : MEMOPT_ROUND_BITS(BF16, NOISE_HASHED))
+    g->bf16 ? MEMOPT_ROUND_MODE(1) : MEMOPT_ROUND_MODE(0);
+#undef MEMOPT_ROUND_MODE
+#undef MEMOPT_ROUND_BITS
+}
+#endif
+
+#if !defined(MEMOPT_AVX512) /* AVX-512 builds round in round_packed */
 /* codes[i] = clamp(zp + sign(v) * (floor(max(|v * inverse| - first, 0) + u) + 1), 0, top): zp
  * where v == 0, and where v is NaN (only groups kept exactly hold NaN; their codes go unused).
  * Nearest rounding (k == NULL) takes u = 1/2. Stochastic rounding takes u = (k[i] + 1/2) / 2^16
@@ -216,43 +469,7 @@ static void fill_noise(uint64_t first, uint64_t seed, int64_t n, uint16_t *k) {
 static void round_group(const float *v, const uint16_t *k, int64_t n, float inverse, float first,
                         int32_t zp, int32_t top, uint8_t *codes) {
     int64_t i = 0;
-#if defined(MEMOPT_AVX512)
-    /* The same operations 16 lanes at a time: gcc's own vectorization of the loop below packs
-     * the codes with long permute chains and runs at half this speed. */
-    const __m512 inv = _mm512_set1_ps(inverse), lowest = _mm512_set1_ps(first);
-    const __m512 zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f);
-    const __m512 cap = _mm512_set1_ps(1024.0f), fixed_one = _mm512_set1_ps(65536.0f);
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    const __m512i zpv = _mm512_set1_epi32(zp), one = _mm512_set1_epi32(1);
-    const __m512i topv = _mm512_set1_epi32(top), zero_i = _mm512_setzero_si512();
-    for (; i < n; i += 16) {
-        const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 e = _mm512_maskz_loadu_ps(lanes, v + i);
-        __m512 q = _mm512_sub_ps(_mm512_and_ps(_mm512_mul_ps(e, inv), magnitude), lowest);
-        q = _mm512_max_ps(q, zero); /* NaN -> 0 */
-        __m512i mag;
-        if (k) {
-            q = _mm512_min_ps(q, cap);
-            const __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(q, fixed_one, half));
-            const __m512i noise = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, k + i));
-            mag = _mm512_srli_epi32(_mm512_add_epi32(fixed, noise), 16);
-        } else {
-            mag = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(q, half), cap));
-        }
-        mag = _mm512_add_epi32(mag, one);
-        const __mmask16 pos = _mm512_cmp_ps_mask(e, zero, _CMP_GT_OQ);
-        const __mmask16 neg = _mm512_cmp_ps_mask(e, zero, _CMP_LT_OQ);
-        __m512i code = _mm512_mask_add_epi32(zpv, pos, zpv, mag);
-        code = _mm512_mask_sub_epi32(code, neg, zpv, mag);
-        code = _mm512_min_epi32(_mm512_max_epi32(code, zero_i), topv);
-        /* narrowed in a register: the masked narrowing store is several times slower */
-        const __m128i bytes = _mm512_cvtepi32_epi8(code);
-        if (lanes == 0xffff)
-            _mm_storeu_si128((__m128i *)(codes + i), bytes);
-        else
-            _mm_mask_storeu_epi8(codes + i, lanes, bytes);
-    }
-#elif defined(MEMOPT_AVX2)
+#if defined(MEMOPT_AVX2)
     /* 32 lanes at a time in four vectors of 8, narrowed to bytes by two packs and one permute
      * (gcc's own vectorization of the loop below narrows with long shuffle chains). */
     const __m256 inv = _mm256_set1_ps(inverse), lowest = _mm256_set1_ps(first);
@@ -309,6 +526,7 @@ static void round_group(const float *v, const uint16_t *k, int64_t n, float inve
         codes[i] = (uint8_t)(code > top ? top : code);
     }
 }
+#endif
 
 /* Pack n one-byte codes into n / per_byte bytes (n a multiple of per_byte), low bits first. */
 static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
@@ -321,6 +539,84 @@ static void pack(const uint8_t *codes, int64_t n, int per_byte, uint8_t *out) {
         for (int64_t b = 0; b < n / 4; b++)
             out[b] = (uint8_t)(codes[4 * b] | codes[4 * b + 1] << 2 | codes[4 * b + 2] << 4 |
                                codes[4 * b + 3] << 6);
+    }
+}
+
+/* A group's elements where the codes are read from: float32 or bfloat16 (bf16). */
+typedef struct {
+    const void *v;
+    int bf16;
+    int64_t ahead; /* bytes to the next block's group (read in place), or 0 */
+} source_t;
+
+/* Group g's elements and their minimum and maximum: in place where the rounding reads the type
+ * (AVX-512: a whole float32 or bfloat16 group), else as float32 in buf (load_group). */
+static source_t group_source(const void *x, int dtype, int64_t numel, int64_t group_size,
+                             int64_t g, float *buf, float *mn, float *mx) {
+#if defined(MEMOPT_AVX512)
+    const int64_t start = g * group_size, block = block_of(group_size) * group_size;
+    if (numel - start >= group_size && dtype == F32) {
+        minmax_f32((const float *)x + start, group_size, mn, mx);
+        return (source_t){(const float *)x + start, 0, block * (int64_t)sizeof(float)};
+    }
+    if (numel - start >= group_size && dtype == BF16) {
+        minmax_bf16((const uint16_t *)x + start, group_size, mn, mx);
+        return (source_t){(const uint16_t *)x + start, 1, block * (int64_t)sizeof(uint16_t)};
+    }
+    const float *v = load_group(x, dtype, numel, group_size, g, buf);
+    minmax_f32(v, group_size, mn, mx);
+#else
+    const float *v = load_group(x, dtype, numel, group_size, g, buf);
+    minmax(v, group_size, mn, mx);
+#endif
+    return (source_t){v, 0, 0};
+}
+
+/* Group g's codes, `bits` wide: packed as they are made with AVX-512, else (bits 8 only) a byte
+ * a code. Stochastic rounding with fill_noise's noise of g's seed (hashed in the registers where
+ * it can, else through `scratch`, g->n 16-bit integers), else to nearest. */
+static void round_codes(group_round_t g, int stochastic, int bits, uint16_t *scratch,
+                        uint8_t *out) {
+#if defined(MEMOPT_AVX512)
+    const int rounding = !stochastic ? NEAREST : g.first_element & 1 ? NOISE_BUFFER : NOISE_HASHED;
+    if (rounding == NOISE_BUFFER) fill_noise(g.first_element, g.seed, g.n, scratch);
+    g.noise = scratch;
+    round_packed(&g, rounding, bits, out);
+#else
+    (void)bits;
+    if (stochastic) fill_noise(g.first_element, g.seed, g.n, scratch);
+    round_group((const float *)g.v, stochastic ? scratch : NULL, g.n, g.inverse, g.first, g.zp,
+                g.top, out);
+#endif
+}
+
+/* Whether round_codes packs codes `bits` wide itself: with AVX-512, where every group starts on
+ * a byte (group_size a multiple of 8 / bits). */
+static int packs_codes(int64_t group_size, int bits) {
+#if defined(MEMOPT_AVX512)
+    return group_size % (8 / bits) == 0;
+#else
+    (void)group_size;
+    return bits == 8;
+#endif
+}
+
+/* The parameters of a block's groups, from their minima and maxima, in arrays. */
+typedef struct {
+    float inverse[MAX_BLOCK], zero_point[MAX_BLOCK];
+    uint32_t scale[MAX_BLOCK], flags[MAX_BLOCK];
+} block_params_t;
+
+/* group_params of nb groups, one a SIMD lane (group_params is branch-free for this). */
+static void block_params(const float *mn, const float *mx, int64_t nb, int bits, float first,
+                         int dtype, float dtype_max, block_params_t *out) {
+#pragma omp simd
+    for (int64_t j = 0; j < nb; j++) {
+        const params_t p = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
+        out->inverse[j] = p.inverse;
+        out->zero_point[j] = p.zero_point;
+        out->scale[j] = p.scale;
+        out->flags[j] = p.flags;
     }
 }
 
@@ -339,34 +635,36 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
                               uint8_t *codes) {
     const int per_byte = 8 / bits;
     const int32_t top = (1 << bits) - 1;
+    const int packed = packs_codes(group_size, bits);
     int64_t flagged = 0;
     int64_t pending = 0; /* codes of the previous group not yet packed, fewer than per_byte */
     uint8_t *next = out + g0 * group_size / per_byte;
     const int64_t block = block_of(group_size);
     float mn[MAX_BLOCK], mx[MAX_BLOCK];
-    params_t p[MAX_BLOCK];
-    const float *v[MAX_BLOCK];
+    block_params_t p;
+    source_t src[MAX_BLOCK];
     for (int64_t gb = g0; gb < g1; gb += block) {
         const int64_t nb = g1 - gb < block ? g1 - gb : block;
-        for (int64_t j = 0; j < nb; j++) {
-            v[j] = load_group(x, dtype, numel, group_size, gb + j, buf + j * group_size);
-            minmax(v[j], group_size, &mn[j], &mx[j]);
-        }
         for (int64_t j = 0; j < nb; j++)
-            p[j] = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
+            src[j] = group_source(x, dtype, numel, group_size, gb + j, buf + j * group_size,
+                                  &mn[j], &mx[j]);
+        block_params(mn, mx, nb, bits, first, dtype, dtype_max, &p);
         for (int64_t j = 0; j < nb; j++) {
             const int64_t g = gb + j;
-            scale[g] = (uint16_t)p[j].scale;
-            zero_point[g] = (uint8_t)p[j].zero_point;
-            flags[g] = (uint8_t)p[j].flags;
-            flagged += p[j].flags != 0;
-            if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
-            /* a byte per code: straight into the output (pending stays 0) */
-            uint8_t *target = per_byte == 1 ? next : codes + pending;
-            round_group(v[j], stochastic ? noise : NULL, group_size, p[j].inverse, first,
-                        (int32_t)p[j].zero_point, top, target);
-            if (per_byte == 1) {
-                next += group_size;
+            scale[g] = (uint16_t)p.scale[j];
+            zero_point[g] = (uint8_t)p.zero_point[j];
+            flags[g] = (uint8_t)p.flags[j];
+            flagged += p.flags[j] != 0;
+            /* packed as made: straight into the output (pending stays 0) */
+            const group_round_t job = {
+                .v = src[j].v, .bf16 = src[j].bf16, .ahead = src[j].ahead, .n = group_size,
+                .first_element = (uint64_t)(g * group_size), .seed = seed,
+                .inverse = p.inverse[j], .first = first, .zp = (int32_t)p.zero_point[j],
+                .top = top};
+            round_codes(job, stochastic, packed ? bits : 8, noise,
+                        packed ? next : codes + pending);
+            if (packed) {
+                next += group_size / per_byte;
                 continue;
             }
             int64_t have = pending + group_size;
@@ -475,13 +773,12 @@ int memopt_graph_encode(const void *x, int dtype, int64_t numel, int64_t group_s
         }
         uint16_t *noise = buf ? (uint16_t *)(buf + block * group_size) : NULL;
         float mn[MAX_BLOCK], mx[MAX_BLOCK];
-        const float *v[MAX_BLOCK];
+        source_t src[MAX_BLOCK];
         for (int64_t gb = g0; gb < g1; gb += block) {
             const int64_t nb = g1 - gb < block ? g1 - gb : block;
-            for (int64_t j = 0; j < nb; j++) {
-                v[j] = load_group(x, dtype, numel, group_size, gb + j, buf + j * group_size);
-                minmax(v[j], group_size, &mn[j], &mx[j]);
-            }
+            for (int64_t j = 0; j < nb; j++)
+                src[j] = group_source(x, dtype, numel, group_size, gb + j, buf + j * group_size,
+                                      &mn[j], &mx[j]);
             for (int64_t j = 0; j < nb; j++) {
                 const int64_t g = gb + j;
                 const params_t p = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
@@ -489,9 +786,12 @@ int memopt_graph_encode(const void *x, int dtype, int64_t numel, int64_t group_s
                     (p.flags & EXACT) || ((p.flags & CONSTANT) && !__builtin_isfinite(mx[j]));
                 scale[g] = (uint16_t)(lost ? 0u : p.scale);
                 zero_point[g] = (uint8_t)(lost ? top : (int32_t)p.zero_point);
-                if (stochastic) fill_noise((uint64_t)(g * group_size), seed, group_size, noise);
-                round_group(v[j], stochastic ? noise : NULL, group_size, p.inverse, first,
-                            (int32_t)p.zero_point, top, codes);
+                const group_round_t job = {
+                    .v = src[j].v, .bf16 = src[j].bf16, .ahead = src[j].ahead, .n = group_size,
+                    .first_element = (uint64_t)(g * group_size), .seed = seed,
+                    .inverse = p.inverse, .first = first, .zp = (int32_t)p.zero_point,
+                    .top = top};
+                round_codes(job, stochastic, 8, noise, codes);
                 pack_planes(codes, group_size, bits, out + g * bytes);
             }
         }
@@ -534,6 +834,103 @@ static inline float level(uint8_t code, float zp, float pull, float step) {
     return (o > 0.0f ? o - pull : o < 0.0f ? o + pull : 0.0f) * step;
 }
 
+#if defined(MEMOPT_AVX512)
+/* 16 levels (float32) in the output type, stored at out (element i of out's dtype). bfloat16 as
+ * to_bf16 rounds; float16 by the conversion a C cast makes (to nearest even). */
+static inline __attribute__((always_inline)) void store_levels(__m512 levels, const int dtype,
+                                                               void *out, int64_t i) {
+    if (dtype == F32) {
+        _mm512_storeu_ps((float *)out + i, levels);
+    } else if (dtype == BF16) {
+        const __m512i u = _mm512_castps_si512(levels);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    } else {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
+                            _mm512_cvtps_ph(levels, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+}
+
+/* The first n / 16 * 16 levels of an 8-bit group at out (dtype), its codes at p: level()'s
+ * operations in 16 lanes. Returns the number of elements written. */
+static inline __attribute__((always_inline)) int64_t
+levels_8bit(const uint8_t *p, int64_t n, float zp, float pull, float step, const int dtype,
+            void *out) {
+    const __m512 zpv = _mm512_set1_ps(zp), pullv = _mm512_set1_ps(pull);
+    const __m512 stepv = _mm512_set1_ps(step), zero = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+        const __m512 o = _mm512_sub_ps(_mm512_cvtepi32_ps(c), zpv);
+        const __mmask16 pos = _mm512_cmp_ps_mask(o, zero, _CMP_GT_OQ);
+        const __mmask16 neg = _mm512_cmp_ps_mask(o, zero, _CMP_LT_OQ);
+        __m512 t = _mm512_mask_sub_ps(o, pos, o, pullv); /* o == 0 stays +0 */
+        t = _mm512_mask_add_ps(t, neg, o, pullv);
+        store_levels(_mm512_mul_ps(t, stepv), dtype, out, i);
+    }
+    return i;
+}
+
+/* The first n / 16 * 16 levels of a 4- or 2-bit group by table: the level of every code, in the
+ * output type (one 32-bit lane each, the table repeated to 16 entries), permuted by the codes'
+ * bits (a lane's low 4 bits: the code, then for 2 bits the next codes, which the repeats
+ * ignore). Returns the number of elements written. */
+static inline __attribute__((always_inline)) int64_t
+levels_by_table(const uint8_t *p, const int bits, int64_t n, float zp, float pull, float step,
+                const int dtype, void *out) {
+    uint32_t entries[16];
+    for (int c = 0; c < 16; c++) {
+        const float f = level((uint8_t)(c & ((1 << bits) - 1)), zp, pull, step);
+        if (dtype == F32) {
+            memcpy(&entries[c], &f, sizeof f);
+        } else if (dtype == BF16) {
+            entries[c] = to_bf16(f);
+        } else {
+            const _Float16 h = (_Float16)f;
+            uint16_t hb;
+            memcpy(&hb, &h, sizeof hb);
+            entries[c] = hb;
+        }
+    }
+    const __m512i table = _mm512_loadu_si512(entries);
+    const __m512i shifts =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16, p += 2 * bits) {
+        __m512i idx;
+        if (bits == 4) { /* bytes 2j, 2j + 1: byte j's low and high nibble in their low bits */
+            const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+            idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));
+        } else {
+            uint32_t w;
+            memcpy(&w, p, sizeof w);
+            idx = _mm512_srlv_epi32(_mm512_set1_epi32((int)w), shifts);
+        }
+        const __m512i v = _mm512_permutexvar_epi32(idx, table);
+        if (dtype == F32)
+            _mm512_storeu_si512((float *)out + i, v);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(v));
+    }
+    return i;
+}
+
+/* The levels of a group's first n / 16 * 16 elements in AVX-512 (the group starts on a byte of
+ * packed); returns how many were written. */
+static int64_t levels_simd(const uint8_t *p, int bits, int64_t n, float zp, float pull,
+                           float step, int dtype, void *out) {
+#define MEMOPT_LEVELS(DTYPE) \
+    (bits == 8   ? levels_8bit(p, n, zp, pull, step, DTYPE, out) \
+     : bits == 4 ? levels_by_table(p, 4, n, zp, pull, step, DTYPE, out) \
+                 : levels_by_table(p, 2, n, zp, pull, step, DTYPE, out))
+    return dtype == F32 ? MEMOPT_LEVELS(F32) : dtype == BF16 ? MEMOPT_LEVELS(BF16)
+                                                             : MEMOPT_LEVELS(F16);
+#undef MEMOPT_LEVELS
+}
+#endif
+
 /* The levels (codec._decode) of groups [g0, g1) into out, which holds (groups, group_size)
  * elements of dtype. scale: bfloat16 bits per group; each level is exact in float32 and rounded
  * once to the output type. buf: group_size floats; codes: group_size bytes. */
@@ -546,20 +943,29 @@ static void decode_range(const uint8_t *packed, int bits, float first, int64_t g
         /* scale 0 with the top code: a group lost for want of side-table room, decoded as NaN */
         const float step = scale[g] == 0 && zero_point[g] == top ? NAN : from_bf16(scale[g]);
         const float zp = (float)zero_point[g];
-        const int64_t start = g * group_size;
-        unpack(packed, bits, start, group_size, codes);
+        int64_t start = g * group_size, n = group_size;
+#if defined(MEMOPT_AVX512)
+        if (group_size % (8 / bits) == 0) { /* the group starts on a byte */
+            const size_t width = dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+            const int64_t done = levels_simd(packed + start * bits / 8, bits, n, zp, pull, step,
+                                             dtype, (char *)out + (size_t)start * width);
+            start += done;
+            n -= done;
+        }
+#endif
+        unpack(packed, bits, start, n, codes);
         if (dtype == F32) {
             float *o = (float *)out + start;
-            for (int64_t i = 0; i < group_size; i++) o[i] = level(codes[i], zp, pull, step);
+            for (int64_t i = 0; i < n; i++) o[i] = level(codes[i], zp, pull, step);
             continue;
         }
-        for (int64_t i = 0; i < group_size; i++) buf[i] = level(codes[i], zp, pull, step);
+        for (int64_t i = 0; i < n; i++) buf[i] = level(codes[i], zp, pull, step);
         if (dtype == BF16) {
             uint16_t *o = (uint16_t *)out + start;
-            for (int64_t i = 0; i < group_size; i++) o[i] = to_bf16(buf[i]);
+            for (int64_t i = 0; i < n; i++) o[i] = to_bf16(buf[i]);
         } else {
             _Float16 *o = (_Float16 *)out + start;
-            for (int64_t i = 0; i < group_size; i++) o[i] = (_Float16)buf[i];
+            for (int64_t i = 0; i < n; i++) o[i] = (_Float16)buf[i];
         }
     }
 }

@@ -6,9 +6,10 @@ codes and bit packing while a group is in cache) where torch's elementwise ops m
 torch's OpenMP runtime. At round-to-nearest they write the bytes of :mod:`.reference`, the
 specification; stochastic rounding hashes each element's index with ``seed``. The library is
 compiled once per source, compiler and CPU with the system compiler (``CC`` or ``cc``, ``-O3
--march=native -fopenmp``) into ``$XDG_CACHE_HOME/memopt_plugins``, rounding in AVX-512 or AVX2
-intrinsics where the CPU has them. Without a compiler, on another architecture or with
-``MEMOPT_NATIVE=0`` the codec runs the reference on the CPU; a failed build is logged once.
+-march=native -fopenmp``) into ``$XDG_CACHE_HOME/memopt_plugins``, in AVX-512 intrinsics (group
+extremes, rounding, noise, packing, decoding) or AVX2 ones (rounding) where the CPU has them.
+Without a compiler, on another architecture or with ``MEMOPT_NATIVE=0`` the codec runs the
+reference on the CPU; a failed build is logged once.
 """
 
 from __future__ import annotations
