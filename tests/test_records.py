@@ -72,10 +72,12 @@ def test_an_unknown_field_does_not_read_silently():
 def test_depth_md_shows_a_line_per_row_and_no_slope_where_none_was_kept():
     rows = [Row.from_json(r) for r in json.loads((BENCHMARKS / "depth.json").read_text())]
     slope = Depth(4, "here", {}, peak_slopes=[2.0 * (1 << 20), 3.0], retained_slopes=[1.0, 1.0])
+    none = Depth(4, "here", {})
     per_sample = {"peak_per_sample": 1.0, "retained_per_sample": 1.0}
     with_slopes = Row("lean ops + int4", "GPT-2-style", **per_sample, fits=2.0, depth=slope)
-    text = depth_markdown([*rows, with_slopes], quick=False)
+    without = Row("lean ops + int2", "GPT-2-style", **per_sample, fits=2.0, depth=none)
+    text = depth_markdown([*rows, with_slopes, without], quick=False)
     lines = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(lines) == len(rows) + 2  # the header, a line per row
-    assert all(line.split(" | ")[4] == "-" for line in lines[1:-1])
-    assert lines[-1].split(" | ")[4] == "2.000 MiB"
+    assert len(lines) == len(rows) + 3  # the header, a line per row
+    assert lines[-2].split(" | ")[4] == "2.000 MiB"
+    assert lines[-1].split(" | ")[4] == "-"
