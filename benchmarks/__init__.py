@@ -6,13 +6,14 @@
     python -m benchmarks.bits_both_ways                bits raised and lowered (bits.md/json)
     python -m benchmarks.compiled_gap                  what compiled compression keeps
     python -m benchmarks.compile_time                  compile time against the baseline's
-    python -m benchmarks.step_time                     int8 and int4's step time, baseline's batch
+    python -m benchmarks.step_time                     int8 and int4's step time, paired in a process
     python -m benchmarks.recompute_bench               the planner against checkpointing
     python -m benchmarks.batchnorm_digits              running-statistics BatchNorm on digits
     python -m benchmarks.drift_metrics                 which drift metric
     python -m benchmarks.drift_check_time              a drift check's time in training steps
     python -m benchmarks.gradient_bias                 bias of the compressed gradient
     python -m benchmarks.loss_head                     memopt's chunked loss against PyTorch's
+    python -m benchmarks.codec_kernels --against REV   the C codec kernels against REV's
     python -m benchmarks.nanogpt_fits                  karpathy/nanoGPT by configuration alone
     python -m benchmarks.cuda                          codec throughput, memory, time on a GPU
     python -m benchmarks.report [results.json]         redraw pareto.png / merge compiled rows
