@@ -6,7 +6,7 @@
     python -m benchmarks.bits_both_ways                bits raised and lowered (bits.md/json)
     python -m benchmarks.compiled_gap                  what compiled compression keeps
     python -m benchmarks.compile_time                  compile time against the baseline's
-    python -m benchmarks.step_time                     int8 and int4's step time, paired in a process
+    python -m benchmarks.step_time                     int8 and int4's step time, paired in one run
     python -m benchmarks.recompute_bench               the planner against checkpointing
     python -m benchmarks.batchnorm_digits              running-statistics BatchNorm on digits
     python -m benchmarks.drift_metrics                 which drift metric
