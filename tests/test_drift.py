@@ -740,10 +740,11 @@ def test_metrics_log_a_bits_summary_and_a_modules_bits_only_when_they_change():
     assert changed["memopt/bits_mean"] == (4 * (len(opt.bits) - 1) + 8) / len(opt.bits)
 
 
-def test_a_lowering_undone_reports_the_cost_at_the_bits_kept():
+def test_a_lowering_undone_reports_the_cost_at_the_bits_kept(caplog):
     """sgd: raised from 2 bits, the modules' lowering back to 2 is probed and undone; the check
     reports the whole model's cost at the bits it keeps (it gave the undone probe's: the demo
-    printed "costs 0.3% -> 51.1% ... no change")."""
+    printed "costs 0.3% -> 51.1% ... no change"), and its line says that the lowering was tried
+    and what the probe read (it said only "no change", as if nothing had been tried)."""
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 64, generator=generator), torch.randn(64, 1, generator=generator)
@@ -752,9 +753,15 @@ def test_a_lowering_undone_reports_the_cost_at_the_bits_kept():
     opt.apply(model)
     first = opt.check_drift(lambda: F.mse_loss(model(x), y), batch_size=64)
     assert first.escalated and first.total[0] > 0.05 >= first.total[1]
-    undone = opt.check_drift(lambda: F.mse_loss(model(x), y), batch_size=64)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        undone = opt.check_drift(lambda: F.mse_loss(model(x), y), batch_size=64)
     assert undone.rounds == 2 and undone.lowered == {} and undone.escalated == {}
     assert undone.total[0] == undone.total[1] <= 0.05
+    assert undone.tried_lower == {f: (old, 2) for f, (_, old) in first.escalated.items()}
+    assert undone.tried_probe > 0.05  # the probe's whole-model cost: over the threshold
+    line = next(r.getMessage() for r in caplog.records if "drift check at step" in r.getMessage())
+    assert "no change" in line and "tried a rung lower and kept at their bits" in line
+    assert f"cost {100 * undone.tried_probe:.1f}% of a step's progress" in line
 
 
 class Wrapper(nn.Module):

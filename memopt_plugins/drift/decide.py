@@ -94,6 +94,9 @@ class Decision:
         self.limit = len(self.config.ladder) + 1 if limit is None else max(1, limit)
         self.trail: dict[str, list[int]] = {}  # the bits each raised module went through
         self.lowered: dict[str, tuple[int, int]] = {}  # drift.lower's lowerings kept
+        #: drift.lower's tries the probe sent back, and the probe's drift (or whole cost)
+        self.tried: dict[str, tuple[int, int]] = {}
+        self.tried_probe: float | None = None
         self.kept: tuple[float, float] | None = None  # quantize.budget: (target, kept) bytes
         self.target_key = "quantize.budget"  # the key(s) of the memory target, for the log
         #: the first round's whole parameter gradient (``None`` where the budget set the bits)
@@ -161,6 +164,8 @@ class Decision:
                 None if last is None or last.total is None else last.total.cost,
             ),
             blind=blind,
+            tried_lower=dict(self.tried),
+            tried_probe=self.tried_probe,
         )
 
     # ----------------------------------------------------------------- up and down the ladder
@@ -228,12 +233,17 @@ class Decision:
         if probe.total is not None:  # sgd: the whole model's cost is what the threshold caps
             others_over = probe.total.cost > cfg.threshold
         monitor = self.monitor
+        read = (
+            probe.total.cost if probe.total is not None else max(probe.drift.values(), default=None)
+        )
         for fqn, (old, lower) in due.items():
             monitor.calm[fqn] = 0
             drift = probe.drift.get(fqn)
             if others_over or (drift is not None and drift > calm_below):  # back up
                 self._set(fqn, old)
                 self.back_off(fqn)
+                self.tried[fqn] = (old, lower)
+                self.tried_probe = read
                 probe.drift[fqn] = per_module[fqn]  # its drift at the bits it keeps
                 continue
             kept[fqn] = (old, lower)

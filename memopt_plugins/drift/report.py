@@ -57,6 +57,9 @@ class DriftReport:
             gradient the optimizer steps with; what the threshold judges); ``None``: not measured.
         blind: the check measured no module's drift (nothing compressed in its sample, or no
             gradient to judge by): it judged nothing, whatever ``max`` reads.
+        tried_lower: ``{fqn: (bits, rung below)}`` of the calm modules ``drift.lower`` tried a
+            rung lower whose probe sent them back to their bits (they wait longer to try again);
+            ``tried_probe``: that probe's whole-model cost (``sgd``) or largest drift.
     """
 
     step: int
@@ -73,6 +76,8 @@ class DriftReport:
     parts: dict[str, tuple[float, float]] = field(default_factory=dict)
     total: tuple[float | None, float | None] = (None, None)
     blind: bool = False
+    tried_lower: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tried_probe: float | None = None
 
     @property
     def max(self) -> float:
@@ -165,9 +170,33 @@ def describe_check(report: DriftReport, trail: Mapping[str, Sequence[int]], modu
         parts.append(text)
     elif report.round_max:
         parts.append(f"largest drift {report.round_max[0]:.4f} -> {report.max:.4f}")
+    if report.tried_lower:
+        parts.append(_tried(report))
     if report.skipped:
         parts.append(f"{len(report.skipped)} skipped (gradient not finite)")
     return "; ".join(parts)
+
+
+def _tried(report: DriftReport) -> str:
+    """The calm modules tried a rung lower that went back up, and what the probe read."""
+    tried = sorted(report.tried_lower)
+    shown = ", ".join(
+        f"{f or '<root>'} {a} -> {b}" for f, (a, b) in (
+            (f, report.tried_lower[f]) for f in tried[:NAMED_IN_LINE]
+        )
+    )  # fmt: skip
+    more = f" and {len(tried) - NAMED_IN_LINE} more" if len(tried) > NAMED_IN_LINE else ""
+    probe = report.tried_probe
+    if probe is None:
+        read = "was not calm"
+    elif report.metric == "sgd":
+        read = f"cost {100 * probe:.1f}% of a step's progress"
+    else:
+        read = f"read a largest drift of {probe:.4f}"
+    return (
+        f"tried a rung lower and kept at their bits ({len(tried)}: {shown}{more}): the probe "
+        f"{read}, over what lowering allows; they wait longer before the next try"
+    )
 
 
 def _why(report: DriftReport, fqn: str) -> str:
