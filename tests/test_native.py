@@ -206,3 +206,37 @@ def test_without_kernels_the_codec_falls_back_to_torch(tmp_path, monkeypatch, ca
     monkeypatch.setattr(native, "_state", {})
     assert native.library() is None
     assert torch.equal(quantize(x, 8, stochastic=False).codes, expected)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping holding ``address`` in ``/proc/self/smaps``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: its address range
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+HUGE_PAGE = 1 << 21
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="no transparent huge pages (not Linux, or a kernel built without them)",
+)
+def test_large_outputs_ask_for_huge_pages() -> None:
+    # A fresh output costs a page fault per 4 KiB on first touch, more than writing the page:
+    # the kernels advise the 2 MiB-aligned interior of what they write (codes, decoded values)
+    # for transparent huge pages (madvise's "hg" flag).
+    x = torch.randn(8 << 20, generator=_generator(40))  # 32 MiB; its int8 codes 8 MiB
+    p = quantize(x, 8, stochastic=False)
+    decoded = dequantize(p)
+    for out in (p.codes, decoded):
+        interior = (out.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+        assert "hg" in _vm_flags(interior)
+    assert torch.equal(decoded, dequantize(p))  # where the pages come from, nothing else

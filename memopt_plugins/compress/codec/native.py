@@ -8,6 +8,9 @@ specification; stochastic rounding hashes each element's index with ``seed``. Th
 compiled once per source, compiler and CPU with the system compiler (``CC`` or ``cc``, ``-O3
 -march=native -fopenmp``) into ``$XDG_CACHE_HOME/memopt_plugins``, in AVX-512 intrinsics (group
 extremes, rounding, noise, packing, decoding) or AVX2 ones (rounding) where the CPU has them.
+What they write (codes, decoded values) is advised for transparent huge pages where it spans a
+2 MiB-aligned range (Linux ``madvise``): a fresh output's first touch then faults once per 2 MiB
+rather than once per 4 KiB page, which in a virtual machine cost more than the decode itself.
 Without a compiler, on another architecture or with ``MEMOPT_NATIVE=0`` the codec runs the
 reference on the CPU; a failed build is logged once.
 """
