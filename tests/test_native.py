@@ -127,6 +127,75 @@ def test_kernels_give_the_same_result_on_any_number_of_threads(stochastic: bool)
         assert torch.equal(decoded, results[0][1])
 
 
+def _views(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Views that are not one contiguous run, as models save them."""
+    g = _generator(50)
+    qkv = _adversarial(2 * 33 * 3 * 4 * 24, 256, dtype, seed=51).view(2, 33, 3 * 4 * 24)
+    heads = qkv.split(4 * 24, dim=-1)[1].view(2, 33, 4, 24).transpose(1, 2)  # SDPA's key
+    return {
+        "transposed": _adversarial(300 * 70, 256, dtype, seed=52).view(300, 70).t(),
+        "permuted": torch.randn(3, 40, 5, 64, generator=g).to(dtype).permute(0, 2, 1, 3),
+        "slice with gaps": heads,
+        "size-1 dims": torch.randn(7, 1, 90, generator=g).to(dtype).transpose(0, 2),
+        "expanded": torch.randn(1, 333, generator=g).to(dtype).expand(5, 333),
+        "a column": torch.randn(999, 3, generator=g).to(dtype)[:, 1],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", [256, 100, 7])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_a_view_is_coded_where_it_lies_as_its_contiguous_copy_is(
+    dtype: torch.dtype, bits: int, group_size: int, stochastic: bool
+) -> None:
+    # A view that is not one run (attention's heads, a transpose, a slice with gaps) is read in
+    # its index order where it lies, and decoded into its own layout: the same bytes and values
+    # as quantizing and decoding its contiguous copy, written where its strides place them.
+    seed = 7 if stochastic else None
+    for name, view in _views(dtype).items():
+        assert not view.is_contiguous(), name
+        flat = view.reshape(-1).contiguous()
+        strided = native.quantize(view, group_size, bits, FIRST_LEVEL[bits], seed)
+        copied = native.quantize(flat, group_size, bits, FIRST_LEVEL[bits], seed)
+        for field in ("codes", "scale", "zero_point", "exact", "const"):
+            assert _same_bits(getattr(strided, field), getattr(copied, field)), (name, field)
+        args = (bits, FIRST_LEVEL[bits], group_size, copied.scale, copied.zero_point)
+        levels = native.decode(copied.codes, *args, dtype).view(-1)[: view.numel()]
+        out = torch.empty_strided(view.shape, view.stride(), dtype=dtype)
+        if name in ("expanded", "a column", "slice with gaps"):  # gaps or overlaps: dense
+            out = torch.empty(view.shape, dtype=dtype).transpose(0, -1).contiguous()
+            out = out.transpose(0, -1)
+        assert native.decode_into(copied.codes, *args, out) is out
+        assert _same_bits(out.reshape(-1), levels), name
+
+
+def test_views_are_coded_without_a_copy_of_their_own() -> None:
+    # The eager codec makes no full-size copy of a view it codes or of what it decodes into a
+    # view's layout: no clone, contiguous or copy_ of the tensor's size on the way.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_):
+                self.seen.append(str(func))
+            return out
+
+    view = torch.randn(4, 256, 6, 64, generator=_generator(53)).transpose(1, 2)  # (B, H, T, D)
+    with Copies() as mode:
+        for stochastic in (False, True):
+            p = quantize(view, 4, stochastic=stochastic)
+            decoded = dequantize(p, view.stride())
+    assert mode.seen == []
+    assert decoded.stride() == view.stride()
+    assert torch.equal(decoded, dequantize(p).view(view.shape))
+
+
 #: The kernels' intrinsics paths: the CPU flags each needs, and the compiler flag that builds the
 #: path below it instead.
 SIMD_PATHS = {

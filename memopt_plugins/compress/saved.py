@@ -20,6 +20,7 @@ from ..buffers import mark_private, shared_until_written, sole_holder
 from ..config import OFF_BITS
 from ..measure.storage import storage_key
 from .codec import dequantize, tensor_nbytes
+from .codec.ops import laid_out
 from .codec.traced import memory_order
 
 
@@ -235,15 +236,15 @@ def _relaid(
 
     def decode(saved: _Saved) -> torch.Tensor:
         out = saved.value() if shared else saved.fresh()
-        out = _with_strides(out, out.shape, first)
+        out = laid_out(out, first)
         return out.as_strided(shape, stride, out.storage_offset())
 
     return decode
 
 
 def _from_half(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
-    dtype, shape, stride = t.dtype, t.shape, _decoded_strides(t)
-    return lambda half: _with_strides(half.to(dtype), shape, stride)  # .to keeps dense layouts
+    dtype, stride = t.dtype, _decoded_strides(t)
+    return lambda half: laid_out(half.to(dtype), stride)  # .to keeps dense layouts
 
 
 def _decoder(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
@@ -257,7 +258,7 @@ def _decoder(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
 
 
 def _decode_strided(stride: tuple[int, ...], packed: object) -> torch.Tensor:
-    return _with_strides(dequantize(packed), packed.shape, stride)
+    return dequantize(packed, stride)  # decoded into that layout (no copy into it after)
 
 
 def _decoded_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -276,14 +277,6 @@ def _decoded_strides(t: torch.Tensor) -> tuple[int, ...]:
     dense = tuple(dense)
     same = all(s == d or n == 1 for s, d, n in zip(t.stride(), dense, t.shape, strict=True))
     return t.stride() if same else dense
-
-
-def _with_strides(out: torch.Tensor, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
-    """``out`` itself when it has ``stride``, else a copy with it (another dim order, a size-1
-    dim's stride)."""
-    if out.stride() == stride:
-        return out
-    return torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
 
 
 def _strided(out: torch.Tensor, stride: tuple | None) -> torch.Tensor:

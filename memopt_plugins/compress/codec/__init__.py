@@ -262,18 +262,21 @@ def quantize(
         A :class:`PackedTensor` that references neither ``x`` nor any full-precision copy of it.
     """
     _check_args(x, bits, group_size)
-    flat = x.detach().reshape(-1).contiguous()
     if not torch.compiler.is_compiling():
         seed = None
         if stochastic:
             seed = draw_seed(generator if generator is not None else codec_generator(x.device))
-        kernel = ops.quantizer(flat.device, flat.dtype)  # no dispatching frame; None: no table
-        codes, scale, zero_point, *tables = kernel(flat, bits, group_size, seed)
-    elif stochastic:  # traced: the seed is drawn when the graph runs, inside the operator
-        source = _seed_source(generator, _indexed(x.device))
-        codes, scale, zero_point, *tables = ops.quantize_drawn_op(flat, bits, group_size, source)
+        kernel = ops.quantizer(x.device, x.dtype)  # no dispatching frame; None: no table
+        # any layout: the C kernel reads a view where it lies, in index order (no copy first)
+        codes, scale, zero_point, *tables = kernel(x.detach(), bits, group_size, seed)
     else:
-        codes, scale, zero_point, *tables = ops.quantize_op(flat, bits, group_size, None)
+        flat = x.detach().reshape(-1).contiguous()
+        if stochastic:  # traced: the seed is drawn when the graph runs, inside the operator
+            source = _seed_source(generator, _indexed(x.device))
+            quantized = ops.quantize_drawn_op(flat, bits, group_size, source)
+        else:
+            quantized = ops.quantize_op(flat, bits, group_size, None)
+        codes, scale, zero_point, *tables = quantized
     exact_index, exact_values, const_index, const_values = tables
     return PackedTensor(
         codes=codes,
@@ -291,15 +294,21 @@ def quantize(
     )
 
 
-def dequantize(p: PackedTensor) -> torch.Tensor:
-    """Decode ``p`` to a contiguous tensor of its original shape and dtype.
+def dequantize(p: PackedTensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Decode ``p`` to a tensor of its original shape and dtype: contiguous, or at ``stride``
+    (its elements in index order where the strides place them; decoded in place there by the C
+    kernels, copied into it elsewhere).
 
     Nothing in ``p`` requires gradients, so neither does the result (no ``no_grad`` needed).
     """
-    run = ops.dequantize_op if torch.compiler.is_compiling() else ops.dequantize
     tables = (p.exact_index, p.exact_values, p.const_index, p.const_values)
-    out = run(p.codes, p.scale, p.zero_point, *tables, p.bits, p.group_size, p.numel, p.dtype)
-    return out.view(p.shape)
+    if not torch.compiler.is_compiling():
+        settings = (p.bits, p.group_size, p.shape, stride, p.dtype)
+        return ops.dequantize_into(p.codes, p.scale, p.zero_point, *tables, *settings)
+    out = ops.dequantize_op(
+        p.codes, p.scale, p.zero_point, *tables, p.bits, p.group_size, p.numel, p.dtype
+    )
+    return ops.laid_out(out.view(p.shape), stride)
 
 
 def _triton_masks(device: torch.device, dtype: torch.dtype) -> bool:

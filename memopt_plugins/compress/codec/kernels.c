@@ -9,7 +9,8 @@
  * AVX2 and plain C paths write the same bytes (tests/test_native.py builds them).
  *
  * Element types (dtype argument): 0 float32, 1 bfloat16, 2 float16. Codes are packed low bits
- * first, 8 / bits per byte, in the order of the flattened tensor.
+ * first, 8 / bits per byte, in the order of the flattened tensor: its index order, also for a
+ * strided view, which is read (and a decode written) where it lies.
  */
 #include <math.h>
 #include <stdint.h>
@@ -69,6 +70,87 @@ static const float *load_group(const void *x, int dtype, int64_t numel, int64_t 
     load(x, dtype, start, count, buf);
     for (int64_t i = count; i < group_size; i++) buf[i] = buf[count - 1];
     return buf;
+}
+
+/* A tensor that is not one contiguous run (a transpose, a permutation, a slice with gaps), read
+ * and written in its index order (row-major over its sizes): sizes and strides in elements, with
+ * size-1 dims dropped and dims that continue one another merged (strided_of). */
+#define MAX_DIMS 16
+typedef struct {
+    int ndim;
+    int64_t size[MAX_DIMS], stride[MAX_DIMS];
+} strided_t;
+
+/* The layout of ndim sizes and strides, simplified; NULL (contiguous) where ndim is 0. */
+static const strided_t *strided_of(int ndim, const int64_t *size, const int64_t *stride,
+                                   strided_t *out) {
+    if (ndim <= 0) return NULL;
+    out->ndim = 0;
+    for (int d = 0; d < ndim && d < MAX_DIMS; d++) {
+        if (size[d] == 1) continue;
+        const int n = out->ndim;
+        if (n > 0 && out->stride[n - 1] == stride[d] * size[d]) { /* one run with the last */
+            out->size[n - 1] *= size[d];
+            out->stride[n - 1] = stride[d];
+            continue;
+        }
+        out->size[n] = size[d];
+        out->stride[n] = stride[d];
+        out->ndim = n + 1;
+    }
+    if (out->ndim == 0) { /* one element */
+        out->ndim = 1;
+        out->size[0] = 1;
+        out->stride[0] = 1;
+    }
+    return out;
+}
+
+/* Where element `index` (in index order) lies, in elements from the first. */
+static int64_t offset_of(const strided_t *s, int64_t index) {
+    int64_t offset = 0;
+    for (int d = s->ndim - 1; d >= 0; d--) {
+        offset += index % s->size[d] * s->stride[d];
+        index /= s->size[d];
+    }
+    return offset;
+}
+
+/* Elements [start, start + count) in index order as float32 into buf, a run along the last dim
+ * at a time. */
+static void gather(const void *x, int dtype, const strided_t *s, int64_t start, int64_t count,
+                   float *buf) {
+    const int64_t last = s->size[s->ndim - 1], step = s->stride[s->ndim - 1];
+    for (int64_t i = 0; i < count;) {
+        int64_t run = last - (start + i) % last;
+        run = run < count - i ? run : count - i;
+        const int64_t at = offset_of(s, start + i);
+        if (step == 1) {
+            load(x, dtype, at, run, buf + i);
+        } else {
+            for (int64_t k = 0; k < run; k++) load(x, dtype, at + k * step, 1, buf + i + k);
+        }
+        i += run;
+    }
+}
+
+/* The `count` elements of `width` bytes at src, elements [start, start + count) in index order,
+ * written where they lie in out: a run along the last dim at a time. */
+static void scatter(const char *src, size_t width, const strided_t *s, int64_t start,
+                    int64_t count, char *out) {
+    const int64_t last = s->size[s->ndim - 1], step = s->stride[s->ndim - 1];
+    for (int64_t i = 0; i < count;) {
+        int64_t run = last - (start + i) % last;
+        run = run < count - i ? run : count - i;
+        const int64_t at = offset_of(s, start + i);
+        if (step == 1) {
+            memcpy(out + (size_t)at * width, src + (size_t)i * width, (size_t)run * width);
+        } else {
+            for (int64_t k = 0; k < run; k++)
+                memcpy(out + (size_t)(at + k * step) * width, src + (size_t)(i + k) * width, width);
+        }
+        i += run;
+    }
 }
 
 /* The float32 whose order key (below) is k: the key flips the magnitude bits of negative
@@ -553,9 +635,22 @@ typedef struct {
 } source_t;
 
 /* Group g's elements and their minimum and maximum: in place where the rounding reads the type
- * (AVX-512: a whole float32 or bfloat16 group), else as float32 in buf (load_group). */
-static source_t group_source(const void *x, int dtype, int64_t numel, int64_t group_size,
-                             int64_t g, float *buf, float *mn, float *mx) {
+ * (AVX-512: a whole float32 or bfloat16 group of a contiguous x), else as float32 in buf
+ * (load_group, or gathered from a strided x). */
+static source_t group_source(const void *x, int dtype, const strided_t *layout, int64_t numel,
+                             int64_t group_size, int64_t g, float *buf, float *mn, float *mx) {
+    if (layout != NULL) { /* gathered in index order, padded as load_group pads */
+        const int64_t start = g * group_size;
+        const int64_t count = numel - start < group_size ? numel - start : group_size;
+        gather(x, dtype, layout, start, count, buf);
+        for (int64_t i = count; i < group_size; i++) buf[i] = buf[count - 1];
+#if defined(MEMOPT_AVX512)
+        minmax_f32(buf, group_size, mn, mx);
+#else
+        minmax(buf, group_size, mn, mx);
+#endif
+        return (source_t){buf, 0, 0};
+    }
 #if defined(MEMOPT_AVX512)
     const int64_t start = g * group_size, block = block_of(group_size) * group_size;
     if (numel - start >= group_size && dtype == F32) {
@@ -631,7 +726,8 @@ static void block_params(const float *mn, const float *mx, int64_t nb, int bits,
  * (bfloat16 bits), zero_point and flags per group; returns the number of groups flagged. Scratch:
  * buf, block_of(group_size) * group_size floats; noise, group_size 16-bit integers; codes,
  * group_size + 4 bytes. */
-static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t group_size,
+static int64_t quantize_range(const void *x, int dtype, const strided_t *layout, int64_t numel,
+                              int64_t group_size,
                               int64_t g0, int64_t g1, int bits, float first, int stochastic,
                               uint64_t seed, float dtype_max, uint8_t *out, uint16_t *scale,
                               uint8_t *zero_point, uint8_t *flags, float *buf, uint16_t *noise,
@@ -649,8 +745,8 @@ static int64_t quantize_range(const void *x, int dtype, int64_t numel, int64_t g
     for (int64_t gb = g0; gb < g1; gb += block) {
         const int64_t nb = g1 - gb < block ? g1 - gb : block;
         for (int64_t j = 0; j < nb; j++)
-            src[j] = group_source(x, dtype, numel, group_size, gb + j, buf + j * group_size,
-                                  &mn[j], &mx[j]);
+            src[j] = group_source(x, dtype, layout, numel, group_size, gb + j,
+                                  buf + j * group_size, &mn[j], &mx[j]);
         block_params(mn, mx, nb, bits, first, dtype, dtype_max, &p);
         for (int64_t j = 0; j < nb; j++) {
             const int64_t g = gb + j;
@@ -719,12 +815,16 @@ static void advise_huge_pages(void *out, size_t bytes) {
 }
 
 /* quantize_range over all n_groups groups of x, split between `threads` threads (OpenMP, the
- * runtime torch runs on). Returns the number of groups flagged, or -1 when scratch memory could
- * not be allocated. */
-int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_size,
-                        int64_t n_groups, int bits, float first, int stochastic, uint64_t seed,
-                        float dtype_max, uint8_t *out, uint16_t *scale, uint8_t *zero_point,
-                        uint8_t *flags, int threads) {
+ * runtime torch runs on): x contiguous where ndim is 0, else read in its index order at ndim
+ * sizes and strides (no copy made first). Returns the number of groups flagged, or -1 when
+ * scratch memory could not be allocated. */
+int64_t memopt_quantize_strided(const void *x, int dtype, int ndim, const int64_t *size,
+                                const int64_t *stride, int64_t numel, int64_t group_size,
+                                int64_t n_groups, int bits, float first, int stochastic,
+                                uint64_t seed, float dtype_max, uint8_t *out, uint16_t *scale,
+                                uint8_t *zero_point, uint8_t *flags, int threads) {
+    strided_t room;
+    const strided_t *layout = strided_of(ndim, size, stride, &room);
     const int parts = thread_count(n_groups, threads);
     int64_t flagged = 0;
     int failed = 0;
@@ -739,15 +839,25 @@ int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_s
         float *buf = malloc((size_t)group_size * (size_t)(block + 1) * sizeof(float));
         uint8_t *codes = malloc((size_t)group_size + 4);
         if (buf && codes)
-            flagged += quantize_range(x, dtype, numel, group_size, g0, g1, bits, first, stochastic,
-                                      seed, dtype_max, out, scale, zero_point, flags, buf,
-                                      (uint16_t *)(buf + block * group_size), codes);
+            flagged += quantize_range(x, dtype, layout, numel, group_size, g0, g1, bits, first,
+                                      stochastic, seed, dtype_max, out, scale, zero_point, flags,
+                                      buf, (uint16_t *)(buf + block * group_size), codes);
         else
             failed = 1;
         free(buf);
         free(codes);
     }
     return failed ? -1 : flagged;
+}
+
+/* memopt_quantize_strided of a contiguous x. */
+int64_t memopt_quantize(const void *x, int dtype, int64_t numel, int64_t group_size,
+                        int64_t n_groups, int bits, float first, int stochastic, uint64_t seed,
+                        float dtype_max, uint8_t *out, uint16_t *scale, uint8_t *zero_point,
+                        uint8_t *flags, int threads) {
+    return memopt_quantize_strided(x, dtype, 0, NULL, NULL, numel, group_size, n_groups, bits,
+                                   first, stochastic, seed, dtype_max, out, scale, zero_point,
+                                   flags, threads);
 }
 
 /* Pack each group's n codes in planes, as traced._pack_planes does: byte j of the group holds
@@ -796,8 +906,8 @@ int memopt_graph_encode(const void *x, int dtype, int64_t numel, int64_t group_s
         for (int64_t gb = g0; gb < g1; gb += block) {
             const int64_t nb = g1 - gb < block ? g1 - gb : block;
             for (int64_t j = 0; j < nb; j++)
-                src[j] = group_source(x, dtype, numel, group_size, gb + j, buf + j * group_size,
-                                      &mn[j], &mx[j]);
+                src[j] = group_source(x, dtype, NULL, numel, group_size, gb + j,
+                                      buf + j * group_size, &mn[j], &mx[j]);
             for (int64_t j = 0; j < nb; j++) {
                 const int64_t g = gb + j;
                 const params_t p = group_params(mn[j], mx[j], bits, first, dtype, dtype_max);
@@ -950,53 +1060,76 @@ static int64_t levels_simd(const uint8_t *p, int bits, int64_t n, float zp, floa
 }
 #endif
 
-/* The levels (codec._decode) of groups [g0, g1) into out, which holds (groups, group_size)
- * elements of dtype. scale: bfloat16 bits per group; each level is exact in float32 and rounded
- * once to the output type. buf: group_size floats; codes: group_size bytes. */
-static void decode_range(const uint8_t *packed, int bits, float first, int64_t group_size,
-                         int64_t g0, int64_t g1, const uint16_t *scale, const uint8_t *zero_point,
-                         int dtype, void *out, float *buf, uint8_t *codes) {
+/* The levels (codec._decode) of group g into dst (group_size elements of dtype): scale: bfloat16
+ * bits per group; each level is exact in float32 and rounded once to the output type. buf:
+ * group_size floats; codes: group_size bytes. */
+static void decode_group(const uint8_t *packed, int bits, float first, int64_t group_size,
+                         int64_t g, const uint16_t *scale, const uint8_t *zero_point, int dtype,
+                         void *dst, float *buf, uint8_t *codes) {
     const float pull = 1.0f - first;
     const uint8_t top = (uint8_t)((1u << bits) - 1);
-    for (int64_t g = g0; g < g1; g++) {
-        /* scale 0 with the top code: a group lost for want of side-table room, decoded as NaN */
-        const float step = scale[g] == 0 && zero_point[g] == top ? NAN : from_bf16(scale[g]);
-        const float zp = (float)zero_point[g];
-        int64_t start = g * group_size, n = group_size;
+    /* scale 0 with the top code: a group lost for want of side-table room, decoded as NaN */
+    const float step = scale[g] == 0 && zero_point[g] == top ? NAN : from_bf16(scale[g]);
+    const float zp = (float)zero_point[g];
+    int64_t start = g * group_size, done = 0;
 #if defined(MEMOPT_AVX512)
-        if (group_size % (8 / bits) == 0) { /* the group starts on a byte */
-            const size_t width = dtype == F32 ? sizeof(float) : sizeof(uint16_t);
-            const int64_t done = levels_simd(packed + start * bits / 8, bits, n, zp, pull, step,
-                                             dtype, (char *)out + (size_t)start * width);
-            start += done;
-            n -= done;
-        }
+    if (group_size % (8 / bits) == 0) /* the group starts on a byte */
+        done = levels_simd(packed + start * bits / 8, bits, group_size, zp, pull, step, dtype, dst);
 #endif
-        unpack(packed, bits, start, n, codes);
-        if (dtype == F32) {
-            float *o = (float *)out + start;
-            for (int64_t i = 0; i < n; i++) o[i] = level(codes[i], zp, pull, step);
-            continue;
-        }
-        for (int64_t i = 0; i < n; i++) buf[i] = level(codes[i], zp, pull, step);
-        if (dtype == BF16) {
-            uint16_t *o = (uint16_t *)out + start;
-            for (int64_t i = 0; i < n; i++) o[i] = to_bf16(buf[i]);
-        } else {
-            _Float16 *o = (_Float16 *)out + start;
-            for (int64_t i = 0; i < n; i++) o[i] = (_Float16)buf[i];
-        }
+    const int64_t n = group_size - done;
+    unpack(packed, bits, start + done, n, codes);
+    if (dtype == F32) {
+        float *o = (float *)dst + done;
+        for (int64_t i = 0; i < n; i++) o[i] = level(codes[i], zp, pull, step);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) buf[i] = level(codes[i], zp, pull, step);
+    if (dtype == BF16) {
+        uint16_t *o = (uint16_t *)dst + done;
+        for (int64_t i = 0; i < n; i++) o[i] = to_bf16(buf[i]);
+    } else {
+        _Float16 *o = (_Float16 *)dst + done;
+        for (int64_t i = 0; i < n; i++) o[i] = (_Float16)buf[i];
     }
 }
 
-/* decode_range over all n_groups groups, split between `threads` threads. Returns 0, or -1 when
- * scratch memory could not be allocated. */
-int memopt_decode(const uint8_t *packed, int bits, float first, int64_t group_size,
-                  int64_t n_groups, const uint16_t *scale, const uint8_t *zero_point, int dtype,
-                  void *out, int threads) {
+/* Groups [g0, g1) of a tensor of numel elements into out: straight into place where out is
+ * contiguous and the group whole, else through `group` (group_size elements of dtype) and
+ * written where its elements lie (the last group's padding dropped). */
+static void decode_range(const uint8_t *packed, int bits, float first, int64_t group_size,
+                         int64_t g0, int64_t g1, const uint16_t *scale, const uint8_t *zero_point,
+                         int dtype, const strided_t *layout, int64_t numel, void *out, float *buf,
+                         uint8_t *codes, void *group) {
+    const size_t width = dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t start = g * group_size;
+        const int64_t count = numel - start < group_size ? numel - start : group_size;
+        if (layout == NULL && count == group_size) {
+            decode_group(packed, bits, first, group_size, g, scale, zero_point, dtype,
+                         (char *)out + (size_t)start * width, buf, codes);
+            continue;
+        }
+        decode_group(packed, bits, first, group_size, g, scale, zero_point, dtype, group, buf,
+                     codes);
+        if (layout == NULL)
+            memcpy((char *)out + (size_t)start * width, group, (size_t)count * width);
+        else
+            scatter(group, width, layout, start, count, out);
+    }
+}
+
+/* decode_range over all n_groups groups, split between `threads` threads, into out: numel
+ * elements (at most n_groups * group_size), contiguous where ndim is 0, else at ndim sizes and
+ * strides in index order. Returns 0, or -1 when scratch memory could not be allocated. */
+int memopt_decode_into(const uint8_t *packed, int bits, float first, int64_t group_size,
+                       int64_t n_groups, const uint16_t *scale, const uint8_t *zero_point,
+                       int dtype, int64_t numel, int ndim, const int64_t *size,
+                       const int64_t *stride, void *out, int threads) {
+    strided_t room;
+    const strided_t *layout = strided_of(ndim, size, stride, &room);
     const int parts = thread_count(n_groups, threads);
     int failed = 0;
-    advise_huge_pages(out, (size_t)(n_groups * group_size) * (dtype == F32 ? 4u : 2u));
+    advise_huge_pages(out, (size_t)numel * (dtype == F32 ? 4u : 2u)); /* a dense block either way */
 #pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
     for (int part = 0; part < parts; part++) {
         int64_t g0, g1;
@@ -1004,13 +1137,24 @@ int memopt_decode(const uint8_t *packed, int bits, float first, int64_t group_si
         if (g0 == g1) continue;
         float *buf = malloc((size_t)group_size * sizeof(float));
         uint8_t *codes = malloc((size_t)group_size);
-        if (buf && codes)
-            decode_range(packed, bits, first, group_size, g0, g1, scale, zero_point, dtype, out,
-                         buf, codes);
+        void *group = malloc((size_t)group_size * sizeof(float));
+        if (buf && codes && group)
+            decode_range(packed, bits, first, group_size, g0, g1, scale, zero_point, dtype, layout,
+                         numel, out, buf, codes, group);
         else
             failed = 1;
         free(buf);
         free(codes);
+        free(group);
     }
     return failed ? -1 : 0;
+}
+
+/* memopt_decode_into every group's elements, padding included: out holds (n_groups, group_size)
+ * contiguous elements. */
+int memopt_decode(const uint8_t *packed, int bits, float first, int64_t group_size,
+                  int64_t n_groups, const uint16_t *scale, const uint8_t *zero_point, int dtype,
+                  void *out, int threads) {
+    return memopt_decode_into(packed, bits, first, group_size, n_groups, scale, zero_point, dtype,
+                              n_groups * group_size, 0, NULL, NULL, out, threads);
 }

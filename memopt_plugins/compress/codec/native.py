@@ -2,15 +2,13 @@
 
 ``memopt_quantize`` makes one pass over a saved tensor (group minimum and maximum, parameters,
 codes and bit packing while a group is in cache) where torch's elementwise ops make many;
-``memopt_decode`` one back. Both split the groups between ``torch.get_num_threads()`` threads on
-torch's OpenMP runtime. At round-to-nearest they write the bytes of :mod:`.reference`, the
-specification; stochastic rounding hashes each element's index with ``seed``. The library is
-compiled once per source, compiler and CPU with the system compiler (``CC`` or ``cc``, ``-O3
--march=native -fopenmp``) into ``$XDG_CACHE_HOME/memopt_plugins``, in AVX-512 intrinsics (group
-extremes, rounding, noise, packing, decoding) or AVX2 ones (rounding) where the CPU has them.
-What they write (codes, decoded values) is advised for transparent huge pages where it spans a
-2 MiB-aligned range (Linux ``madvise``): a fresh output's first touch then faults once per 2 MiB
-rather than once per 4 KiB page, which in a virtual machine cost more than the decode itself.
+``memopt_decode`` one back, both split between ``torch.get_num_threads()`` OpenMP threads. At
+round-to-nearest they write the bytes of :mod:`.reference`; stochastic rounding hashes each
+element's index with ``seed``. A view that is not one run is read, and decoded into, where its
+strides place its elements (no contiguous copy); outputs are advised for transparent huge pages
+(``madvise``), so a fresh one faults once per 2 MiB, not per 4 KiB page. The library is compiled
+once per source, compiler and CPU (``CC`` or ``cc``, ``-O3 -march=native -fopenmp``) into
+``$XDG_CACHE_HOME/memopt_plugins``, with AVX-512 or AVX2 intrinsics where the CPU has them.
 Without a compiler, on another architecture or with ``MEMOPT_NATIVE=0`` the codec runs the
 reference on the CPU; a failed build is logged once.
 """
@@ -44,7 +42,34 @@ _SIGNATURES = {
         (_P, _INT, _I64, _I64, _I64, _INT, _F, _INT, ctypes.c_uint64, _F, _P, _P, _P, _P, _INT),
         ctypes.c_int64,
     ),
+    "memopt_quantize_strided": (
+        (
+            _P,
+            _INT,
+            _INT,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _INT,
+            _F,
+            _INT,
+            ctypes.c_uint64,
+            _F,
+            _P,
+            _P,
+            _P,
+            _P,
+            _INT,
+        ),
+        ctypes.c_int64,
+    ),  # fmt: skip
     "memopt_decode": ((_P, _INT, _F, _I64, _I64, _P, _P, _INT, _P, _INT), _INT),
+    "memopt_decode_into": (
+        (_P, _INT, _F, _I64, _I64, _P, _P, _INT, _I64, _INT, _P, _P, _P, _INT),
+        _INT,
+    ),
     "memopt_graph_encode": (
         (_P, _INT, _I64, _I64, _I64, _INT, _F, _INT, ctypes.c_uint64, _F, _P, _P, _P, _INT),
         _INT,
@@ -139,27 +164,46 @@ class KernelCodes:
     const: torch.Tensor | None  # bool per group (constant, value in the side table), or None
 
 
+def _layout(t: torch.Tensor) -> tuple[int, object, object]:
+    """``t``'s dims and its sizes and strides as C arrays for the kernels' strided entry points:
+    no dims for a contiguous tensor (read or written as one run)."""
+    if t.is_contiguous():
+        return 0, None, None
+    dims = t.dim()
+    return dims, (ctypes.c_int64 * dims)(*t.shape), (ctypes.c_int64 * dims)(*t.stride())
+
+
 def quantize(
-    flat: torch.Tensor, group_size: int, bits: int, first: float, seed: int | None
+    x: torch.Tensor, group_size: int, bits: int, first: float, seed: int | None
 ) -> KernelCodes:
-    """The codes and group parameters of contiguous 1-D ``flat`` (:func:`.reference.quantize`'s),
-    with the groups to keep exactly or as one value flagged.
+    """The codes and group parameters of ``x`` (:func:`.reference.quantize`'s of its elements in
+    index order), with the groups to keep exactly or as one value flagged. A ``x`` that is not
+    contiguous (a transposed or permuted view, a slice with gaps) is read where it lies, in its
+    index order: the same bytes as of ``x.reshape(-1)``, without that copy.
 
     ``first``: the first level in steps (:data:`.reference.FIRST_LEVEL`); ``seed``: stochastic
     rounding with noise from this seed, round-to-nearest when ``None``.
     """
     lib = library()
     per_byte = 8 // bits
-    n_groups = -(-flat.numel() // group_size)
+    numel = x.numel()
+    n_groups = -(-numel // group_size)
     packed = torch.empty(-(-n_groups * group_size // per_byte), dtype=torch.uint8)
     scale = torch.empty(n_groups, dtype=torch.bfloat16)
     zero_point = torch.empty(n_groups, dtype=torch.uint8)
     flags = torch.empty(n_groups, dtype=torch.uint8)
-    flagged = lib.memopt_quantize(
-        flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(), group_size, n_groups, bits, first,
-        seed is not None, seed or 0, torch.finfo(flat.dtype).max, packed.data_ptr(),
-        scale.data_ptr(), zero_point.data_ptr(), flags.data_ptr(), torch.get_num_threads(),
+    common = (
+        numel, group_size, n_groups, bits, first, seed is not None, seed or 0,
+        torch.finfo(x.dtype).max, packed.data_ptr(), scale.data_ptr(), zero_point.data_ptr(),
+        flags.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    dims, sizes, strides = _layout(x)
+    if dims:
+        flagged = lib.memopt_quantize_strided(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], dims, sizes, strides, *common
+        )
+    else:
+        flagged = lib.memopt_quantize(x.data_ptr(), _DTYPE_CODES[x.dtype], *common)
     if flagged < 0:
         raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
     any_flagged = flagged > 0
@@ -187,12 +231,28 @@ def decode(
     ``first``: the first level in steps; ``scale``: bfloat16 per group; ``zero_point``: uint8 per
     group.
     """
+    out = torch.empty(scale.numel(), group_size, dtype=dtype)
+    return decode_into(packed, bits, first, group_size, scale, zero_point, out)
+
+
+def decode_into(
+    packed: torch.Tensor,
+    bits: int,
+    first: float,
+    group_size: int,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`decode`'s levels of the first ``out.numel()`` elements written into ``out``, in its
+    index order and where its strides place them (a permuted layout, a tensor whose last group
+    is partial: no copy into that layout after); returns ``out``."""
     lib = library()
-    n_groups = scale.numel()
-    out = torch.empty(n_groups, group_size, dtype=dtype)
-    failed = lib.memopt_decode(
-        packed.data_ptr(), bits, first, group_size, n_groups, scale.contiguous().data_ptr(),
-        zero_point.contiguous().data_ptr(), _DTYPE_CODES[dtype], out.data_ptr(),
+    dims, sizes, strides = _layout(out)
+    failed = lib.memopt_decode_into(
+        packed.data_ptr(), bits, first, group_size, scale.numel(),
+        scale.contiguous().data_ptr(), zero_point.contiguous().data_ptr(),
+        _DTYPE_CODES[out.dtype], out.numel(), dims, sizes, strides, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if failed:

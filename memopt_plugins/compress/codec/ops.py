@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable
@@ -130,7 +131,8 @@ def _native_untabled(
     x: torch.Tensor, bits: int, group_size: int, seed: int | None
 ) -> tuple[torch.Tensor | None, ...]:
     """:func:`_quantize_native`'s, with ``None`` for all four side tables where the kernel
-    flagged no group (no empty tables made: the common case, on the path of every saved tensor)."""
+    flagged no group (no empty tables made: the common case, on the path of every saved tensor).
+    ``x`` of any layout: the kernel reads it in index order where it lies."""
     q = native.quantize(x, group_size, bits, FIRST_LEVEL[bits], seed)
     if q.exact is None:
         return (q.codes, q.scale, q.zero_point, None, None, None, None)
@@ -141,10 +143,12 @@ def _native_untabled(
 
 
 def _untabled(kernel: Callable[..., Quantized]) -> Callable[..., tuple[torch.Tensor | None, ...]]:
-    """``kernel`` with ``None`` for each empty side table."""
+    """``kernel`` of ``x`` flattened (a copy where it is not contiguous), with ``None`` for each
+    empty side table."""
 
     def untabled(x: torch.Tensor, bits: int, group_size: int, seed: int | None) -> tuple:
-        codes, scale, zero_point, *tables = kernel(x, bits, group_size, seed)
+        flat = x.reshape(-1).contiguous()
+        codes, scale, zero_point, *tables = kernel(flat, bits, group_size, seed)
         return (codes, scale, zero_point, *(t if t.numel() else None for t in tables))
 
     return untabled
@@ -214,9 +218,10 @@ _EAGER_KERNELS = {
 def quantizer(
     device: torch.device, dtype: torch.dtype
 ) -> Callable[[torch.Tensor, int, int, int | None], tuple[torch.Tensor | None, ...]]:
-    """The implementation :func:`quantize` calls for a tensor on ``device`` of ``dtype``, with
-    ``None`` for each empty side table: for an eager caller that calls it itself, one frame
-    nearer the kernel (the eager pack path)."""
+    """The implementation :func:`quantize` calls for a tensor on ``device`` of ``dtype``, taking
+    a tensor of any layout (its elements in index order) and giving ``None`` for each empty side
+    table: for an eager caller that calls it itself, one frame nearer the kernel (the eager pack
+    path)."""
     return _EAGER_KERNELS[_codec(device, dtype)]
 
 
@@ -374,6 +379,45 @@ def dequantize(
     reference.apply_tables(out, exact_index, exact_values, const_index, const_values)
     out = out.view(-1)
     return out if out.numel() == numel else out[:numel].clone()
+
+
+def dequantize_into(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    exact_index: torch.Tensor | None,
+    exact_values: torch.Tensor | None,
+    const_index: torch.Tensor | None,
+    const_values: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    shape: torch.Size,
+    stride: tuple[int, ...] | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """What :func:`quantize` encoded as a tensor of ``shape`` at ``stride`` (``None``:
+    contiguous), eager: the C kernel decodes into that layout directly where it serves and no
+    group is in a side table; elsewhere :func:`dequantize`'s values, copied into it where it is
+    another."""
+    untabled = exact_index is None and const_index is None
+    if untabled and _codec(codes.device, dtype) == "native":
+        out = (
+            torch.empty(shape, dtype=dtype)
+            if stride is None
+            else torch.empty_strided(shape, stride, dtype=dtype)
+        )
+        first = FIRST_LEVEL[bits]
+        return native.decode_into(codes, bits, first, group_size, scale, zero_point, out)
+    tables = (exact_index, exact_values, const_index, const_values)
+    flat = dequantize(codes, scale, zero_point, *tables, bits, group_size, math.prod(shape), dtype)
+    return laid_out(flat.view(shape), stride)
+
+
+def laid_out(out: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``out`` itself where it has ``stride`` (``None``: any), else a copy with it."""
+    if stride is None or out.stride() == stride:
+        return out
+    return torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
 
 
 #: The operator compiled graphs call; the same function as :func:`dequantize`.
