@@ -211,6 +211,8 @@ def _kernel_bytes(x: torch.Tensor, group_size: int) -> list[torch.Tensor | None]
         for stochastic in (False, True):
             p = quantize(x, bits, group_size, stochastic=stochastic, generator=_generator(34))
             out += [p.codes, p.scale, p.zero_point, p.exact_index, p.const_index, dequantize(p)]
+            if not x.is_contiguous():  # decoded into the view's own layout too
+                out.append(dequantize(p, x.stride()))
     return out
 
 
@@ -234,6 +236,8 @@ def test_the_portable_kernels_write_the_same_bytes(path, tmp_path, monkeypatch) 
         (odd.bfloat16(), 100),
         (odd.half(), 100),
         (_adversarial(3_001, 7, torch.bfloat16, seed=36), 7),
+        (x.view(200, 200).t(), 256),  # read where it lies, a run of one element at a time
+        (x.bfloat16().view(10, 20, 200).transpose(0, 1), 100),  # runs of a whole last dim
     ]
     compiler = os.environ.get("CC", "cc")
     built = {}

@@ -116,40 +116,35 @@ static int64_t offset_of(const strided_t *s, int64_t index) {
     return offset;
 }
 
-/* Elements [start, start + count) in index order as float32 into buf, a run along the last dim
- * at a time. */
+/* The run along the last dim that element `index` (in index order) starts, at most `most`
+ * elements long: its length, and where it lies in *at. */
+static int64_t run_at(const strided_t *s, int64_t index, int64_t most, int64_t *at) {
+    const int64_t run = s->size[s->ndim - 1] - index % s->size[s->ndim - 1];
+    *at = offset_of(s, index);
+    return run < most ? run : most;
+}
+
+/* Elements [start, start + count) in index order as float32 into buf, a run at a time. */
 static void gather(const void *x, int dtype, const strided_t *s, int64_t start, int64_t count,
                    float *buf) {
-    const int64_t last = s->size[s->ndim - 1], step = s->stride[s->ndim - 1];
-    for (int64_t i = 0; i < count;) {
-        int64_t run = last - (start + i) % last;
-        run = run < count - i ? run : count - i;
-        const int64_t at = offset_of(s, start + i);
-        if (step == 1) {
-            load(x, dtype, at, run, buf + i);
-        } else {
-            for (int64_t k = 0; k < run; k++) load(x, dtype, at + k * step, 1, buf + i + k);
-        }
-        i += run;
+    const int64_t step = s->stride[s->ndim - 1];
+    for (int64_t i = 0, at, run; i < count; i += run) {
+        run = run_at(s, start + i, count - i, &at);
+        for (int64_t k = 0; k < run; k += step == 1 ? run : 1)
+            load(x, dtype, at + k * step, step == 1 ? run : 1, buf + i + k);
     }
 }
 
 /* The `count` elements of `width` bytes at src, elements [start, start + count) in index order,
- * written where they lie in out: a run along the last dim at a time. */
+ * written where they lie in out, a run at a time. */
 static void scatter(const char *src, size_t width, const strided_t *s, int64_t start,
                     int64_t count, char *out) {
-    const int64_t last = s->size[s->ndim - 1], step = s->stride[s->ndim - 1];
-    for (int64_t i = 0; i < count;) {
-        int64_t run = last - (start + i) % last;
-        run = run < count - i ? run : count - i;
-        const int64_t at = offset_of(s, start + i);
-        if (step == 1) {
-            memcpy(out + (size_t)at * width, src + (size_t)i * width, (size_t)run * width);
-        } else {
-            for (int64_t k = 0; k < run; k++)
-                memcpy(out + (size_t)(at + k * step) * width, src + (size_t)(i + k) * width, width);
-        }
-        i += run;
+    const int64_t step = s->stride[s->ndim - 1];
+    for (int64_t i = 0, at, run; i < count; i += run) {
+        run = run_at(s, start + i, count - i, &at);
+        for (int64_t k = 0; k < run; k += step == 1 ? run : 1)
+            memcpy(out + (size_t)(at + k * step) * width, src + (size_t)(i + k) * width,
+                   (size_t)(step == 1 ? run : 1) * width);
     }
 }
 
