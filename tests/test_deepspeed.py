@@ -333,6 +333,12 @@ def _trainer(rank: int, root: Path) -> dict:
             if self.bits is None:
                 self.bits = self.memopt.bits
 
+    # accelerate takes each rank of a CPU DeepSpeed run for a process of its own (index 0 of
+    # 1), so both ranks' Trainers wrote the checkpoint's shared files, and trainer_state.json
+    # came out torn now and then (two writes at once). In this worker (a process of the run's
+    # own) rank 0 alone writes them, as on GPUs; DeepSpeed's checkpoint is every rank's, as there.
+    TrainingArguments.should_save = property(lambda _: torch.distributed.get_rank() == 0)
+
     def fit(max_steps: int, resume: str | None = None):
         memopt = MemOptTrainerCallback(config)
         probe = BitsAtStart(memopt)

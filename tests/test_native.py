@@ -170,6 +170,16 @@ def test_a_view_is_coded_where_it_lies_as_its_contiguous_copy_is(
         assert _same_bits(out.reshape(-1), levels), name
 
 
+def test_a_view_of_more_dims_than_the_kernels_walk_is_coded_through_its_copy() -> None:
+    shape = (2,) * (native.MAX_DIMS + 1)
+    view = torch.randn(shape, generator=_generator(54)).transpose(0, -1)
+    p = quantize(view, 8, stochastic=False)
+    copied = quantize(view.contiguous(), 8, stochastic=False)
+    assert torch.equal(p.codes, copied.codes)
+    decoded = dequantize(p, view.stride())
+    assert decoded.stride() == view.stride() and torch.equal(decoded, dequantize(copied))
+
+
 def test_views_are_coded_without_a_copy_of_their_own() -> None:
     # The eager codec makes no full-size copy of a view it codes or of what it decodes into a
     # view's layout: no clone, contiguous or copy_ of the tensor's size on the way.

@@ -164,12 +164,18 @@ class KernelCodes:
     const: torch.Tensor | None  # bool per group (constant, value in the side table), or None
 
 
+#: The most dims the kernels read or write strided (``MAX_DIMS`` in ``kernels.c``).
+MAX_DIMS = 16
+
+
 def _layout(t: torch.Tensor) -> tuple[int, object, object]:
     """``t``'s dims and its sizes and strides as C arrays for the kernels' strided entry points:
     no dims for a contiguous tensor (read or written as one run)."""
     if t.is_contiguous():
         return 0, None, None
     dims = t.dim()
+    if dims > MAX_DIMS:
+        raise ValueError(f"memopt: the codec kernels take at most {MAX_DIMS} strided dims")
     return dims, (ctypes.c_int64 * dims)(*t.shape), (ctypes.c_int64 * dims)(*t.stride())
 
 
@@ -192,6 +198,8 @@ def quantize(
     scale = torch.empty(n_groups, dtype=torch.bfloat16)
     zero_point = torch.empty(n_groups, dtype=torch.uint8)
     flags = torch.empty(n_groups, dtype=torch.uint8)
+    if x.dim() > MAX_DIMS:
+        x = x.contiguous()
     common = (
         numel, group_size, n_groups, bits, first, seed is not None, seed or 0,
         torch.finfo(x.dtype).max, packed.data_ptr(), scale.data_ptr(), zero_point.data_ptr(),

@@ -400,7 +400,7 @@ def dequantize_into(
     group is in a side table; elsewhere :func:`dequantize`'s values, copied into it where it is
     another."""
     untabled = exact_index is None and const_index is None
-    if untabled and _codec(codes.device, dtype) == "native":
+    if untabled and len(shape) <= native.MAX_DIMS and _codec(codes.device, dtype) == "native":
         out = (
             torch.empty(shape, dtype=dtype)
             if stride is None
