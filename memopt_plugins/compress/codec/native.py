@@ -239,8 +239,16 @@ def decode(
     ``first``: the first level in steps; ``scale``: bfloat16 per group; ``zero_point``: uint8 per
     group.
     """
-    out = torch.empty(scale.numel(), group_size, dtype=dtype)
-    return decode_into(packed, bits, first, group_size, scale, zero_point, out)
+    n_groups = scale.numel()
+    out = torch.empty(n_groups, group_size, dtype=dtype)
+    failed = library().memopt_decode(
+        packed.data_ptr(), bits, first, group_size, n_groups, scale.contiguous().data_ptr(),
+        zero_point.contiguous().data_ptr(), _DTYPE_CODES[dtype], out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
+    return out
 
 
 def decode_into(
