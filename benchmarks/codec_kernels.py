@@ -41,8 +41,9 @@ def build(source: Path, target: Path) -> ctypes.CDLL:
     subprocess.run([*cc, *native._FLAGS, "-o", str(target), str(source)], check=True)
     lib = ctypes.CDLL(str(target))
     for name, (argtypes, restype) in native._SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = restype
+        if hasattr(lib, name):  # an older source lacks the later entry points (strided ones)
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = restype
     return lib
 
 

@@ -1058,7 +1058,8 @@ static int64_t levels_simd(const uint8_t *p, int bits, int64_t n, float zp, floa
 /* The levels (codec._decode) of group g into dst (group_size elements of dtype): scale: bfloat16
  * bits per group; each level is exact in float32 and rounded once to the output type. buf:
  * group_size floats; codes: group_size bytes. */
-static void decode_group(const uint8_t *packed, int bits, float first, int64_t group_size,
+static inline __attribute__((always_inline)) void
+decode_group(const uint8_t *packed, int bits, float first, int64_t group_size,
                          int64_t g, const uint16_t *scale, const uint8_t *zero_point, int dtype,
                          void *dst, float *buf, uint8_t *codes) {
     const float pull = 1.0f - first;
