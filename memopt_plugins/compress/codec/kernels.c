@@ -106,45 +106,73 @@ static const strided_t *strided_of(int ndim, const int64_t *size, const int64_t 
     return out;
 }
 
-/* Where element `index` (in index order) lies, in elements from the first. */
-static int64_t offset_of(const strided_t *s, int64_t index) {
-    int64_t offset = 0;
+/* An element of a strided layout: its index along each dim and where it lies (in elements). */
+typedef struct {
+    int64_t index[MAX_DIMS];
+    int64_t at;
+} cursor_t;
+
+/* The cursor of element `index` (in index order). */
+static cursor_t cursor_at(const strided_t *s, int64_t index) {
+    cursor_t c;
+    c.at = 0;
     for (int d = s->ndim - 1; d >= 0; d--) {
-        offset += index % s->size[d] * s->stride[d];
+        c.index[d] = index % s->size[d];
+        c.at += c.index[d] * s->stride[d];
         index /= s->size[d];
     }
-    return offset;
+    return c;
 }
 
-/* The run along the last dim that element `index` (in index order) starts, at most `most`
- * elements long: its length, and where it lies in *at. */
-static int64_t run_at(const strided_t *s, int64_t index, int64_t most, int64_t *at) {
-    const int64_t run = s->size[s->ndim - 1] - index % s->size[s->ndim - 1];
-    *at = offset_of(s, index);
+/* The length of the run along the last dim that starts at c, at most `most` elements. */
+static inline int64_t run_of(const strided_t *s, const cursor_t *c, int64_t most) {
+    const int64_t run = s->size[s->ndim - 1] - c->index[s->ndim - 1];
     return run < most ? run : most;
 }
 
-/* Elements [start, start + count) in index order as float32 into buf, a run at a time. */
-static void gather(const void *x, int dtype, const strided_t *s, int64_t start, int64_t count,
-                   float *buf) {
-    const int64_t step = s->stride[s->ndim - 1];
-    for (int64_t i = 0, at, run; i < count; i += run) {
-        run = run_at(s, start + i, count - i, &at);
-        for (int64_t k = 0; k < run; k += step == 1 ? run : 1)
-            load(x, dtype, at + k * step, step == 1 ? run : 1, buf + i + k);
+/* Move c on by `run` elements of its run along the last dim, to the next run where it ends. */
+static inline void advance(const strided_t *s, cursor_t *c, int64_t run) {
+    int d = s->ndim - 1;
+    c->index[d] += run;
+    c->at += run * s->stride[d];
+    for (; d > 0 && c->index[d] == s->size[d]; d--) { /* carry into the dim above */
+        c->at += s->stride[d - 1] - s->size[d] * s->stride[d];
+        c->index[d] = 0;
+        c->index[d - 1] += 1;
     }
 }
 
-/* The `count` elements of `width` bytes at src, elements [start, start + count) in index order,
- * written where they lie in out, a run at a time. */
-static void scatter(const char *src, size_t width, const strided_t *s, int64_t start,
-                    int64_t count, char *out) {
+/* The `count` elements from cursor c on, in index order, as float32 into buf, a run at a time;
+ * c moves past them (consecutive groups go on from where the last ended). */
+static void gather(const void *x, int dtype, const strided_t *s, cursor_t *c, int64_t count,
+                   float *buf) {
     const int64_t step = s->stride[s->ndim - 1];
-    for (int64_t i = 0, at, run; i < count; i += run) {
-        run = run_at(s, start + i, count - i, &at);
-        for (int64_t k = 0; k < run; k += step == 1 ? run : 1)
-            memcpy(out + (size_t)(at + k * step) * width, src + (size_t)(i + k) * width,
-                   (size_t)(step == 1 ? run : 1) * width);
+    for (int64_t i = 0, run; i < count; i += run) {
+        run = run_of(s, c, count - i);
+        if (step == 1) {
+            load(x, dtype, c->at, run, buf + i);
+        } else {
+            for (int64_t k = 0; k < run; k++) load(x, dtype, c->at + k * step, 1, buf + i + k);
+        }
+        advance(s, c, run);
+    }
+}
+
+/* The `count` elements of `width` bytes at src written where the elements from cursor c on lie
+ * in out, in index order, a run at a time; c moves past them. */
+static void scatter(const char *src, size_t width, const strided_t *s, cursor_t *c, int64_t count,
+                    char *out) {
+    const int64_t step = s->stride[s->ndim - 1];
+    for (int64_t i = 0, run; i < count; i += run) {
+        run = run_of(s, c, count - i);
+        if (step == 1) {
+            memcpy(out + (size_t)c->at * width, src + (size_t)i * width, (size_t)run * width);
+        } else {
+            for (int64_t k = 0; k < run; k++)
+                memcpy(out + (size_t)(c->at + k * step) * width, src + (size_t)(i + k) * width,
+                       width);
+        }
+        advance(s, c, run);
     }
 }
 
@@ -632,12 +660,13 @@ typedef struct {
 /* Group g's elements and their minimum and maximum: in place where the rounding reads the type
  * (AVX-512: a whole float32 or bfloat16 group of a contiguous x), else as float32 in buf
  * (load_group, or gathered from a strided x). */
-static source_t group_source(const void *x, int dtype, const strided_t *layout, int64_t numel,
-                             int64_t group_size, int64_t g, float *buf, float *mn, float *mx) {
-    if (layout != NULL) { /* gathered in index order, padded as load_group pads */
+static source_t group_source(const void *x, int dtype, const strided_t *layout, cursor_t *at,
+                             int64_t numel, int64_t group_size, int64_t g, float *buf, float *mn,
+                             float *mx) {
+    if (layout != NULL) { /* gathered in index order from `at` on, padded as load_group pads */
         const int64_t start = g * group_size;
         const int64_t count = numel - start < group_size ? numel - start : group_size;
-        gather(x, dtype, layout, start, count, buf);
+        gather(x, dtype, layout, at, count, buf);
         for (int64_t i = count; i < group_size; i++) buf[i] = buf[count - 1];
 #if defined(MEMOPT_AVX512)
         minmax_f32(buf, group_size, mn, mx);
@@ -736,11 +765,13 @@ static int64_t quantize_range(const void *x, int dtype, const strided_t *layout,
     const int64_t block = block_of(group_size);
     float mn[MAX_BLOCK], mx[MAX_BLOCK];
     block_params_t p;
+    /* where a strided x's next group starts: its groups are read in order */
+    cursor_t at = layout != NULL ? cursor_at(layout, g0 * group_size) : (cursor_t){.at = 0};
     source_t src[MAX_BLOCK];
     for (int64_t gb = g0; gb < g1; gb += block) {
         const int64_t nb = g1 - gb < block ? g1 - gb : block;
         for (int64_t j = 0; j < nb; j++)
-            src[j] = group_source(x, dtype, layout, numel, group_size, gb + j,
+            src[j] = group_source(x, dtype, layout, &at, numel, group_size, gb + j,
                                   buf + j * group_size, &mn[j], &mx[j]);
         block_params(mn, mx, nb, bits, first, dtype, dtype_max, &p);
         for (int64_t j = 0; j < nb; j++) {
@@ -901,7 +932,7 @@ int memopt_graph_encode(const void *x, int dtype, int64_t numel, int64_t group_s
         for (int64_t gb = g0; gb < g1; gb += block) {
             const int64_t nb = g1 - gb < block ? g1 - gb : block;
             for (int64_t j = 0; j < nb; j++)
-                src[j] = group_source(x, dtype, NULL, numel, group_size, gb + j,
+                src[j] = group_source(x, dtype, NULL, NULL, numel, group_size, gb + j,
                                       buf + j * group_size, &mn[j], &mx[j]);
             for (int64_t j = 0; j < nb; j++) {
                 const int64_t g = gb + j;
@@ -1097,6 +1128,7 @@ static void decode_range(const uint8_t *packed, int bits, float first, int64_t g
                          int dtype, const strided_t *layout, int64_t numel, void *out, float *buf,
                          uint8_t *codes, void *group) {
     const size_t width = dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+    cursor_t at = layout != NULL ? cursor_at(layout, g0 * group_size) : (cursor_t){.at = 0};
     for (int64_t g = g0; g < g1; g++) {
         const int64_t start = g * group_size;
         const int64_t count = numel - start < group_size ? numel - start : group_size;
@@ -1110,7 +1142,7 @@ static void decode_range(const uint8_t *packed, int bits, float first, int64_t g
         if (layout == NULL)
             memcpy((char *)out + (size_t)start * width, group, (size_t)count * width);
         else
-            scatter(group, width, layout, start, count, out);
+            scatter(group, width, layout, &at, count, out);
     }
 }
 
