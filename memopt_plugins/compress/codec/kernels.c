@@ -250,23 +250,20 @@ static inline int32_t key32_of_key16(int32_t k) {
     return (int32_t)((uint32_t)k << 16) | (k < 0 ? 0xffff : 0);
 }
 
-/* Reduce 32 signed 16-bit lanes to one, by halves. */
-static inline int32_t reduce_min_epi16(__m512i a) {
-    __m256i h = _mm256_min_epi16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-    __m128i q = _mm_min_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    q = _mm_min_epi16(q, _mm_shuffle_epi32(q, 0x4e));
-    q = _mm_min_epi16(q, _mm_shuffle_epi32(q, 0xb1));
-    q = _mm_min_epi16(q, _mm_srli_epi32(q, 16));
-    return (int16_t)_mm_cvtsi128_si32(q);
-}
-static inline int32_t reduce_max_epi16(__m512i a) {
-    __m256i h = _mm256_max_epi16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-    __m128i q = _mm_max_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    q = _mm_max_epi16(q, _mm_shuffle_epi32(q, 0x4e));
-    q = _mm_max_epi16(q, _mm_shuffle_epi32(q, 0xb1));
-    q = _mm_max_epi16(q, _mm_srli_epi32(q, 16));
-    return (int16_t)_mm_cvtsi128_si32(q);
-}
+/* Reduce 32 signed 16-bit lanes to one, by halves: reduce_min_epi16 and reduce_max_epi16. */
+#define MEMOPT_REDUCE_EPI16(OP)                                                                    \
+    static inline int32_t reduce_##OP##_epi16(__m512i a) {                                         \
+        __m256i h = _mm256_##OP##_epi16(_mm512_castsi512_si256(a),                                 \
+                                        _mm512_extracti64x4_epi64(a, 1));                          \
+        __m128i q = _mm_##OP##_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));   \
+        q = _mm_##OP##_epi16(q, _mm_shuffle_epi32(q, 0x4e));                                       \
+        q = _mm_##OP##_epi16(q, _mm_shuffle_epi32(q, 0xb1));                                       \
+        q = _mm_##OP##_epi16(q, _mm_srli_epi32(q, 16));                                            \
+        return (int16_t)_mm_cvtsi128_si32(q);                                                      \
+    }
+MEMOPT_REDUCE_EPI16(min)
+MEMOPT_REDUCE_EPI16(max)
+#undef MEMOPT_REDUCE_EPI16
 
 /* minmax of a bfloat16 group on its 16-bit keys, 32 lanes a vector (the float32 keys of
  * bfloat16 values are ordered as their 16-bit keys). */
