@@ -13,6 +13,7 @@ an optimizer to the copy to patch it as well.
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -30,16 +31,12 @@ def _inert_hook() -> Callable[..., None]:
     return _inert
 
 
-class EngineHook:
-    """A forward (pre-)hook of memopt's on a user's module; copies and pickles to :func:`_inert`."""
+class EngineHook(functools.partial):
+    """A forward (pre-)hook of memopt's on a user's module; copies and pickles to :func:`_inert`.
+    A ``functools.partial`` of the hook function: torch calls it with no Python frame of its own
+    (it runs twice per module call)."""
 
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+    __slots__ = ()
 
     def __deepcopy__(self, memo: dict) -> Callable[..., None]:
         return _inert

@@ -265,7 +265,7 @@ class CompressionHooks:
             return
         if self.counter.starts_step():
             self._storages.refresh()
-            self._running.sync()
+            self._running.sync(self._storages.sharded)
 
     def pair(self, fqn: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         """The (pack, unpack) hooks of scope ``fqn`` at its bits: one pack for eager and traced

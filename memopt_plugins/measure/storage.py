@@ -48,6 +48,8 @@ class ModelStorages:
     forward that reassigns a buffer (``self.avg = 0.9 * self.avg + ...``) frees the storage read,
     and the allocator may hand its address to any tensor made next. Had the address alone been
     kept, that tensor would count as a buffer or not by how the allocator placed it.
+
+    ``sharded``: whether any of the model's parameters and buffers was a DTensor when last read.
     """
 
     def __init__(self, model: nn.Module, extra: Iterable[torch.Tensor] = ()):
@@ -57,13 +59,23 @@ class ModelStorages:
         self.refresh()
 
     def refresh(self) -> None:
-        """Read the storages again."""
-        storages = {}
-        for t in (*model_tensors(self.model), *self.extra):
-            t = local_part(t)
-            key = storage_key(t)
-            if key is not None and t.numel() > 0:
-                storages[key] = weakref.ref(t.untyped_storage())
+        """Read the storages again (at every step: one pass, no call per tensor), and whether
+        any of the model's own tensors is a DTensor (:attr:`sharded`)."""
+        dtensor = _dtensor_type()
+        storages: dict[StorageKey, weakref.ref] = {}
+        own = model_tensors(self.model)
+        self.sharded = False
+        for i, t in enumerate((*own, *self.extra)):
+            if dtensor is not None and isinstance(t, dtensor):  # local_part, inline
+                t = t._local_tensor
+                self.sharded = self.sharded or i < len(own)
+            if t.numel() == 0:
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # as storage_key: no plain storage
+                continue
+            storages[(t.device, storage.data_ptr())] = weakref.ref(storage)
         self._storages = storages
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -72,10 +84,10 @@ class ModelStorages:
         self.refresh()
 
     def __contains__(self, t: object) -> bool:
-        if isinstance(t, nn.Parameter):
-            return True
         if not isinstance(t, torch.Tensor):
             return False
+        if issubclass(type(t), nn.Parameter) or getattr(t, "_is_param", False):
+            return True  # isinstance(t, nn.Parameter), without its metaclass's Python check
         key = storage_key(t)
         ref = self._storages.get(key) if key is not None else None
         storage = ref() if ref is not None else None
@@ -85,8 +97,8 @@ class ModelStorages:
 
 def model_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every parameter and buffer of ``model`` and its submodules (a shared one may appear more
-    than once): what ``parameters()`` and ``buffers()`` give, without their names (it runs at
-    every step)."""
+    than once): what ``parameters()`` and ``buffers()`` give, without their names or a generator
+    per module (it runs at every step)."""
     out: list[torch.Tensor] = []
     seen: set[int] = set()
     stack = [model]
@@ -95,9 +107,15 @@ def model_tensors(model: nn.Module) -> list[torch.Tensor]:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        out += [t for t in module._parameters.values() if t is not None]
-        out += [t for t in module._buffers.values() if t is not None]
-        stack += [m for m in module._modules.values() if m is not None]
+        for t in module._parameters.values():
+            if t is not None:
+                out.append(t)
+        for t in module._buffers.values():
+            if t is not None:
+                out.append(t)
+        for m in module._modules.values():
+            if m is not None:
+                stack.append(m)
     return out
 
 
@@ -106,10 +124,17 @@ def sharding_imported() -> bool:
     return "torch.distributed.tensor" in sys.modules
 
 
+def _dtensor_type() -> type | None:
+    """The DTensor class, once ``torch.distributed.tensor`` was imported (nothing is a DTensor
+    before)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
 def is_sharded(t: object) -> bool:
     """True for a DTensor: a parameter sharded by FSDP2 (``fully_shard``) or tensor parallelism."""
-    module = sys.modules.get("torch.distributed.tensor")  # nothing is a DTensor before its import
-    return module is not None and isinstance(t, module.DTensor)
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -143,12 +168,16 @@ class RunningParameters:
         self._storages: dict[StorageKey, weakref.ref] = {}
         self._leaves: dict[tuple[str, str], weakref.ref] = {}
 
-    def sync(self) -> None:
-        """Start watching if the model's parameters are sharded now; forget freed storages."""
+    def sync(self, sharded: bool | None = None) -> None:
+        """Start watching if the model's parameters are sharded now; forget freed storages.
+        ``sharded``: whether any of the model's tensors is a DTensor, where the caller just read
+        them (:attr:`ModelStorages.sharded`); else they are read here."""
         self._storages = {k: r for k, r in self._storages.items() if _holds(r(), k)}
         if self._watch is not None or not sharding_imported():
             return
-        if not any(is_sharded(p) for p in self.model.parameters()):
+        if sharded is None:
+            sharded = any(is_sharded(t) for t in model_tensors(self.model))
+        if not sharded:
             return
         owners = [
             fqn
