@@ -310,6 +310,13 @@ def in_foreign_region() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def mask_candidate(t: torch.Tensor) -> bool:
+    """Whether saved floating ``t`` is tried as a mask, kept exactly as a bit an element where it
+    is one (:func:`~memopt_plugins.compress.codec.encode_mask` decides): it has no autograd
+    history, data the forward made beside the activations (dropout's mask on the CPU)."""
+    return t.grad_fn is None and not t.requires_grad
+
+
 def compressible(
     t: torch.Tensor, min_numel: int = 0, model: Iterable[Container[object]] = ()
 ) -> bool:

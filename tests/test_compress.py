@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 
@@ -502,6 +503,39 @@ def test_bool_tensors_small_tensors_and_views_of_one_tensor_as_documented():
     sliced = hooks.pack(a[:, :128], 8)
     assert getattr(sliced, "payload", None) is not plain
     assert hooks.unpack(sliced).shape == (64, 128)
+
+
+class _Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.lin(x)).pow(2).sum()
+
+
+def test_a_dropout_mask_is_kept_exactly_as_bits():
+    """On the CPU dropout saves its mask as a float tensor of 0 and 1 / (1 - p) with no autograd
+    history. Quantized as an activation, rounding moved 1 / (1 - p) to neighbouring levels (at 2
+    bits up to a third off, at random); kept as a bit an element it is exact at any width: with
+    only the dropout's scope at 2 bits, the gradients are the baseline's to the bit, and its
+    scope's counts hold a bit an element, the same at every width (the budget's estimate)."""
+    model, x = _Dropped(), torch.randn(64, 256, requires_grad=True)
+    baseline = copy.deepcopy(model)
+    torch.manual_seed(5)
+    baseline(x).backward()
+    expected = (x.grad.clone(), baseline.lin.weight.grad)
+    x.grad = None
+    opt = MemoryOptimizer({"quantize": {"bits": 32, "overrides": {"drop": 2}, "min_numel": 1}})
+    opt.apply(model)
+    torch.manual_seed(5)
+    model(x).backward()
+    assert torch.equal(x.grad, expected[0]) and torch.equal(model.lin.weight.grad, expected[1])
+    saved = opt.internal.compression.stats.modules["drop"]
+    opt.remove()
+    assert saved.original == 64 * 256 * 4 and saved.stored == 64 * 256 // 8 + 4
+    assert saved.floats == [] and saved.bytes_at(8, 256) == saved.stored
 
 
 def _frames_to_kernel(pack: Callable[[torch.Tensor], object], t: torch.Tensor) -> list[str]:

@@ -6,7 +6,14 @@ import os
 import pytest
 import torch
 
-from memopt_plugins.compress.codec import dequantize, native, quantize
+from memopt_plugins.compress.codec import (
+    decode_mask,
+    dequantize,
+    encode_mask,
+    native,
+    ops,
+    quantize,
+)
 from memopt_plugins.compress.codec.reference import FIRST_LEVEL, graph_params
 
 BITS = (2, 4, 8)
@@ -249,6 +256,7 @@ def test_the_portable_kernels_write_the_same_bytes(path, tmp_path, monkeypatch) 
         (x.view(200, 200).t(), 256),  # read where it lies, a run of one element at a time
         (x.bfloat16().view(10, 20, 200).transpose(0, 1), 100),  # runs of a whole last dim
     ]
+    masks = [m for kind, m in _masks(torch.float32) + _masks(torch.bfloat16) if kind == "mask"]
     compiler = os.environ.get("CC", "cc")
     built = {}
     for flags in ("", without):
@@ -257,8 +265,64 @@ def test_the_portable_kernels_write_the_same_bytes(path, tmp_path, monkeypatch) 
         monkeypatch.setattr(native, "_state", {})
         assert native.library() is not None
         built[flags] = [field for t, size in inputs for field in _kernel_bytes(t, size)]
+        built[flags] += [
+            f for m in masks for f in (encode_mask(m).bits, decode_mask(encode_mask(m)))
+        ]
     for simd, portable in zip(built[""], built[without], strict=True):
         assert _same_bits(simd, portable)
+
+
+def _masks(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of +0.0 and one other value ("mask") and near misses ("other"), at sizes around
+    the kernels' vector tails and beyond one thread's range."""
+    out = []
+    for n in (1, 9, 33, 513, 100_003, 600_000):
+        g = _generator(n)
+        keep = torch.rand(n, generator=g) > 0.1
+        mask = keep.to(dtype) / 0.9  # dropout's on the CPU
+        out += [
+            ("mask", mask),
+            ("mask", torch.where(keep, float("-inf"), 0.0).to(dtype)),
+            ("mask", torch.where(keep, -3.0, 0.0).to(dtype)),
+            ("mask", torch.zeros(n, dtype=dtype)),
+            ("mask", torch.full((n,), 0.25, dtype=dtype)),
+        ]
+        if n > 1:
+            signed = mask.clone()
+            signed[n // 2] = -0.0  # a zero of the other sign: another bit pattern
+            second = mask.clone()
+            second[-1] = 2.0
+            out += [("other", signed), ("other", second), ("other", torch.randn(n, generator=g))]
+    return [(kind, t.to(dtype)) for kind, t in out]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_masks_are_kept_bit_for_bit_by_both_implementations(dtype, monkeypatch) -> None:
+    # A tensor of +0.0 and one other value (dropout's mask on the CPU) is kept as a bit an
+    # element that decodes to it bit for bit; the C kernel (on one thread and on several) and
+    # the torch ops write the same bits, and each decodes the other's. Anything else -- -0.0
+    # among the zeros, a second value, an activation -- is no mask.
+    threads = torch.get_num_threads()
+    for kind, x in _masks(dtype):
+        made = {}
+        for codec, split in (("auto", 1), ("auto", 2), ("torch", 1)):
+            monkeypatch.setattr(ops, "REQUESTED", codec)
+            torch.set_num_threads(split)
+            try:
+                made[codec, split] = encode_mask(x)
+            finally:
+                torch.set_num_threads(threads)
+        if kind == "other":
+            assert all(m is None for m in made.values()), (kind, x.numel())
+            continue
+        first = made["auto", 1]
+        assert first.nbytes <= -(-x.numel() // 8) + x.element_size()
+        for m in made.values():
+            assert torch.equal(m.bits, first.bits) and _same_bits(m.value, first.value)
+            for codec in ("auto", "torch"):
+                monkeypatch.setattr(ops, "REQUESTED", codec)
+                out = decode_mask(m)
+                assert out.shape == x.shape and _same_bits(out.view(-1), x.view(-1))
 
 
 def test_kernels_are_built_once_into_the_cache(tmp_path, monkeypatch) -> None:

@@ -112,7 +112,9 @@ def test_nested_modules_roll_up_to_their_parents(bert_report):
 
 def test_after_is_measured_under_the_plan(bert_report):
     before, after = bert_report.saved_total, bert_report.saved_after_total
-    assert 3.5 <= before / after <= 4.1  # 8 bits of 32, plus per-group scales and masks
+    # 8 bits of 32 plus per-group scales (3.95x), and dropout's masks a bit an element (about
+    # 30x): over 4.1x, under 8x
+    assert 4.1 < before / after < 8
     act = bert_report["bert.encoder.layer.0.intermediate.intermediate_act_fn"]
     assert act.action_text == "compress 8"
     assert 3.8 <= act.self_saved / act.self_saved_after <= 4.0

@@ -79,7 +79,9 @@ class SavedCounts:
         stats.forward_original += original
         stats.forward_tensors += 1
         stats.forward_stored += nbytes
-        self._count_module(scope, t, original, nbytes)
+        # a lossless copy (an integer tensor narrowed, a mask as bits) is the same at every width
+        fixed = not t.is_floating_point() or (saved is not t and saved.bits >= OFF_BITS)
+        self._count_module(scope, t, original, nbytes, fixed)
         if saved is t:
             if bits < OFF_BITS:  # asked to compress: the codec keeps it exactly (ints, bools)
                 stats.keep_whole(scope, str(t.dtype).removeprefix("torch."), original)
@@ -107,10 +109,13 @@ class SavedCounts:
         if held != before:
             stats.held_bytes += held - before
             saved.charge(stats, held - before)
-        self._count_module(scope, view, original, stored)
+        self._count_module(scope, view, original, stored, not view.is_floating_point())
 
-    def _count_module(self, fqn: str | None, t: torch.Tensor, original: int, stored: int) -> None:
-        """Add ``t`` to scope ``fqn``'s counts (:attr:`SavedStats.modules`; ``None``: none)."""
+    def _count_module(
+        self, fqn: str | None, t: torch.Tensor, original: int, stored: int, fixed: bool
+    ) -> None:
+        """Add ``t`` to scope ``fqn``'s counts (:attr:`SavedStats.modules`; ``None``: none):
+        ``fixed``, bytes no bit width changes, else a floating tensor its bits act on."""
         if fqn is None:
             return
         saved = self.stats.modules.get(fqn)
@@ -118,10 +123,10 @@ class SavedCounts:
             saved = self.stats.modules[fqn] = ModuleSaved()
         saved.original += original
         saved.stored += stored
-        if t.is_floating_point():
-            saved.floats.append((t.numel(), t.element_size()))
-        else:
+        if fixed:
             saved.fixed += stored
+        else:
+            saved.floats.append((t.numel(), t.element_size()))
 
     def _uncount_module(self, fqn: str | None, t: torch.Tensor, original: int, stored: int) -> None:
         """Take ``t`` out of scope ``fqn``'s counts (its copy moved to another scope's bits); a

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from ..config import HALF_BITS, OFF_BITS, QuantizeConfig
 from ..measure.step import SavedStorage
 from ..policy import compresses_storage
-from .codec import packed_nbytes
+from .codec import mask_nbytes, packed_nbytes
 
 
 def stored_nbytes(numel: int, element_size: int, bits: int, group_size: int) -> int:
@@ -30,12 +30,15 @@ def stored_nbytes(numel: int, element_size: int, bits: int, group_size: int) -> 
 
 def storage_ratio(bits: int, quantize: QuantizeConfig) -> Callable[[SavedStorage], float]:
     """Stored ÷ original bytes of each saved storage when the model compresses at ``bits``
-    (1 for what the policy leaves as it is, :func:`memopt_plugins.policy.compresses_storage`)."""
+    (1 for what the policy leaves as it is, :func:`memopt_plugins.policy.compresses_storage`; a
+    bit an element for a mask)."""
 
     def ratio(s: SavedStorage) -> float:
         if bits >= OFF_BITS or not compresses_storage(s, quantize.min_numel):
             return 1.0
         original = s.numel * s.element_size
+        if s.mask:
+            return mask_nbytes(s.numel, s.element_size) / original
         return stored_nbytes(s.numel, s.element_size, bits, quantize.group_size) / original
 
     return ratio

@@ -40,11 +40,20 @@ from ..policy import (
     in_foreign_region,
     kept_as_is,
     kept_in_graph,
+    mask_candidate,
     min_numel_at,
     redistributed_parameter,
 )
 from .bits import BitTable
-from .codec import NoiseGenerators, codec_generator, draw_seed, quantize, tensor_nbytes
+from .codec import (
+    NoiseGenerators,
+    codec_generator,
+    decode_mask,
+    draw_seed,
+    encode_mask,
+    quantize,
+    tensor_nbytes,
+)
 from .codec.ops import add_seed_source, remove_seed_source
 from .codec.traced import (
     BITS,
@@ -538,6 +547,13 @@ class CompressionHooks:
                 return t
             narrowed = narrow_int(t)
             return t if narrowed is t else _Saved(narrowed, widen_int, t.shape)
+        if mask_candidate(t):
+            # Such as dropout's mask on the CPU (0 and 1 / (1 - p), which rounding would blur):
+            # where it holds one value beside +0.0 it is kept exactly, a bit an element, at
+            # every width (as integers are narrowed).
+            mask = encode_mask(t.detach())
+            if mask is not None:
+                return _Saved(mask, decode_mask, mask.shape)
         if bits >= OFF_BITS:
             return t
         # Detached, so that nothing below records autograd history.

@@ -29,7 +29,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..policy import compressible
+from ..compress.codec import encode_mask
+from ..policy import compressible, mask_candidate
 from ..select import layer_kind
 from ..tree import tensors_in
 from .isolate import isolated
@@ -92,6 +93,7 @@ class SavedStorage:
     numel: int
     compressible: bool  # kept as saved, and compression would touch it (policy.compressible)
     order: int  # rank of its first save among the step's saved storages
+    mask: bool = False  # compression keeps it as a bit an element (codec.encode_mask)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class _Record:
     """A storage seen during the step: saved, an input of modules, or both."""
 
     __slots__ = ("nbytes", "owner", "inside", "inputs_of", "element_size", "numel")
-    __slots__ += ("compressible", "order", "refs")
+    __slots__ += ("compressible", "mask", "order", "refs")
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
@@ -171,6 +173,7 @@ class _Record:
         self.element_size = 1
         self.numel = 0
         self.compressible = False
+        self.mask = False
         self.order: int | None = None  # None: never saved
         self.refs: list[weakref.ref] = []
 
@@ -241,6 +244,7 @@ class StepRecorder:
                 r.numel,
                 r.compressible,
                 r.order,
+                r.mask,
             )
             for r in held
         )
@@ -297,6 +301,7 @@ class StepRecorder:
             record.element_size = t.element_size()
             record.numel = t.numel()
             record.compressible = raw and compressible(t)
+            record.mask = record.compressible and mask_candidate(t) and encode_mask(t) is not None
         else:
             record.inside &= set(self._stack)
 

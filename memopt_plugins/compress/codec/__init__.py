@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ...packing import pack_bits, unpack_bits
-from . import ops
+from . import native, ops
 from .reference import FLOAT_DTYPES, SUPPORTED_BITS
 
 _GENERATOR_SEED = 0x6D656D6F  # of codec_generator: fixed; "memo" in ASCII
@@ -309,6 +309,67 @@ def dequantize(p: PackedTensor, stride: tuple[int, ...] | None = None) -> torch.
         p.codes, p.scale, p.zero_point, *tables, p.bits, p.group_size, p.numel, p.dtype
     )
     return ops.laid_out(out.view(p.shape), stride)
+
+
+#: The integer type of each mask dtype's width: its elements compared bit for bit.
+_PATTERNS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@dataclass(frozen=True, slots=True)
+class MaskTensor:
+    """A tensor of +0.0 and one other value, exactly: a bit an element (low bits first), set
+    where the element is ``value`` (a 0-dim tensor of ``dtype``)."""
+
+    bits: torch.Tensor
+    value: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return mask_nbytes(math.prod(self.shape), self.value.element_size())
+
+
+def mask_nbytes(numel: int, element_size: int) -> int:
+    """Bytes of a :class:`MaskTensor` of ``numel`` elements of ``element_size`` bytes."""
+    return -(-numel // 8) + element_size
+
+
+def encode_mask(x: torch.Tensor) -> MaskTensor | None:
+    """``x`` as a :class:`MaskTensor` where it is one: a contiguous CPU tensor (float32,
+    bfloat16 or float16) whose elements are all +0.0 or one other value, compared bit for bit
+    (-0.0 is another value), so that :func:`decode_mask` gives ``x`` back to the bit. A dropout
+    mask on the CPU is one (0 and ``1 / (1 - p)``): exact in a bit where :func:`quantize` would
+    round ``1 / (1 - p)`` to neighbouring levels. ``None`` for anything else, found at its
+    first element that is neither (at once for an activation)."""
+    pattern = _PATTERNS.get(x.dtype)
+    if pattern is None or x.device.type != "cpu" or not x.is_contiguous() or not x.numel():
+        return None
+    if ops.codec_for(x.device) == "native":
+        packed = native.mask_pack(x)
+        if packed is None:
+            return None
+        bits, value = packed
+        value = torch.tensor(value, dtype=torch.int64).to(pattern).view(x.dtype)
+    else:  # the same bits in torch ops
+        ints = x.detach().reshape(-1).view(pattern)
+        low, high = (int(v) for v in torch.aminmax(ints))
+        if low and high and low != high:  # two values, neither +0.0
+            return None
+        value = torch.tensor(low or high, dtype=pattern)
+        if not bool(((ints == 0) | (ints == value)).all()):
+            return None
+        bits, value = pack_bits(ints == value, 1), value.view(x.dtype)
+    return MaskTensor(bits, value, x.shape, x.dtype)
+
+
+def decode_mask(m: MaskTensor) -> torch.Tensor:
+    """The contiguous tensor :func:`encode_mask` was given."""
+    if ops.codec_for(m.bits.device) == "native":
+        pattern = int(m.value.view(_PATTERNS[m.dtype])) & ((1 << 8 * m.value.element_size()) - 1)
+        return native.mask_unpack(m.bits, pattern, torch.empty(m.shape, dtype=m.dtype))
+    set_ = unpack_bits(m.bits, 1, math.prod(m.shape)).view(m.shape).bool()
+    return torch.where(set_, m.value, torch.zeros((), dtype=m.dtype))
 
 
 def _triton_masks(device: torch.device, dtype: torch.dtype) -> bool:

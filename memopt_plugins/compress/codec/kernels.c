@@ -1183,3 +1183,140 @@ int memopt_decode(const uint8_t *packed, int bits, float first, int64_t group_si
     return memopt_decode_into(packed, bits, first, group_size, n_groups, scale, zero_point, dtype,
                               n_groups * group_size, 0, NULL, NULL, out, threads);
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * Masks: a tensor holding only +0.0 and one other value (a dropout mask on the CPU: 0 and
+ * 1 / (1 - p)) kept exactly, one bit an element. Elements are compared as `width`-byte patterns
+ * (4: float32; 2: bfloat16 or float16), so the decode is the input bit for bit: -0.0 or a second
+ * value makes a tensor no mask. Element i is bit i % 8 of byte i / 8 (packing.pack_bits' order). */
+
+/* Elements per thread's range: a multiple of 512 (its bytes a multiple of 64). */
+#define MASK_RANGE_ALIGN 512
+#define MASK_PER_THREAD (1 << 18)
+
+static inline uint32_t pattern_at(const void *x, int width, int64_t i) {
+    if (width == 4) {
+        uint32_t u;
+        memcpy(&u, (const char *)x + 4 * i, sizeof u);
+        return u;
+    }
+    uint16_t h;
+    memcpy(&h, (const char *)x + 2 * i, sizeof h);
+    return h;
+}
+
+static int mask_parts(int64_t n, int threads) {
+    const int64_t most = n / MASK_PER_THREAD;
+    return most < 1 ? 1 : most < threads ? (int)most : threads;
+}
+
+/* Part `part` of `parts` element ranges of n, each starting on a multiple of MASK_RANGE_ALIGN. */
+static void mask_range(int64_t n, int parts, int part, int64_t *i0, int64_t *i1) {
+    int64_t per = (n + parts - 1) / parts;
+    per = (per + MASK_RANGE_ALIGN - 1) / MASK_RANGE_ALIGN * MASK_RANGE_ALIGN;
+    *i0 = part * per < n ? part * per : n;
+    *i1 = *i0 + per < n ? *i0 + per : n;
+}
+
+/* The mask bits of elements [i0, i1) (i0 a multiple of 8) into out; 0 where one of them is
+ * neither +0.0 nor `value`. */
+static int mask_pack_range(const void *x, int width, int64_t i0, int64_t i1, uint32_t value,
+                           uint8_t *out) {
+    int64_t i = i0;
+#if defined(MEMOPT_AVX512)
+    if (width == 4) {
+        const __m512i v = _mm512_set1_epi32((int)value), zero = _mm512_setzero_si512();
+        for (; i + 16 <= i1; i += 16) {
+            const __m512i a = _mm512_loadu_si512((const uint32_t *)x + i);
+            const __mmask16 is = _mm512_cmpeq_epi32_mask(a, v);
+            if ((__mmask16)(is | _mm512_cmpeq_epi32_mask(a, zero)) != (__mmask16)0xffff) return 0;
+            memcpy(out + i / 8, &is, 2);
+        }
+    } else {
+        const __m512i v = _mm512_set1_epi16((short)value), zero = _mm512_setzero_si512();
+        for (; i + 32 <= i1; i += 32) {
+            const __m512i a = _mm512_loadu_si512((const uint16_t *)x + i);
+            const __mmask32 is = _mm512_cmpeq_epi16_mask(a, v);
+            if ((__mmask32)(is | _mm512_cmpeq_epi16_mask(a, zero)) != (__mmask32)0xffffffffu)
+                return 0;
+            memcpy(out + i / 8, &is, 4);
+        }
+    }
+#endif
+    for (; i < i1; i += 8) {
+        uint8_t byte = 0;
+        for (int k = 0; k < 8 && i + k < i1; k++) {
+            const uint32_t p = pattern_at(x, width, i + k);
+            if (p == value)
+                byte |= (uint8_t)(1u << k);
+            else if (p != 0)
+                return 0;
+        }
+        out[i / 8] = byte;
+    }
+    return 1;
+}
+
+/* The mask bits of x's n contiguous elements into out ((n + 7) / 8 bytes) and its value's bit
+ * pattern into *value (0 for an all-zero x): 1, or 0 where x is no mask (out is then garbage). */
+int memopt_mask_pack(const void *x, int width, int64_t n, uint8_t *out, uint32_t *value,
+                     int threads) {
+    int64_t first = 0;
+    while (first < n && pattern_at(x, width, first) == 0) first++;
+    const uint32_t v = first < n ? pattern_at(x, width, first) : 0;
+    *value = v;
+    const int parts = mask_parts(n, threads);
+    int mask = 1;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(& : mask)
+    for (int part = 0; part < parts; part++) {
+        int64_t i0, i1;
+        mask_range(n, parts, part, &i0, &i1);
+        mask &= mask_pack_range(x, width, i0, i1, v, out);
+    }
+    return mask;
+}
+
+/* Elements [i0, i1) (i0 a multiple of 8) of a mask: `value` where its bit is set, else +0.0. */
+static void mask_unpack_range(const uint8_t *bits, int width, int64_t i0, int64_t i1,
+                              uint32_t value, void *out) {
+    int64_t i = i0;
+#if defined(MEMOPT_AVX512)
+    if (width == 4) {
+        const __m512i v = _mm512_set1_epi32((int)value);
+        for (; i + 16 <= i1; i += 16) {
+            __mmask16 is;
+            memcpy(&is, bits + i / 8, 2);
+            _mm512_storeu_si512((uint32_t *)out + i, _mm512_maskz_mov_epi32(is, v));
+        }
+    } else {
+        const __m512i v = _mm512_set1_epi16((short)value);
+        for (; i + 32 <= i1; i += 32) {
+            __mmask32 is;
+            memcpy(&is, bits + i / 8, 4);
+            _mm512_storeu_si512((uint16_t *)out + i, _mm512_maskz_mov_epi16(is, v));
+        }
+    }
+#endif
+    for (; i < i1; i++) {
+        const uint32_t p = (bits[i / 8] >> (i % 8)) & 1u ? value : 0u;
+        if (width == 4)
+            memcpy((char *)out + 4 * i, &p, 4);
+        else {
+            const uint16_t h = (uint16_t)p;
+            memcpy((char *)out + 2 * i, &h, 2);
+        }
+    }
+}
+
+/* memopt_mask_pack's inverse: n contiguous elements of `width` bytes into out. */
+void memopt_mask_unpack(const uint8_t *bits, int width, int64_t n, uint32_t value, void *out,
+                        int threads) {
+    advise_huge_pages(out, (size_t)n * (size_t)width);
+    const int parts = mask_parts(n, threads);
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int part = 0; part < parts; part++) {
+        int64_t i0, i1;
+        mask_range(n, parts, part, &i0, &i1);
+        mask_unpack_range(bits, width, i0, i1, value, out);
+    }
+}

@@ -6,11 +6,13 @@ codes and bit packing while a group is in cache) where torch's elementwise ops m
 round-to-nearest they write the bytes of :mod:`.reference`; stochastic rounding hashes each
 element's index with ``seed``. A view that is not one run is read, and decoded into, where its
 strides place its elements (no contiguous copy); outputs are advised for transparent huge pages
-(``madvise``), so a fresh one faults once per 2 MiB, not per 4 KiB page. The library is compiled
-once per source, compiler and CPU (``CC`` or ``cc``, ``-O3 -march=native -fopenmp``) into
-``$XDG_CACHE_HOME/memopt_plugins``, with AVX-512 or AVX2 intrinsics where the CPU has them.
-Without a compiler, on another architecture or with ``MEMOPT_NATIVE=0`` the codec runs the
-reference on the CPU; a failed build is logged once.
+(``madvise``), so a fresh one faults once per 2 MiB, not per 4 KiB page. ``memopt_mask_pack``
+keeps a tensor of +0.0 and one other value (a dropout mask) as one bit an element, exactly.
+
+The library is compiled once per source, compiler and CPU (``CC`` or ``cc``,
+``-O3 -march=native -fopenmp``) into ``$XDG_CACHE_HOME/memopt_plugins``, with AVX-512 or AVX2
+intrinsics where the CPU has them. Without a compiler, on another architecture or with
+``MEMOPT_NATIVE=0`` the codec runs the reference on the CPU; a failed build is logged once.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ _SIGNATURES = {
         (_P, _INT, _I64, _I64, _I64, _INT, _F, _INT, ctypes.c_uint64, _F, _P, _P, _P, _INT),
         _INT,
     ),
+    "memopt_mask_pack": ((_P, _INT, _I64, _P, ctypes.POINTER(ctypes.c_uint32), _INT), _INT),
+    "memopt_mask_unpack": ((_P, _INT, _I64, ctypes.c_uint32, _P, _INT), None),
 }
 
 # Group flags written by memopt_quantize.
@@ -296,3 +300,27 @@ def graph_encode(
     if failed:
         raise MemoryError("memopt: no memory for the codec kernels' scratch buffers")
     return packed, scale, zero_point
+
+
+def mask_pack(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """Contiguous ``x`` (elements of 2 or 4 bytes) as one bit an element, where it holds only
+    +0.0 and one other value, compared bit for bit: the bits (low first) and that value's bit
+    pattern (0 for an all-zero ``x``); ``None`` where it holds anything else."""
+    numel = x.numel()
+    bits = torch.empty(-(-numel // 8), dtype=torch.uint8)
+    value = ctypes.c_uint32()
+    mask = library().memopt_mask_pack(
+        x.data_ptr(), x.element_size(), numel, bits.data_ptr(), ctypes.byref(value),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return (bits, value.value) if mask else None
+
+
+def mask_unpack(bits: torch.Tensor, value: int, out: torch.Tensor) -> torch.Tensor:
+    """:func:`mask_pack`'s inverse, written into contiguous ``out``: the value's bit pattern
+    where a bit is set, +0.0 elsewhere; returns ``out``."""
+    library().memopt_mask_unpack(
+        bits.data_ptr(), out.element_size(), out.numel(), value, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
