@@ -691,28 +691,39 @@ class _BatchNorm(torch.autograd.Function):
             return *_graph_gradients(norm, inputs, needs, grad), None, None, None, None
         mean, invstd = ctx.stats
         channels = x.shape[1]
-        dims = [0, *range(2, x.dim())]
         shape = [1, channels] + [1] * (x.dim() - 2)
-        mean, invstd = mean.view(shape), invstd.view(shape)
         count = x.numel() // channels
         step = max(1, min(PIECE // max(x[0].numel(), 1), -(-x.shape[0] // BATCH_NORM_PIECES)))
         parts = [slice(i, min(i + step, x.shape[0])) for i in range(0, x.shape[0], step)]
-        sum_g = torch.zeros(shape, dtype=mean.dtype, device=x.device)
-        sum_gx = torch.zeros_like(sum_g)
+        # Per channel, the sums of the gradient and of the gradient times x-hat: PyTorch's own
+        # kernel, one pass a piece (accumulated in fp32, or fp64 for fp64).
+        sum_g = sum_gx = 0
         for part in parts:
-            g = _work(grad[part])
-            sum_g += g.sum(dims, keepdim=True)
-            sum_gx += ((_work(x[part]) - mean) * invstd).mul_(g).sum(dims, keepdim=True)
+            g, xs = grad[part], x[part]
+            if g.dtype != xs.dtype:
+                g, xs = _work(g), _work(xs)
+            _, gx, gs = torch.ops.aten.native_batch_norm_backward(
+                g, xs, None, None, None, mean, invstd, True, ctx.eps, [False, True, True]
+            )
+            sum_g, sum_gx = sum_g + gs, sum_gx + gx
+        sum_g, sum_gx = sum_g.view(shape), sum_gx.view(shape)
+        mean, invstd = mean.view(shape), invstd.view(shape)
         scale = invstd if weight is None else invstd * _work(weight).view(shape)
         grad_x = None
         if ctx.needs_input_grad[0]:
+            # (g - mean(g) - x-hat * mean(g * x-hat)) * scale, x-hat from (x - mean) as the
+            # forward's (no cancellation of x * c against mean * c): four passes a piece,
+            # in place where the gradient takes the decoded x's memory in the work dtype.
             grad_x = x if private(x) else torch.empty_like(x)
-            mean_g, mean_gx = sum_g / count, sum_gx / count
+            neg_coef = -(scale * invstd * (sum_gx / count))
+            shift = scale * (sum_g / count)
             for part in parts:  # each piece of x is read before its gradient overwrites it
-                xhat = (_work(x[part]) - mean).mul_(invstd)
-                grad_x[part] = (
-                    xhat.mul_(mean_gx).neg_().add_(_work(grad[part])).sub_(mean_g).mul_(scale)
-                )
+                out = grad_x[part]
+                same = out.dtype == mean.dtype
+                work = torch.sub(x[part], mean, out=out) if same else _work(x[part]) - mean
+                work.mul_(neg_coef).addcmul_(_work(grad[part]), scale).sub_(shift)
+                if not same:
+                    out.copy_(work)
         grad_w = sum_gx.view(-1).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = sum_g.view(-1).to(weight.dtype) if ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None, None

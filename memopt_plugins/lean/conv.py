@@ -197,6 +197,26 @@ class _Window:
         self.sizes, self.out_shape = tuple(x.shape[2:]), out.shape
         size = math.prod(self.kernel)
         self.bits = next((b for b in (1, 2, 4, 8) if size <= 1 << b), None)
+        # A code's flat offset from its window's first position (innermost dim fastest), and
+        # each window's first flat position: index = start + offsets[code], no division.
+        plane = [math.prod(self.sizes[d + 1 :]) for d in range(dims)]
+        offsets = torch.zeros((), dtype=torch.int64, device=x.device)
+        starts = torch.zeros((), dtype=torch.int64, device=x.device)
+        for d in range(dims):
+            step = torch.arange(self.kernel[d], device=x.device) * self.dilation[d] * plane[d]
+            offsets = (offsets.unsqueeze(-1) + step).reshape(-1)
+            starts = starts.unsqueeze(-1) + self._starts(d, x.device).reshape(-1) * plane[d]
+        self.offsets = offsets.reshape(-1)
+        self.first = starts.reshape(out.shape[2:])
+        # Offsets are distinct where no window reaches past a row of an inner dim: then a
+        # position's code is read off a table of offsets (else by division, dim by dim).
+        unique = all(
+            (self.kernel[d] - 1) * self.dilation[d] < self.sizes[d] for d in range(1, dims)
+        )
+        self.code_of = None
+        if unique and self.bits is not None:
+            self.code_of = torch.zeros(int(offsets.max()) + 1, dtype=torch.uint8, device=x.device)
+            self.code_of[offsets] = torch.arange(size, device=x.device).to(torch.uint8)
 
     def _starts(self, d: int, device: torch.device) -> torch.Tensor:
         """The first input position of each output's window along spatial dim ``d``."""
@@ -209,6 +229,9 @@ class _Window:
     def encode(self, indices: torch.Tensor) -> torch.Tensor:
         codes = torch.empty(indices.shape, dtype=torch.uint8, device=indices.device)
         for part in _batch_pieces(indices):
+            if self.code_of is not None:
+                codes[part] = torch.take(self.code_of, indices[part] - self.first)
+                continue
             rest, code, scale = indices[part], torch.zeros_like(indices[part]), 1
             for d in reversed(range(len(self.kernel))):
                 where = rest % self.sizes[d]
@@ -226,14 +249,8 @@ class _Window:
         per_byte = 8 // self.bits
         skip = first // per_byte  # pieces start at whole samples: byte-aligned when even
         codes = unpack_bits(packed[skip:], self.bits, first - skip * per_byte + count)
-        rest = codes[first - skip * per_byte :].view(-1, *self.out_shape[1:]).long()
-        index, scale = torch.zeros_like(rest), 1
-        for d in reversed(range(len(self.kernel))):
-            offset = rest % self.kernel[d]
-            rest = rest // self.kernel[d]
-            index += (self._starts(d, rest.device) + offset * self.dilation[d]) * scale
-            scale *= self.sizes[d]
-        return index
+        codes = codes[first - skip * per_byte :].view(-1, *self.out_shape[1:]).long()
+        return torch.take(self.offsets, codes) + self.first
 
 
 class _MaxPool(torch.autograd.Function):
