@@ -693,7 +693,11 @@ class _BatchNorm(torch.autograd.Function):
         channels = x.shape[1]
         shape = [1, channels] + [1] * (x.dim() - 2)
         count = x.numel() // channels
+        # Pieces of the batch bound the work-dtype temporaries (bfloat16 and float16 inputs);
+        # in the work dtype itself nothing below is input-sized, so the tensor is one piece.
         step = max(1, min(PIECE // max(x[0].numel(), 1), -(-x.shape[0] // BATCH_NORM_PIECES)))
+        if x.dtype == grad.dtype == mean.dtype:
+            step = x.shape[0]
         parts = [slice(i, min(i + step, x.shape[0])) for i in range(0, x.shape[0], step)]
         # Per channel, the sums of the gradient and of the gradient times x-hat: PyTorch's own
         # kernel, one pass a piece (accumulated in fp32, or fp64 for fp64).
