@@ -38,14 +38,14 @@ class SavedCounts:
         self.step_ended = False
         self.stats.start_forward()
         if self.memory is not None:
-            self.memory.start()
+            self.memory.start(self.stats.held_bytes)
         return True
 
     def forward_done(self, compiled: Mapping[object, tuple[int, int]]) -> None:
         """The outermost scope closed; ``compiled``: what compiled graphs saved in it."""
         self.stats.add_compiled(compiled)
         if self.memory is not None and torch.is_grad_enabled():
-            self.memory.forward_done()
+            self.memory.forward_done(self.stats.held_bytes)
 
     def end_step(self) -> None:
         """The training loop took a step: the next forward starts the step's counts afresh."""

@@ -116,8 +116,11 @@ class StepPeak:
 
     :attr:`peak`: the last step's peak above its start. On CUDA the allocator's high-water mark
     when the step raised it (exact), else the most held at a forward's end; on the CPU the most
-    held at a forward's end (a lower bound: the backward's own transient is not sampled).
-    ``None`` where the allocator cannot be read.
+    held at a forward's end (a lower bound: the backward's own transient is not sampled), and
+    never less than what the compression hooks hold then beyond what they held at the start
+    (``kept``: memory made in the step, which a free elsewhere -- a garbage collection of an
+    earlier step's objects -- can hide from the heap's count). ``None`` where the allocator
+    cannot be read.
     """
 
     def __init__(self, device: Callable[[], torch.device]) -> None:
@@ -126,7 +129,7 @@ class StepPeak:
         self._open = False
         self._paused = 0
         self._start: int | None = None
-        self._seen = self._mark = 0
+        self._seen = self._mark = self._kept = 0
 
     @property
     def so_far(self) -> int | None:
@@ -135,23 +138,26 @@ class StepPeak:
             return self.peak
         return self._seen
 
-    def start(self) -> None:
-        """A training forward begins; the first of a step opens the step."""
+    def start(self, kept: int = 0) -> None:
+        """A training forward begins; the first of a step opens the step (``kept``: the bytes
+        the compression hooks hold now)."""
         if self._open or self._paused:
             return
         device = self.device()
         self._open = True
         self._start = in_use_bytes(device)
+        self._kept = kept
         self._seen = 0
         self._mark = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
-    def forward_done(self) -> None:
-        """A training forward ended: what the step holds now is sampled."""
+    def forward_done(self, kept: int = 0) -> None:
+        """A training forward ended: what the step holds now is sampled (``kept``: the bytes
+        the compression hooks hold now)."""
         if not self._open or self._paused or self._start is None:
             return
         held = in_use_bytes(self.device())
         if held is not None:
-            self._seen = max(self._seen, held - self._start)
+            self._seen = max(self._seen, held - self._start, kept - self._kept)
 
     def finish(self) -> None:
         """The optimizer step is taken: the step's :attr:`peak` is known."""

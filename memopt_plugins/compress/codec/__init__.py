@@ -6,9 +6,8 @@ elements (:func:`packed_nbytes` states the cost); :func:`dequantize` restores sh
 exact zero decodes to zero and a nonzero value keeps its sign (backward reads sign patterns, e.g.
 ReLU's); stochastic rounding is unbiased except within :data:`FIRST_LEVEL` of a step of zero, and
 draws from private generators, never the global RNG; constant groups decode exactly and NaN/Inf
-groups are kept exactly. Integer tensors are narrowed losslessly instead
-(:func:`memopt_plugins.packing.narrow_int`), and a tensor of +0.0 and one other value (dropout's
-mask on the CPU) is kept exactly as a bit an element (:func:`encode_mask`).
+groups are kept exactly. Integer tensors are narrowed losslessly (:mod:`memopt_plugins.packing`),
+a tensor of +0.0 and one other value (a dropout mask) kept as bits (:func:`encode_mask`).
 
 The layers, each importing only those below: this façade (plus dropout's 1-bit masks),
 :mod:`.ops` (the PyTorch operators and the choice of implementation, ``MEMOPT_CODEC``),
