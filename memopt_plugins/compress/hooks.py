@@ -48,7 +48,6 @@ from .bits import BitTable
 from .codec import (
     NoiseGenerators,
     codec_generator,
-    decode_mask,
     draw_seed,
     encode_mask,
     quantize,
@@ -74,6 +73,7 @@ from .saved import (
     _decoder,
     _from_half,
     _Kept,
+    _mask_decoder,
     _no_copy,
     _original,
     _relaid,
@@ -553,7 +553,7 @@ class CompressionHooks:
             # every width (as integers are narrowed).
             mask = encode_mask(t.detach())
             if mask is not None:
-                return _Saved(mask, decode_mask, mask.shape)
+                return _Saved(mask, _mask_decoder(t), mask.shape)
         if bits >= OFF_BITS:
             return t
         # Detached, so that nothing below records autograd history.

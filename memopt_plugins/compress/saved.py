@@ -19,7 +19,7 @@ import torch
 from ..buffers import mark_private, shared_until_written, sole_holder
 from ..config import OFF_BITS
 from ..measure.storage import storage_key
-from .codec import dequantize, tensor_nbytes
+from .codec import decode_mask, dequantize, tensor_nbytes
 from .codec.ops import laid_out
 from .codec.traced import memory_order
 
@@ -255,6 +255,15 @@ def _decoder(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
     if t.is_contiguous() and 1 not in t.shape:
         return dequantize
     return functools.partial(_decode_strided, _decoded_strides(t))
+
+
+def _mask_decoder(t: torch.Tensor) -> Callable[[object], torch.Tensor]:
+    """Decodes a :class:`~.codec.MaskTensor` of contiguous ``t`` with ``t``'s strides (a size-1
+    dim's may be any), as :func:`_decoder` decodes."""
+    if 1 not in t.shape:
+        return decode_mask
+    stride = t.stride()
+    return lambda mask: laid_out(decode_mask(mask), stride)
 
 
 def _decode_strided(stride: tuple[int, ...], packed: object) -> torch.Tensor:

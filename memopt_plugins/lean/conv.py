@@ -215,7 +215,9 @@ class _Window:
         )
         self.code_of = None
         if unique and self.bits is not None:
-            self.code_of = torch.zeros(int(offsets.max()) + 1, dtype=torch.uint8, device=x.device)
+            # the last code's offset is the largest: computed, never read from the device
+            reach = sum((self.kernel[d] - 1) * self.dilation[d] * plane[d] for d in range(dims))
+            self.code_of = torch.zeros(reach + 1, dtype=torch.uint8, device=x.device)
             self.code_of[offsets] = torch.arange(size, device=x.device).to(torch.uint8)
 
     def _starts(self, d: int, device: torch.device) -> torch.Tensor:
